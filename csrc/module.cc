@@ -1,0 +1,146 @@
+// The one nanobind module of jax_gin's CPU build: it exports the FFI handlers as capsules,
+// the runtime's communicator calls, and the schedules (for unit tests).
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cpu_backend.h"
+#include "ffi_cpu.h"
+#include "jax_gin/schedule.h"
+
+namespace nb = nanobind;
+using namespace jax_gin;
+
+namespace {
+
+template <typename T>
+nb::capsule encapsulate_ffi_handler(T* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>,
+                "Encapsulated function must be an XLA FFI handler");
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+template <class A>
+DType dtype_of(const A& a) {
+  if (a.dtype() == nb::dtype<float>()) return DType::kF32;
+  if (a.dtype() == nb::dtype<double>()) return DType::kF64;
+  if (a.dtype() == nb::dtype<int32_t>()) return DType::kS32;
+  if (a.dtype() == nb::dtype<int64_t>()) return DType::kS64;
+  if (a.dtype() == nb::dtype<uint32_t>()) return DType::kU32;
+  throw nb::type_error("threads_allreduce: use float32, float64, int32, int64 or uint32");
+}
+
+// Runs one all-reduce among `inputs.shape[0]` ranks, each on its own std::thread, through a
+// fresh CPU communicator: a harness for schedules and group sizes that no JAX mesh here has.
+nb::ndarray<nb::numpy> threads_allreduce(nb::ndarray<nb::c_contig, nb::device::cpu> inputs,
+                                         int op, int algorithm, size_t lane_bytes, int repeats,
+                                         double timeout_s, int fault_rank) {
+  if (inputs.ndim() != 2) throw nb::value_error("inputs must have shape (nranks, count)");
+  const int nranks = int(inputs.shape(0));
+  const size_t count = inputs.shape(1);
+  const DType dt = dtype_of(inputs);
+  const size_t row = count * dtype_size(dt);
+  cpu::CommConfig cfg;
+  cfg.nranks = nranks;
+  for (int r = 0; r < nranks; ++r) { cfg.group_of.push_back(0); cfg.rank_of.push_back(r); }
+  cfg.lane_bytes = lane_bytes;
+  cfg.timeout_s = timeout_s;
+  cfg.fault_rank = fault_rank;
+  const int64_t id = cpu::create_comm(cfg);
+  auto comm = cpu::find_comm(id);
+  char* out = new char[row * nranks + 1];
+  std::vector<std::string> errors(nranks);
+  {
+    nb::gil_scoped_release release;
+    std::vector<std::thread> threads;
+    const char* in = static_cast<const char*>(inputs.data());
+    for (int r = 0; r < nranks; ++r) {
+      threads.emplace_back([&, r] {
+        for (int i = 0; i < repeats && errors[r].empty(); ++i)
+          errors[r] = cpu::allreduce(*comm, 0, r, dt, RedOp(op), Algorithm(algorithm),
+                                     in + r * row, out + r * row, count);
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+  cpu::destroy_comm(id);
+  for (int r = 0; r < nranks; ++r) {
+    if (!errors[r].empty()) { delete[] out; throw std::runtime_error(errors[r]); }
+  }
+  nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<char*>(p); });
+  size_t shape[2] = {size_t(nranks), count};
+  return nb::ndarray<nb::numpy>(out, 2, shape, owner, nullptr, inputs.dtype());
+}
+
+}  // namespace
+
+NB_MODULE(_jax_gin, m) {
+  m.doc() = "jax_gin native module (CPU backend, FFI handlers, schedules)";
+
+  m.def("registrations", []() {
+    nb::dict d;
+    d["jax_gin_all_reduce_cpu"] = encapsulate_ffi_handler(JaxGinCpuAllReduce);
+    return d;
+  });
+  m.def("algorithm_names", []() {
+    std::vector<std::string> v;
+    for (int a = 0; a < kNumAlgorithms; ++a) v.push_back(algorithm_name(Algorithm(a)));
+    return v;
+  });
+
+  // Runtime: communicators of the CPU backend.
+  m.def("cpu_comm_create",
+        [](int nranks, std::vector<int32_t> group_of, std::vector<int32_t> rank_of,
+           size_t lane_bytes, double timeout_s, int fault_rank) {
+          if (nranks < 1 || nranks > kMaxRanks)
+            throw nb::value_error(("jax_gin supports 1 to " + std::to_string(kMaxRanks) +
+                                   " ranks per group, got " + std::to_string(nranks)).c_str());
+          if (group_of.size() != rank_of.size()) throw nb::value_error("group_of/rank_of differ");
+          cpu::CommConfig cfg;
+          cfg.nranks = nranks;
+          cfg.group_of = std::move(group_of);
+          cfg.rank_of = std::move(rank_of);
+          cfg.lane_bytes = lane_bytes;
+          cfg.timeout_s = timeout_s;
+          cfg.fault_rank = fault_rank;
+          return cpu::create_comm(cfg);
+        },
+        nb::arg("nranks"), nb::arg("group_of"), nb::arg("rank_of"), nb::arg("lane_bytes"),
+        nb::arg("timeout_s"), nb::arg("fault_rank") = -1);
+  m.def("cpu_comm_destroy", &cpu::destroy_comm);
+  m.def("cpu_num_comms", &cpu::num_comms);
+  m.def("threads_allreduce", &threads_allreduce, nb::arg("inputs"), nb::arg("op"),
+        nb::arg("algorithm"), nb::arg("lane_bytes"), nb::arg("repeats") = 1,
+        nb::arg("timeout_s") = 30.0, nb::arg("fault_rank") = -1);
+
+  // Schedules (include/jax_gin/schedule.h), exposed for unit tests.
+  nb::module_ s = m.def_submodule("schedule", "the shared schedule header, for tests");
+  s.def("piece", [](size_t n, size_t parts, size_t j, size_t align) {
+    auto r = schedule::piece(n, parts, j, align);
+    return std::make_pair(r.offset, r.count);
+  });
+  s.def("ring_next", &schedule::ring_next);
+  s.def("ring_prev", &schedule::ring_prev);
+  s.def("ring_rs_send", &schedule::ring_rs_send);
+  s.def("ring_rs_recv", &schedule::ring_rs_recv);
+  s.def("ring_owned", &schedule::ring_owned);
+  s.def("ring_ag_send", &schedule::ring_ag_send);
+  s.def("ring_ag_recv", &schedule::ring_ag_recv);
+  s.def("tree_parent", &schedule::tree_parent);
+  s.def("tree_child", &schedule::tree_child);
+  s.def("tree_child_index", &schedule::tree_child_index);
+  s.def("num_slots", [](int a, int n) { return schedule::num_slots(Algorithm(a), n); });
+  s.def("slot_elems", [](int a, int n, size_t lane_bytes, size_t esize) {
+    return schedule::slot_elems(Algorithm(a), n, lane_bytes, esize);
+  });
+  s.def("round_capacity", [](int a, int n, size_t lane_bytes, size_t esize) {
+    return schedule::round_capacity(Algorithm(a), n, lane_bytes, esize);
+  });
+}

@@ -1,0 +1,228 @@
+// jax_gin's all-reduce algorithms, each written once over a small transport interface.
+// The CPU backend (csrc/cpu_backend.cc) runs them with one host thread per rank; the CUDA
+// kernels (cuda/kernels.cu) run them with one CTA per lane over NCCL's LSA windows.
+//
+// A transport `Tp` is one rank's view of one lane (an independent slice of the message):
+//   int rank(), nranks()
+//   T* slot<T>(peer, k)              slot k of `peer`'s window for this lane (LSA pointer)
+//   void copy<T>(dst, src, n)        by all workers of the lane; dst may be a peer's slot (a put)
+//   void reduce<T, Op>(dst, srcs, n) dst[i] = srcs[0][i] op srcs[1][i] op ... in source order
+//   void signal(peer, kind, value)   release: everything this lane wrote before is visible to
+//                                    `peer` once it sees the flag
+//   bool wait(peer, kind, value, step)  acquire; false once the timeout fired (the transport
+//                                    has recorded op, rank, peer, step for the host)
+// Flags are monotonic (see common.h): rounds are never reset, so no flag is ever cleared.
+#pragma once
+
+#include "jax_gin/common.h"
+#include "jax_gin/schedule.h"
+
+namespace jax_gin {
+
+// Sources of a reduction: slot q of my own window for every rank q, except my own
+// contribution, which is read where it already is (my input or my output).
+template <class T>
+struct SlotSources {
+  const T* slot0;      // slot `first_slot` of my window
+  size_t slot_stride;  // elements between consecutive slots
+  int self;
+  const T* self_ptr;
+  int n;
+  JG_HD int count() const { return n; }
+  JG_HD const T* get(int q) const { return q == self ? self_ptr : slot0 + size_t(q) * slot_stride; }
+};
+
+template <class T, int kMax>
+struct ListSources {
+  const T* p[kMax];
+  int n = 0;
+  JG_HD void add(const T* x) { p[n++] = x; }
+  JG_HD int count() const { return n; }
+  JG_HD const T* get(int q) const { return p[q]; }
+};
+
+// Before writing into `peer`'s window in round `round`, make sure it has read what we wrote
+// there in the previous round.
+template <class Tp>
+JG_HD bool await_credit(Tp& tp, int peer, uint64_t round) {
+  return round <= 1 || tp.wait(peer, kCredit, round - 1, -1);
+}
+
+// Every rank credits every peer at the end of each round, whatever the algorithm: a later
+// call may use another algorithm in which other peers write to us.
+template <class Tp>
+JG_HD void give_credit(Tp& tp, uint64_t round) {
+  for (int p = 0; p < tp.nranks(); ++p)
+    if (p != tp.rank()) tp.signal(p, kCredit, round);
+}
+
+// ---------------------------------------------------------------------------------------
+// one_shot. Purpose: smallest latency: one synchronization step. Every rank pushes its whole
+// round to every peer and reduces all N contributions locally in rank order.
+// Moves (N-1)*S per rank: best for small S or N = 2.
+template <class T, class Op, class Tp>
+JG_HD bool one_shot_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, uint64_t round) {
+  const int r = tp.rank(), N = tp.nranks();
+  // step 0: push my data into slot r of every peer
+  for (int k = 1; k < N; ++k) {
+    int p = schedule::mod(r + k, N);  // stagger so that peers are not all hit at once
+    if (!await_credit(tp, p, round)) return false;
+    tp.copy(tp.template slot<T>(p, r), in, n);
+    tp.signal(p, kData, data_tag(round, schedule::kOneShotStep));
+  }
+  for (int p = 0; p < N; ++p)
+    if (p != r && !tp.wait(p, kData, data_tag(round, schedule::kOneShotStep), schedule::kOneShotStep))
+      return false;
+  // reduce the N contributions in rank order
+  SlotSources<T> src{tp.template slot<T>(r, 0), slot, r, in, N};
+  tp.template reduce<T, Op>(out, src, n);
+  give_credit(tp, round);
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------
+// two_shot. Purpose: bandwidth at small N. Reduce-scatter (rank j reduces segment j from all
+// peers' pushes) then all-gather (the owner pushes its reduced segment to everyone).
+// Moves 2(N-1)/N * S per rank in two synchronization steps.
+template <class T, class Op, class Tp>
+JG_HD bool two_shot_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, uint64_t round) {
+  const int r = tp.rank(), N = tp.nranks();
+  const size_t al = schedule::align_elems(sizeof(T));
+  const uint64_t scatter = data_tag(round, schedule::kTwoShotScatterStep);
+  const uint64_t gather = data_tag(round, schedule::kTwoShotGatherStep);
+  // step 0: push segment p of my input into slot r of rank p
+  for (int k = 1; k < N; ++k) {
+    int p = schedule::mod(r + k, N);
+    schedule::Range seg = schedule::piece(n, N, p, al);
+    if (!await_credit(tp, p, round)) return false;
+    tp.copy(tp.template slot<T>(p, r), in + seg.offset, seg.count);
+    tp.signal(p, kData, scatter);
+  }
+  for (int p = 0; p < N; ++p)
+    if (p != r && !tp.wait(p, kData, scatter, schedule::kTwoShotScatterStep)) return false;
+  // reduce my segment from slots 0..N-1 in rank order, straight into my output
+  schedule::Range mine = schedule::piece(n, N, r, al);
+  SlotSources<T> src{tp.template slot<T>(r, 0), slot, r, in + mine.offset, N};
+  tp.template reduce<T, Op>(out + mine.offset, src, mine.count);
+  // step 1: push my reduced segment into slot N + r of every peer
+  for (int k = 1; k < N; ++k) {
+    int p = schedule::mod(r + k, N);
+    tp.copy(tp.template slot<T>(p, N + r), out + mine.offset, mine.count);
+    tp.signal(p, kData, gather);
+  }
+  for (int k = 1; k < N; ++k) {
+    int p = schedule::mod(r + k, N);
+    if (!tp.wait(p, kData, gather, schedule::kTwoShotGatherStep)) return false;
+    schedule::Range seg = schedule::piece(n, N, p, al);
+    tp.copy(out + seg.offset, tp.template slot<T>(r, N + p), seg.count);
+  }
+  give_credit(tp, round);
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------
+// ring. Purpose: bandwidth at any N with nearest-neighbour traffic only. Reduce-scatter then
+// all-gather around the ring, 2(N-1) steps; the output buffer doubles as the partial-sum
+// buffer, so no extra scratch is needed.
+template <class T, class Op, class Tp>
+JG_HD bool ring_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, uint64_t round) {
+  (void)slot;
+  const int r = tp.rank(), N = tp.nranks();
+  const int next = schedule::ring_next(r, N), prev = schedule::ring_prev(r, N);
+  const size_t al = schedule::align_elems(sizeof(T));
+  if (!await_credit(tp, next, round)) return false;
+  // reduce-scatter
+  for (int s = 0; s < N - 1; ++s) {
+    schedule::Range snd = schedule::piece(n, N, schedule::ring_rs_send(r, s, N), al);
+    schedule::Range rcv = schedule::piece(n, N, schedule::ring_rs_recv(r, s, N), al);
+    const T* src = (s == 0 ? in : out) + snd.offset;  // step 0 sends raw input
+    tp.copy(tp.template slot<T>(next, s), src, snd.count);
+    tp.signal(next, kData, data_tag(round, s));
+    if (!tp.wait(prev, kData, data_tag(round, s), s)) return false;
+    ListSources<T, 2> srcs;
+    srcs.add(tp.template slot<T>(r, s));  // partial sum from upstream
+    srcs.add(in + rcv.offset);            // my contribution
+    tp.template reduce<T, Op>(out + rcv.offset, srcs, rcv.count);
+  }
+  // all-gather: circulate the owned, fully reduced segments
+  for (int s = 0; s < N - 1; ++s) {
+    const int step = N - 1 + s;
+    schedule::Range snd = schedule::piece(n, N, schedule::ring_ag_send(r, s, N), al);
+    schedule::Range rcv = schedule::piece(n, N, schedule::ring_ag_recv(r, s, N), al);
+    tp.copy(tp.template slot<T>(next, step), out + snd.offset, snd.count);
+    tp.signal(next, kData, data_tag(round, step));
+    if (!tp.wait(prev, kData, data_tag(round, step), step)) return false;
+    tp.copy(out + rcv.offset, tp.template slot<T>(r, step), rcv.count);
+  }
+  give_credit(tp, round);
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------
+// tree. Purpose: latency that grows with log2(N) rather than N. Reduce up a binary tree,
+// broadcast down it; the root alone computes the final value.
+template <class T, class Op, class Tp>
+JG_HD bool tree_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, uint64_t round) {
+  (void)slot;
+  const int r = tp.rank(), N = tp.nranks();
+  const int parent = schedule::tree_parent(r);
+  const uint64_t up = data_tag(round, schedule::kTreeUpStep);
+  const uint64_t down = data_tag(round, schedule::kTreeDownStep);
+  // step 0: reduce [own, child 0, child 1] into my output
+  ListSources<T, 3> srcs;
+  srcs.add(in);
+  for (int k = 0; k < 2; ++k) {
+    int c = schedule::tree_child(r, k, N);
+    if (c < 0) continue;
+    if (!tp.wait(c, kData, up, schedule::kTreeUpStep)) return false;
+    srcs.add(tp.template slot<T>(r, k));
+  }
+  tp.template reduce<T, Op>(out, srcs, n);
+  if (parent >= 0) {
+    // push the partial sum up, then wait for the final value to come down
+    if (!await_credit(tp, parent, round)) return false;
+    tp.copy(tp.template slot<T>(parent, schedule::tree_child_index(r)), out, n);
+    tp.signal(parent, kData, up);
+    if (!tp.wait(parent, kData, down, schedule::kTreeDownStep)) return false;
+    tp.copy(out, tp.template slot<T>(r, schedule::kTreeDownSlot), n);
+  }
+  // step 1: broadcast down
+  for (int k = 0; k < 2; ++k) {
+    int c = schedule::tree_child(r, k, N);
+    if (c < 0) continue;
+    if (!await_credit(tp, c, round)) return false;
+    tp.copy(tp.template slot<T>(c, schedule::kTreeDownSlot), out, n);
+    tp.signal(c, kData, down);
+  }
+  give_credit(tp, round);
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------
+// One lane's whole message: rounds of at most `capacity` elements through the lane's window.
+// `round` is the lane's persistent round counter; it advances by the number of rounds run.
+template <class T, class Op, class Tp>
+JG_HD bool run_lane(Tp& tp, Algorithm algo, const T* in, T* out, size_t count, size_t lane_bytes,
+                    uint64_t& round) {
+  if (tp.nranks() == 1) {
+    tp.copy(out, in, count);
+    return true;
+  }
+  const size_t slot = schedule::slot_elems(algo, tp.nranks(), lane_bytes, sizeof(T));
+  const size_t cap = schedule::round_capacity(algo, tp.nranks(), lane_bytes, sizeof(T));
+  for (size_t off = 0; off < count; off += cap) {
+    const size_t n = schedule::min_sz(cap, count - off);
+    const uint64_t rd = ++round;
+    bool ok = false;
+    switch (algo) {
+      case Algorithm::kOneShot: ok = one_shot_round<T, Op>(tp, in + off, out + off, n, slot, rd); break;
+      case Algorithm::kTwoShot: ok = two_shot_round<T, Op>(tp, in + off, out + off, n, slot, rd); break;
+      case Algorithm::kRing: ok = ring_round<T, Op>(tp, in + off, out + off, n, slot, rd); break;
+      case Algorithm::kTree: ok = tree_round<T, Op>(tp, in + off, out + off, n, slot, rd); break;
+    }
+    if (!ok) return false;
+  }
+  return true;
+}
+
+}  // namespace jax_gin

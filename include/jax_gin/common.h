@@ -1,0 +1,95 @@
+// Definitions shared by the host (CPU backend, FFI handlers) and the device (CUDA kernels).
+// This header compiles with a plain C++17 compiler and with nvcc; it includes nothing from
+// XLA, nanobind or Python.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define JG_HD __host__ __device__ __forceinline__
+#define JG_DEVICE_CODE 1
+#else
+#define JG_HD inline
+#define JG_DEVICE_CODE 0
+#endif
+
+namespace jax_gin {
+
+// Algorithm ids: the same names and order as jax_gin.ALGORITHMS in Python.
+enum class Algorithm : int32_t { kRing = 0, kTree = 1, kOneShot = 2, kTwoShot = 3 };
+constexpr int kNumAlgorithms = 4;
+
+// Reduction ops: the same order as jax_gin/_ops.py.
+enum class RedOp : int32_t { kSum = 0, kMax = 1, kMin = 2 };
+
+// Element types: the same order as jax_gin/_ops.py (DTYPE_CODES).
+enum class DType : int32_t {
+  kF32 = 0, kF64 = 1, kBF16 = 2, kF16 = 3, kS32 = 4, kS64 = 5, kU32 = 6,
+};
+
+JG_HD size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::kF64: case DType::kS64: return 8;
+    case DType::kBF16: case DType::kF16: return 2;
+    default: return 4;
+  }
+}
+
+JG_HD const char* algorithm_name(Algorithm a) {
+  switch (a) {
+    case Algorithm::kRing: return "ring";
+    case Algorithm::kTree: return "tree";
+    case Algorithm::kOneShot: return "one_shot";
+    case Algorithm::kTwoShot: return "two_shot";
+  }
+  return "?";
+}
+
+JG_HD const char* redop_name(RedOp op) {
+  switch (op) {
+    case RedOp::kSum: return "psum";
+    case RedOp::kMax: return "pmax";
+    case RedOp::kMin: return "pmin";
+  }
+  return "?";
+}
+
+// Limits shared by every backend.
+constexpr int kMaxRanks = 128;   // ring uses 2(N-1) < 255 data steps per round (see tag()).
+constexpr int kMaxLanes = 64;    // independent slices of one message (CTAs on GPU).
+// Segment boundaries are multiples of 16 bytes so that the GPU can move 16-byte vectors.
+constexpr size_t kAlignBytes = 16;
+
+// Flags. Each (receiver, lane, sender) pair has two monotonic 64-bit flags in the receiver's
+// memory, written only by the sender:
+//   kData:   "the data of step s of round e is in your window" = tag(e, s)
+//   kCredit: "I finished round e and read everything you wrote me" = e
+// Rounds are numbered from 1 per lane and never reset, so no flag is ever cleared.
+enum FlagKind : int { kData = 0, kCredit = 1, kNumFlagKinds = 2 };
+
+JG_HD uint64_t data_tag(uint64_t round, int step) { return round * 256u + uint64_t(step) + 1u; }
+
+// Offset (in uint64 words) of a flag inside one rank's flag area.
+JG_HD size_t flag_index(int lane, int sender, int kind, int nranks) {
+  return (size_t(lane) * size_t(nranks) + size_t(sender)) * kNumFlagKinds + size_t(kind);
+}
+JG_HD size_t flag_words(int nranks) { return size_t(kMaxLanes) * size_t(nranks) * kNumFlagKinds; }
+
+// What a timed-out wait leaves behind for the host to read (CPU: returned in the error;
+// GPU: written into host-mapped memory before the kernel traps).
+struct Diagnostic {
+  int32_t valid;      // 1 once a wait timed out
+  int32_t op;         // RedOp
+  int32_t algorithm;  // Algorithm
+  int32_t rank;       // rank that waited
+  int32_t peer;       // rank it waited for
+  int32_t step;       // step in the round (-1: waiting for the peer's credit)
+  int32_t lane;
+  int32_t group;
+  uint64_t round;     // round (epoch) number
+  uint64_t expected;  // flag value waited for
+  uint64_t seen;      // flag value seen when the wait gave up
+};
+
+}  // namespace jax_gin

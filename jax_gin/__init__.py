@@ -1,0 +1,21 @@
+"""jax_gin: GPU-initiated all-reduce collectives for JAX.
+
+Drop-in replacements for ``jax.lax.psum``, ``pmax`` and ``pmin`` inside ``jax.shard_map``,
+computed by jax_gin's own device-initiated ring, tree, one-shot and two-shot algorithms:
+CUDA kernels over NCCL's device API on GPUs, and a host-memory implementation of the same
+schedules on CPU devices.
+"""
+from __future__ import annotations
+
+from . import _native  # registers the FFI targets
+from . import _runtime as runtime
+from ._ops import ALGORITHMS, SUPPORTED_DTYPE_NAMES as SUPPORTED_DTYPES
+from ._primitive import allreduce_p, pmax, pmin, psum
+from ._explain import explain
+
+__version__ = "0.1.0"
+
+has_cuda = _native.has_cuda
+
+__all__ = ["psum", "pmax", "pmin", "ALGORITHMS", "SUPPORTED_DTYPES", "explain", "runtime",
+           "has_cuda", "allreduce_p", "__version__"]

@@ -1,0 +1,65 @@
+"""Every use of JAX internals (``jax._src``) lives here, behind one set of guards.
+
+jax_gin needs a few things JAX does not export: the check_vma flag, the varying-manual-axes
+type of an aval, the axis environment, and the named-axis effect. If a JAX release moves one,
+this is the only file to touch.
+"""
+from __future__ import annotations
+
+import jax
+from jax._src import config as _config
+from jax._src import core as _core
+from jax._src.interpreters import batching as _batching  # noqa: F401  (re-exported)
+
+JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+NamedAxisEffect = _core.NamedAxisEffect
+batching = _batching
+
+
+def check_vma_enabled() -> bool:
+    """Is shard_map tracing with check_vma=True (JAX's varying-manual-axes typing)?"""
+    return bool(_config._check_vma.value)
+
+
+def varying_axes(aval) -> frozenset:
+    """The mesh axes a value varies over (``jax.typeof(x).vma``)."""
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", frozenset()))
+
+
+def with_varying_axes(aval, varying: frozenset):
+    if getattr(aval, "mat", None) is not None:
+        return aval.update(manual_axis_type=aval.mat.update(varying=frozenset(varying)))
+    return aval.update(vma=frozenset(varying))
+
+
+def axis_exists(name) -> bool:
+    return _core.get_axis_env().axis_exists(name)
+
+
+def axis_size(name) -> int:
+    return _core.get_axis_env().axis_size(name)
+
+
+def axes_in_scope() -> tuple:
+    env = _core.get_axis_env()
+    sizes = getattr(env, "axis_sizes", None)
+    if isinstance(sizes, dict):
+        return tuple(sizes)
+    return tuple(getattr(env, "axis_names", lambda: ())())
+
+
+def is_tracer(x) -> bool:
+    return isinstance(x, _core.Tracer)
+
+
+def pcast_varying(x, axes: tuple):
+    """Mark x as varying over `axes` (lax.pcast(..., to='varying'); pvary before it existed)."""
+    if not axes:
+        return x
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, tuple(axes), to="varying")
+    return jax.lax.pvary(x, tuple(axes))

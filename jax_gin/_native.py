@@ -1,0 +1,31 @@
+"""Loads the native modules and registers their FFI targets with XLA.
+
+The CPU module (_jax_gin) is always built. The CUDA module (_jax_gin_cuda) exists only where
+the package was built with nvcc and NCCL's headers; without it, CPU use is unaffected and a
+CUDA lowering raises a clear error.
+"""
+from __future__ import annotations
+
+import jax
+
+from . import _jax_gin as cpu  # noqa: F401
+
+CPU_TARGET = "jax_gin_all_reduce_cpu"
+CUDA_TARGET = "jax_gin_all_reduce_cuda"
+
+for _name, _capsule in cpu.registrations().items():
+    jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+
+try:  # the CUDA module may be absent
+    from . import _jax_gin_cuda as cuda  # type: ignore[attr-defined]
+except ImportError as _e:  # pragma: no cover - depends on the build
+    cuda = None
+    CUDA_IMPORT_ERROR = str(_e)
+else:  # pragma: no cover - needs the CUDA build
+    CUDA_IMPORT_ERROR = None
+    for _name, _capsule in cuda.registrations().items():
+        jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
+
+
+def has_cuda() -> bool:
+    return cuda is not None

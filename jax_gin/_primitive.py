@@ -1,0 +1,233 @@
+"""The all-reduce primitive and the public psum/pmax/pmin.
+
+One primitive, `jax_gin_allreduce`, with params:
+  axes       tuple of mesh axis names reduced over
+  op         "sum" | "max" | "min"
+  algorithm  "auto" or a name in ALGORITHMS (resolved at lowering, when the platform is known)
+  invariant  True when traced under shard_map(check_vma=True): then, like lax.psum, the
+             input must vary over `axes` and the output does not; the transpose of a sum is
+             a pcast to varying. With check_vma=False the sum transposes to another sum.
+
+All of its rules are registered in one block at the bottom of this file.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax import lax, tree_util
+from jax.extend.core import Primitive
+from jax.interpreters import ad, mlir
+from jax._src.lib.mlir.dialects import hlo  # noqa: F401  (partition_id)
+
+from . import _compat, _native, _runtime, _select
+from ._ops import ALGORITHM_CODES, OP_API_NAMES, OP_CODES, check_dtype
+
+allreduce_p = Primitive("jax_gin_allreduce")
+
+
+# ---------------------------------------------------------------------------------------
+# Public API
+
+
+def psum(x, axis_name, *, algorithm: str = "auto"):
+    """All-reduce sum over mesh axis `axis_name` (a name or a tuple of names).
+
+    A drop-in for ``jax.lax.psum`` inside ``shard_map``: same semantics for pytrees, scalars,
+    tuples of axes and varying-manual-axes typing, computed by jax_gin's own collectives.
+    `algorithm` is "auto" or one of jax_gin.ALGORITHMS.
+    """
+    return _allreduce(x, axis_name, "sum", algorithm)
+
+
+def pmax(x, axis_name, *, algorithm: str = "auto"):
+    """All-reduce max over mesh axis `axis_name`; a drop-in for ``jax.lax.pmax``."""
+    return _allreduce(x, axis_name, "max", algorithm)
+
+
+def pmin(x, axis_name, *, algorithm: str = "auto"):
+    """All-reduce min over mesh axis `axis_name`; a drop-in for ``jax.lax.pmin``."""
+    return _allreduce(x, axis_name, "min", algorithm)
+
+
+def _normalize_axes(axis_name, api: str) -> tuple:
+    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    for a in axes:
+        if isinstance(a, int):
+            raise TypeError(f"jax_gin.{api}: positional (integer) axes are not supported: {axis_name!r}")
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"jax_gin.{api}: repeated axis name in {axis_name!r}")
+    for a in axes:
+        if not _compat.axis_exists(a):
+            scope = _compat.axes_in_scope()
+            raise NameError(
+                f"jax_gin.{api}: unknown axis name {a!r}; axes in scope: "
+                f"{', '.join(repr(s) for s in scope) if scope else 'none'} "
+                "(call it inside jax.shard_map or vmap with that axis name)")
+    return axes
+
+
+def _allreduce(x, axis_name, op: str, algorithm: str):
+    api = OP_API_NAMES[op]
+    algorithm = _select.validate(algorithm, api)
+    axes = _normalize_axes(axis_name, api)
+    if not axes:
+        return x
+    invariant = _compat.check_vma_enabled()
+
+    def one(leaf):
+        leaf = jnp.asarray(leaf) if not hasattr(leaf, "dtype") else leaf
+        if leaf.dtype == np.bool_:
+            leaf = leaf.astype(np.int32)  # as lax.psum does
+        check_dtype(leaf.dtype, api)
+        if not _compat.is_tracer(leaf):
+            # A constant is the same on every device: no communication needed.
+            leaf = jnp.asarray(leaf)
+            if op == "sum":
+                size = 1
+                for a in axes:
+                    size *= _compat.axis_size(a)
+                return leaf * jnp.asarray(size, leaf.dtype)
+            return leaf
+        if invariant:
+            missing = tuple(a for a in axes if a not in _compat.varying_axes(_compat_typeof(leaf)))
+            leaf = _compat.pcast_varying(leaf, missing)
+        return allreduce_p.bind(leaf, axes=axes, op=op, algorithm=algorithm, invariant=invariant)
+
+    return tree_util.tree_map(one, x)
+
+
+def _compat_typeof(x):
+    return jax.typeof(x)
+
+
+def _bind_like(x, params, **override):
+    p = dict(params)
+    p.update(override)
+    return allreduce_p.bind(x, **p)
+
+
+# ---------------------------------------------------------------------------------------
+# Rules
+
+
+def _abstract_eval(aval, *, axes, op, algorithm, invariant):
+    for a in axes:
+        if not _compat.axis_exists(a):
+            raise NameError(f"jax_gin.{OP_API_NAMES[op]}: unknown axis name {a!r}")
+    if invariant:
+        vma = _compat.varying_axes(aval)
+        if not set(axes) <= vma:
+            raise ValueError(
+                f"jax_gin.{OP_API_NAMES[op]}: with check_vma=True the input must vary over "
+                f"the reduced axes {axes}; it varies over {sorted(vma)}")
+        out = _compat.with_varying_axes(aval, vma - frozenset(axes))
+    else:
+        out = aval
+    return out, {_compat.NamedAxisEffect(a) for a in axes}
+
+
+def _jvp(primals, tangents, **params):
+    (x,), (t,) = primals, tangents
+    out = allreduce_p.bind(x, **params)
+    if type(t) is ad.Zero:
+        return out, ad.Zero.from_primal_value(out)
+    if params["op"] == "sum":
+        return out, allreduce_p.bind(t, **params)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return out, ad.Zero.from_primal_value(out)
+    # max/min: the tangent of the winning element(s); ties share it equally, as jnp.max does.
+    axes = params["axes"]
+    out_v = _compat.pcast_varying(out, axes) if params["invariant"] else out
+    hit = (x == out_v).astype(t.dtype)
+    num = _bind_like(t * hit, params, op="sum")
+    cnt = _bind_like(hit, params, op="sum")
+    return out, num / cnt
+
+
+def _transpose(ct, x, *, axes, op, algorithm, invariant):
+    if op != "sum":
+        raise NotImplementedError(f"jax_gin.{OP_API_NAMES[op]} is not linear and has no transpose")
+    assert ad.is_undefined_primal(x)
+    if type(ct) is ad.Zero:
+        return [ad.Zero(x.aval)]
+    if invariant:
+        # psum under check_vma is varying -> invariant: its transpose only re-marks the
+        # cotangent as varying, with no communication (lax.psum does the same).
+        return [_compat.pcast_varying(ct, axes)]
+    # check_vma=False: psum is psum followed by a broadcast, so it transposes to a psum.
+    return [allreduce_p.bind(ct, axes=axes, op=op, algorithm=algorithm, invariant=invariant)]
+
+
+def _batch(axis_data, vals_in, dims_in, *, axes, op, algorithm, invariant):
+    (x,), (d,) = vals_in, dims_in
+    params = dict(axes=axes, op=op, algorithm=algorithm, invariant=invariant)
+    if axis_data.name not in axes:
+        # vmap inside shard_map: the batch dimension is just more data to reduce elementwise.
+        return allreduce_p.bind(x, **params), d
+    # Reducing over the vmapped axis itself: reduce the batch dimension locally, then the
+    # remaining (mesh) axes with jax_gin. The result is the same for every batch element.
+    rest = tuple(a for a in axes if a != axis_data.name)
+    if d is None:
+        out = allreduce_p.bind(x, **dict(params, axes=rest)) if rest else x
+        if op == "sum":
+            out = out * jnp.asarray(axis_data.size, out.dtype)
+        return out, None
+    local = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}[op](x, axis=d).astype(x.dtype)
+    out = allreduce_p.bind(local, **dict(params, axes=rest)) if rest else local
+    return out, None
+
+
+def _lowering(ctx, x, *, axes, op, algorithm, invariant, platform):
+    aval = ctx.avals_in[0]
+    api = OP_API_NAMES[op]
+    axis_ctx = ctx.module_context.axis_context
+    mesh = getattr(axis_ctx, "mesh", None)
+    if mesh is None or not hasattr(mesh, "devices"):
+        raise NotImplementedError(
+            f"jax_gin.{api} must be called inside jax.shard_map over a concrete Mesh "
+            f"(got axis context {type(axis_ctx).__name__})")
+    manual = frozenset(getattr(axis_ctx, "manual_axes", ()))
+    if manual and manual != frozenset(mesh.axis_names):
+        raise NotImplementedError(
+            f"jax_gin.{api}: shard_map with some mesh axes left automatic "
+            f"(manual: {sorted(manual)}, mesh: {list(mesh.axis_names)}) is not supported; "
+            "make every mesh axis manual")
+    layout = _runtime.group_layout(tuple(mesh.axis_names),
+                                   tuple(int(mesh.shape[n]) for n in mesh.axis_names), axes)
+    nbytes = int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+    if algorithm == "auto":
+        algorithm, _ = _select.choose(platform, nbytes, layout.nranks)
+    _runtime.check_workspace(platform, algorithm, layout.nranks, np.dtype(aval.dtype).itemsize, api)
+    if platform != "cpu" and _native.cuda is None:
+        raise RuntimeError(
+            f"jax_gin.{api}: a CUDA lowering was requested but jax_gin was not compiled with "
+            f"CUDA support ({_native.CUDA_IMPORT_ERROR or '_jax_gin_cuda is missing'})")
+    comm = _runtime.communicator(platform, mesh, axes)
+    target = _native.CPU_TARGET if platform == "cpu" else _native.CUDA_TARGET
+    pid_aval = jax.core.ShapedArray((), np.uint32)
+    rule = jax.ffi.ffi_lowering(target)
+    return rule(ctx.replace(avals_in=[aval, pid_aval]), x, hlo.partition_id(),
+                comm=np.int64(comm), op=np.int32(OP_CODES[op]),
+                algorithm=np.int32(ALGORITHM_CODES[algorithm]))
+
+
+# ---------------------------------------------------------------------------------------
+# Registration: every rule of the primitive, in one place.
+
+def _impl(x, **params):
+    raise NameError(
+        f"jax_gin.{OP_API_NAMES[params['op']]} must be called inside jax.shard_map "
+        f"(axes {params['axes']} are not bound here)")
+
+
+allreduce_p.def_impl(_impl)
+allreduce_p.def_effectful_abstract_eval(_abstract_eval)
+ad.primitive_jvps[allreduce_p] = _jvp
+ad.primitive_transposes[allreduce_p] = _transpose
+_compat.batching.fancy_primitive_batchers[allreduce_p] = _batch
+mlir.register_lowering(allreduce_p, lambda ctx, x, **p: _lowering(ctx, x, platform="cpu", **p),
+                       platform="cpu")
+mlir.register_lowering(allreduce_p, lambda ctx, x, **p: _lowering(ctx, x, platform="cuda", **p),
+                       platform="cuda")

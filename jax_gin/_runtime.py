@@ -1,0 +1,182 @@
+"""Communicators and symmetric workspaces, created before execution and cached.
+
+A communicator serves every group that one reduction (a tuple of mesh axes) forms on one
+mesh: reducing a 4x2 mesh over 'x' forms 2 groups of 4 ranks. It is created the first time a
+program that needs it is lowered -- before that program ever runs -- and reused by every
+later call and every later compilation with the same mesh, axes and settings. The FFI call
+names it by an integer attribute; the handler only looks it up.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import math
+import os
+import threading
+
+import numpy as np
+
+from . import _native
+from ._ops import ALGORITHM_CODES
+
+_DEFAULT_CPU_WORKSPACE = 1 << 20  # bytes per rank
+_DEFAULT_GPU_WORKSPACE = 64 << 20  # bytes per rank, split among the kernel's lanes
+
+
+def _env_float(name: str, default: float) -> float:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        return float(v)
+    except ValueError:
+        raise ValueError(f"jax_gin: {name}={v!r} is not a number") from None
+
+
+def _env_int(name: str, default: int) -> int:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        return int(float(v))
+    except ValueError:
+        raise ValueError(f"jax_gin: {name}={v!r} is not an integer") from None
+
+
+@dataclasses.dataclass
+class Settings:
+    """Runtime settings, read from the environment when jax_gin is imported.
+
+    workspace_bytes: symmetric workspace per rank (JAX_GIN_WORKSPACE_BYTES); messages larger
+        than one round's capacity are pipelined through it in chunks.
+    timeout_s: how long any wait may spin before the call fails (JAX_GIN_TIMEOUT_S).
+    fault_rank: testing only -- this rank drops all its signals, so its peers time out.
+    """
+
+    cpu_workspace_bytes: int = dataclasses.field(
+        default_factory=lambda: _env_int("JAX_GIN_WORKSPACE_BYTES", _DEFAULT_CPU_WORKSPACE))
+    gpu_workspace_bytes: int = dataclasses.field(
+        default_factory=lambda: _env_int("JAX_GIN_WORKSPACE_BYTES", _DEFAULT_GPU_WORKSPACE))
+    timeout_s: float = dataclasses.field(default_factory=lambda: _env_float("JAX_GIN_TIMEOUT_S", 30.0))
+    fault_rank: int = -1
+
+
+settings = Settings()
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupLayout:
+    """How one reduction splits a mesh into groups: group and rank of each logical device id."""
+
+    nranks: int
+    ngroups: int
+    group_of: tuple
+    rank_of: tuple
+
+
+def group_layout(axis_names: tuple, axis_sizes: tuple, axes: tuple) -> GroupLayout:
+    """Groups of a reduction over `axes` of a mesh, in XLA's logical-id numbering.
+
+    Logical (partition) ids are np.arange(size).reshape(mesh shape). The rank within a group
+    is the row-major index over the reduced axes in the order given (as lax.axis_index of the
+    tuple); the group is the row-major index over the other axes.
+    """
+    ids = np.arange(math.prod(axis_sizes)).reshape(axis_sizes)
+    red = [axis_names.index(a) for a in axes]
+    other = [i for i in range(len(axis_names)) if i not in red]
+    nranks = math.prod(axis_sizes[i] for i in red)
+    table = ids.transpose(other + red).reshape(-1, nranks)
+    group_of = np.empty(ids.size, np.int32)
+    rank_of = np.empty(ids.size, np.int32)
+    for g, row in enumerate(table):
+        group_of[row] = g
+        rank_of[row] = np.arange(nranks)
+    return GroupLayout(nranks, table.shape[0], tuple(group_of.tolist()), tuple(rank_of.tolist()))
+
+
+_lock = threading.Lock()
+_cache: dict = {}
+
+
+def workspace_bytes(platform: str) -> int:
+    return settings.cpu_workspace_bytes if platform == "cpu" else settings.gpu_workspace_bytes
+
+
+def check_workspace(platform: str, algorithm: str, nranks: int, itemsize: int, api: str) -> None:
+    """Raise at trace time if one round of `algorithm` cannot fit in the workspace."""
+    if nranks <= 1:
+        return
+    lane = workspace_bytes(platform)
+    if platform != "cpu" and _native.cuda is not None:
+        lane = _native.cuda.lane_bytes(lane)
+    if _native.cpu.schedule.slot_elems(ALGORITHM_CODES[algorithm], nranks, lane, itemsize) == 0:
+        need = _native.cpu.schedule.num_slots(ALGORITHM_CODES[algorithm], nranks) * 16
+        raise ValueError(
+            f"jax_gin.{api}: workspace too small: {lane} bytes per rank cannot hold one round "
+            f"of {algorithm} over {nranks} ranks (needs at least {need} bytes); raise "
+            f"JAX_GIN_WORKSPACE_BYTES or jax_gin.runtime.settings")
+
+
+def communicator(platform: str, mesh, axes: tuple) -> int:
+    """The id of the communicator for reducing `mesh` over `axes`, created on first use."""
+    names = tuple(mesh.axis_names)
+    sizes = tuple(int(mesh.shape[n]) for n in names)
+    device_ids = tuple(int(d.id) for d in np.asarray(mesh.devices).flat)
+    ws = workspace_bytes(platform)
+    key = (platform, device_ids, names, sizes, tuple(axes), ws, settings.timeout_s,
+           settings.fault_rank)
+    with _lock:
+        comm = _cache.get(key)
+        if comm is not None:
+            return comm
+        layout = group_layout(names, sizes, tuple(axes))
+        if platform == "cpu":
+            comm = _native.cpu.cpu_comm_create(
+                layout.nranks, list(layout.group_of), list(layout.rank_of), ws,
+                settings.timeout_s, settings.fault_rank)
+        else:
+            comm = _create_cuda_comm(mesh, layout, ws)
+        _cache[key] = comm
+        return comm
+
+
+def _create_cuda_comm(mesh, layout: GroupLayout, ws: int) -> int:
+    if _native.cuda is None:
+        raise RuntimeError(
+            "jax_gin was not compiled with CUDA support "
+            f"({_native.CUDA_IMPORT_ERROR or 'the _jax_gin_cuda module is missing'}); "
+            "rebuild with nvcc and the nvidia-nccl-cu13 wheel installed (JAX_GIN_CUDA=ON)")
+    devices = list(np.asarray(mesh.devices).flat)
+    if any(d.process_index != devices[0].process_index for d in devices):
+        raise NotImplementedError(
+            "jax_gin: meshes that span several processes are not supported on GPU yet")
+    groups = [[None] * layout.nranks for _ in range(layout.ngroups)]
+    for logical, d in enumerate(devices):
+        groups[layout.group_of[logical]][layout.rank_of[logical]] = int(d.local_hardware_id)
+    return _native.cuda.comm_create(groups, ws, settings.timeout_s, settings.fault_rank)
+
+
+def num_communicators() -> int:
+    return len(_cache)
+
+
+def reset() -> None:
+    """Forget every cached communicator (programs compiled before this can no longer run)."""
+    with _lock:
+        for key, comm in list(_cache.items()):
+            if key[0] == "cpu":
+                _native.cpu.cpu_comm_destroy(comm)
+            elif _native.cuda is not None:
+                _native.cuda.comm_destroy(comm)
+        _cache.clear()
+
+
+def _shutdown() -> None:  # pragma: no cover - interpreter exit
+    try:
+        if _native.cuda is not None:
+            _native.cuda.shutdown()
+    except Exception:
+        pass
+
+
+atexit.register(_shutdown)
