@@ -161,7 +161,9 @@ bool dispatch_op(HostTransport& tp, RedOp op, Algorithm algo, const void* in, vo
 
 }  // namespace
 
-Group::Group(int n, size_t lb) : nranks(n), lane_bytes(lb), round(size_t(n), 0) {
+Group::Group(int n, size_t lb)
+    : nranks(n), lane_bytes(lb), round(size_t(n), 0), busy(new std::atomic<int>[n]) {
+  for (int r = 0; r < n; ++r) busy[r].store(0);
   for (int r = 0; r < n; ++r) {
     window.emplace_back(new char[lane_bytes]());
     const size_t words = flag_words(n);
@@ -220,6 +222,16 @@ std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Al
        << algorithm_name(algo) << " over " << g.nranks << " ranks";
     return os.str();
   }
+  if (g.busy[rank].exchange(1, std::memory_order_acquire) != 0) {
+    std::ostringstream os;
+    os << "jax_gin: two collectives ran concurrently on rank " << rank << " of group " << group
+       << " of communicator " << comm.id << "; calls on one communicator must be ordered";
+    return os.str();
+  }
+  struct Release {
+    std::atomic<int>& b;
+    ~Release() { b.store(0, std::memory_order_release); }
+  } release{g.busy[rank]};
   HostTransport tp(g, comm.config, group, rank, slot_bytes, op, algo);
   uint64_t& round = g.round[rank];
   bool ok = false;

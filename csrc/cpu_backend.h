@@ -32,6 +32,9 @@ struct Group {
   std::vector<std::unique_ptr<char[]>> window;                   // per rank
   std::vector<std::unique_ptr<std::atomic<uint64_t>[]>> flags;  // per rank, flag_words(nranks)
   std::vector<uint64_t> round;  // per rank: touched only by that rank's own thread
+  // per rank: 1 while a call runs. Two calls of one rank must never overlap (they share the
+  // rank's round counter and window); if XLA ever ran them concurrently we fail loudly.
+  std::unique_ptr<std::atomic<int>[]> busy;
   std::atomic<bool> broken{false};
   std::mutex error_mu;
   std::string first_error;

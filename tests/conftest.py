@@ -1,0 +1,35 @@
+"""Test setup: 8 CPU devices by default; the same suite runs on GPUs with JAX_PLATFORMS=cuda."""
+import os
+
+_platform = os.environ.get("JAX_PLATFORMS", "cpu")
+if _platform == "cpu":
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast (findings.md)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+
+def ndev() -> int:
+    return len(jax.devices())
+
+
+def mesh_1d():
+    return Mesh(np.array(jax.devices()), ("i",))
+
+
+def mesh_2d():
+    n = ndev()
+    if n < 4 or n % 2:
+        pytest.skip(f"a 2-D mesh needs an even number >= 4 of devices, have {n}")
+    return Mesh(np.array(jax.devices()).reshape(n // 2, 2), ("x", "y"))
+
+
+@pytest.fixture
+def platform():
+    return jax.default_backend()

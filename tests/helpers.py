@@ -1,0 +1,29 @@
+"""Shared helpers: exact inputs and shard_map wrappers."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+SMALL_INT_DTYPES = ("int32", "int64", "uint32")
+
+
+def exact_input(shape_per_device, ndevices, dtype, seed=0):
+    """Global input (ndevices * shape_per_device[0], ...) of small integers: every sum, max
+    and min over <= 16 ranks is exact in every supported dtype, bfloat16 included."""
+    rng = np.random.default_rng(seed)
+    shape = (ndevices * shape_per_device[0],) + tuple(shape_per_device[1:])
+    lo = 0 if np.dtype(dtype) == np.uint32 else -7
+    vals = rng.integers(lo, 8, size=shape)
+    return jnp.asarray(vals.astype(np.float64)).astype(dtype)
+
+
+def smap(f, mesh, spec, check_vma=True, out_spec=None):
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec,), out_specs=out_spec or spec,
+                                 check_vma=check_vma))
+
+
+def assert_bitwise(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype, (a.dtype, b.dtype)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))

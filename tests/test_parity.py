@@ -1,0 +1,136 @@
+"""jax_gin.psum / pmax / pmin against lax, bit for bit, on inputs whose reductions are exact."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jax_gin
+from conftest import mesh_1d, mesh_2d, ndev
+from helpers import assert_bitwise, exact_input, smap
+
+OPS = {"psum": (jax_gin.psum, lax.psum), "pmax": (jax_gin.pmax, lax.pmax),
+       "pmin": (jax_gin.pmin, lax.pmin)}
+DTYPES = ["float32", "bfloat16", "float16", "int32", "uint32"]
+SIZES = [1, 7, 1000, 4097]
+
+
+def _run(op, algo, mesh, spec, x, axes, check_vma=True):
+    ours, ref = OPS[op]
+    f = smap(lambda v: (ours(v, axes, algorithm=algo), ref(v, axes)), mesh, spec,
+             check_vma=check_vma)
+    got, want = f(x)
+    assert_bitwise(got, want)
+    return got
+
+
+@pytest.mark.parametrize("algo", jax_gin.ALGORITHMS + ("auto",))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("size", SIZES)
+def test_parity_1d(op, dtype, algo, size):
+    mesh = mesh_1d()
+    x = exact_input((size,), ndev(), dtype, seed=size)
+    _run(op, algo, mesh, P("i"), x, "i")
+
+
+@pytest.mark.parametrize("algo", jax_gin.ALGORITHMS)
+@pytest.mark.parametrize("dtype", ["float64", "int64"])
+def test_parity_x64(dtype, algo):
+    with jax.enable_x64(True):
+        mesh = mesh_1d()
+        x = exact_input((333,), ndev(), dtype)
+        assert x.dtype == np.dtype(dtype)
+        for op in OPS:
+            _run(op, algo, mesh, P("i"), x, "i")
+
+
+@pytest.mark.parametrize("algo", jax_gin.ALGORITHMS)
+@pytest.mark.parametrize("axes", ["x", "y", ("x", "y"), ("y", "x")])
+@pytest.mark.parametrize("op", list(OPS))
+def test_parity_2d_mesh(op, axes, algo):
+    mesh = mesh_2d()
+    nx, ny = mesh.devices.shape
+    x = exact_input((nx * 5, 3 * ny), 1, "float32")
+    x = x.reshape(nx * 5, 3 * ny)
+    _run(op, algo, mesh, P("x", "y"), x, axes)
+
+
+@pytest.mark.parametrize("algo", jax_gin.ALGORITHMS)
+def test_large_chunked(algo):
+    # Larger than the 1 MiB CPU workspace: pipelined through it in several rounds.
+    n = 300_001
+    mesh = mesh_1d()
+    x = exact_input((n,), ndev(), "float32", seed=3)
+    _run("psum", algo, mesh, P("i"), x, "i")
+
+
+@pytest.mark.parametrize("algo", jax_gin.ALGORITHMS)
+def test_multidim_blocks(algo):
+    mesh = mesh_1d()
+    x = exact_input((3, 5, 7), ndev(), "bfloat16", seed=11)
+    _run("psum", algo, mesh, P("i"), x, "i")
+
+
+@pytest.mark.parametrize("algo", jax_gin.ALGORITHMS)
+def test_scalars(algo):
+    mesh = mesh_1d()
+
+    def f(v):
+        s = v.sum()  # a scalar per device
+        return (jax_gin.psum(s, "i", algorithm=algo)[None], lax.psum(s, "i")[None],
+                jax_gin.pmax(s, "i", algorithm=algo)[None], lax.pmax(s, "i")[None])
+
+    x = exact_input((4,), ndev(), "float32")
+    a, b, c, d = smap(f, mesh, P("i"))(x)
+    assert_bitwise(a, b)
+    assert_bitwise(c, d)
+
+
+def test_python_constants():
+    # Constants are the same on every device: psum(1) is the axis size, as in lax.
+    mesh = mesh_1d()
+
+    def f(v):
+        return (v + jax_gin.psum(1, "i") - lax.psum(1, "i") + jax_gin.pmax(2.0, "i") - 2.0)
+
+    x = exact_input((4,), ndev(), "float32")
+    assert_bitwise(smap(f, mesh, P("i"))(x), x)
+
+
+def test_bool_is_summed_as_int32():
+    mesh = mesh_1d()
+    f = smap(lambda v: (jax_gin.psum(v > 0, "i"), lax.psum(v > 0, "i")), mesh, P("i"))
+    a, b = f(exact_input((9,), ndev(), "float32"))
+    assert a.dtype == np.int32
+    assert_bitwise(a, b)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_pytree(check_vma):
+    mesh = mesh_1d()
+    tree = {"w": exact_input((5, 3), ndev(), "float32"),
+            "b": (exact_input((2,), ndev(), "bfloat16", seed=1),
+                  exact_input((1,), ndev(), "int32", seed=2))}
+    spec = {"w": P("i"), "b": (P("i"), P("i"))}
+    f = smap(lambda t: (jax_gin.psum(t, "i"), lax.psum(t, "i")), mesh, spec,
+             check_vma=check_vma, out_spec=(spec, spec))
+    got, want = f(tree)
+    jax.tree.map(assert_bitwise, got, want)
+
+
+def test_results_identical_on_every_rank():
+    # The reduction order is the same on all ranks: every rank holds the same bits, even for
+    # inexact float inputs.
+    mesh = mesh_1d()
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal(ndev() * 999).astype(np.float32))
+    for algo in jax_gin.ALGORITHMS:
+        out = smap(lambda v: jax_gin.psum(v, "i", algorithm=algo)[None], mesh, P("i"),
+                   out_spec=P("i"))(x)
+        out = np.asarray(out).reshape(ndev(), -1)
+        for r in range(1, ndev()):
+            assert_bitwise(out[r], out[0])
+        np.testing.assert_allclose(out[0], np.asarray(x).reshape(ndev(), -1).sum(0), rtol=1e-5,
+                                   atol=1e-5)
