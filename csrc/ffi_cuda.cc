@@ -1,0 +1,55 @@
+// XLA FFI handler for the CUDA backend. Execute-only and command-buffer compatible: it looks
+// up the state that jax_gin's runtime built before execution (by communicator attribute and
+// device ordinal) and launches one kernel on XLA's stream. No allocation, no host
+// synchronization, no host-side counters: rounds live on the device.
+#include "ffi_cuda.h"
+
+#include <string>
+
+#include "ffi_common.h"
+#include "nccl_runtime.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_gin {
+namespace {
+
+ffi::Error CudaAllReduceImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                             ffi::Buffer<ffi::U32> partition_id, ffi::Result<ffi::AnyBuffer> out,
+                             int64_t comm, int32_t op, int32_t algorithm) {
+  (void)partition_id;  // the rank comes from the device ordinal's cached state
+  DType dtype;
+  if (ffi::Error err = to_dtype(x.element_type(), &dtype); err.failure()) return err;
+  if (ffi::Error err = check_enums(op, algorithm); err.failure()) return err;
+  const gpu::RankState* st = gpu::find_rank(comm, device);
+  if (st == nullptr) {
+    return ffi::Error::Internal("jax_gin: no communicator " + std::to_string(comm) +
+                                " state for CUDA device " + std::to_string(device));
+  }
+  // A kernel of this rank timed out earlier (and trapped): say so instead of launching again.
+  if (st->diag_host->valid) {
+    Diagnostic d = *st->diag_host;
+    return ffi::Error::Internal("jax_gin: an earlier call failed: " + gpu::describe(d, st->nranks));
+  }
+  cudaError_t e = gpu::launch_allreduce(gpu::PeerAccess{st->win, nullptr}, st->cfg, dtype,
+                                        RedOp(op), Algorithm(algorithm), x.untyped_data(),
+                                        out->untyped_data(), x.element_count(), stream);
+  if (e != cudaSuccess)
+    return ffi::Error::Internal(std::string("jax_gin: kernel launch failed: ") + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_gin
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCudaAllReduce, jax_gin::CudaAllReduceImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
+                                  .Ctx<ffi::DeviceOrdinal>()      // local CUDA ordinal
+                                  .Arg<ffi::AnyBuffer>()          // x: this device's block
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // partition id (unused on GPU)
+                                  .Ret<ffi::AnyBuffer>()          // the reduced block
+                                  .Attr<int64_t>("comm")          // communicator id (runtime)
+                                  .Attr<int32_t>("op")            // RedOp
+                                  .Attr<int32_t>("algorithm"),    // Algorithm
+                              {ffi::Traits::kCmdBufferCompatible});

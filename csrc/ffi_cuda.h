@@ -1,0 +1,4 @@
+#pragma once
+#include "xla/ffi/api/ffi.h"
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxGinCudaAllReduce);

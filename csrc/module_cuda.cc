@@ -1,0 +1,50 @@
+// The CUDA nanobind module: exports the CUDA FFI handler and the GPU runtime's calls. Built
+// only where nvcc and NCCL's headers exist; jax_gin works without it on CPU.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <stdexcept>
+
+#include "ffi_cuda.h"
+#include "kernels.h"
+#include "nccl_runtime.h"
+
+namespace nb = nanobind;
+using namespace jax_gin;
+
+NB_MODULE(_jax_gin_cuda, m) {
+  m.doc() = "jax_gin CUDA backend: NCCL device-API communicators and kernels";
+  // Refuse to load against an NCCL whose device-API structs differ from our headers.
+  if (std::string why = gpu::check_nccl_version(); !why.empty()) throw std::runtime_error(why);
+
+  m.def("registrations", []() {
+    nb::dict d;
+    d["jax_gin_all_reduce_cuda"] = nb::capsule(reinterpret_cast<void*>(JaxGinCudaAllReduce));
+    return d;
+  });
+  m.def("comm_create",
+        [](std::vector<std::vector<int>> groups, size_t workspace_bytes, double timeout_s,
+           int fault_rank) {
+          nb::gil_scoped_release release;
+          return gpu::comm_create(groups, workspace_bytes, timeout_s, fault_rank);
+        },
+        nb::arg("groups"), nb::arg("workspace_bytes"), nb::arg("timeout_s"),
+        nb::arg("fault_rank") = -1);
+  m.def("comm_destroy", [](int64_t id) {
+    nb::gil_scoped_release release;
+    gpu::comm_destroy(id);
+  });
+  m.def("diagnostics", &gpu::diagnostics, nb::arg("comm") = -1,
+        "Messages of timed-out waits recorded on the device (readable after a failed launch).");
+  m.def("lane_bytes", &gpu::lane_bytes_for_workspace);
+  m.def("choose_lanes", [](int algo, size_t bytes, int nranks) {
+    return gpu::choose_lanes(Algorithm(algo), bytes, nranks);
+  });
+  m.def("nccl_version", &gpu::nccl_runtime_version);
+  m.def("nccl_header_version", []() { return int(NCCL_VERSION_CODE); });
+  m.def("shutdown", []() {
+    nb::gil_scoped_release release;
+    gpu::shutdown();
+  });
+}

@@ -1,0 +1,228 @@
+// Native multi-rank test harness: runs N ranks of jax_gin's kernels as concurrent streams on
+// the GPUs present (rank r on GPU r % G), with windows reached through a table of P2P
+// pointers instead of NCCL, so group sizes larger than the machine (N = 4, 8 on 2 GPUs) are
+// exercised with the very kernels and schedules that JAX runs. Checks every result bit for
+// bit against a host reference on exact (small-integer) inputs.
+//
+//   jax_gin_cuda_harness [--ranks 2,3,4,8] [--counts 1,1000,...] [--algos all|ring,...]
+//                        [--dtypes f32,bf16,f16,i32,f64] [--ops sum,max,min] [--iters K]
+//                        [--lane-bytes B] [--timeout-s T] [--fault-rank R]
+// Exit code: 0 all correct, 1 mismatch or CUDA error, 3 a wait timed out (diagnostic printed).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+#include "nccl_runtime.h"
+
+using namespace jax_gin;
+
+#define CK(call)                                                                            \
+  do {                                                                                      \
+    cudaError_t e_ = (call);                                                                \
+    if (e_ != cudaSuccess) {                                                                \
+      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, \
+                   __LINE__, #call);                                                        \
+      return 1;                                                                             \
+    }                                                                                       \
+  } while (0)
+
+static std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+struct DT { const char* name; DType dt; size_t size; };
+static const DT kDTypes[] = {{"f32", DType::kF32, 4}, {"f64", DType::kF64, 8},
+                             {"bf16", DType::kBF16, 2}, {"f16", DType::kF16, 2},
+                             {"i32", DType::kS32, 4}};
+
+// Host encode of an exact small integer in each dtype.
+static void encode(DType dt, double v, void* dst) {
+  switch (dt) {
+    case DType::kF32: { float f = float(v); std::memcpy(dst, &f, 4); break; }
+    case DType::kF64: { std::memcpy(dst, &v, 8); break; }
+    case DType::kBF16: { __nv_bfloat16 b = __float2bfloat16(float(v)); std::memcpy(dst, &b, 2); break; }
+    case DType::kF16: { __half h = __float2half(float(v)); std::memcpy(dst, &h, 2); break; }
+    case DType::kS32: { int32_t i = int32_t(v); std::memcpy(dst, &i, 4); break; }
+    default: break;
+  }
+}
+
+struct Rank {
+  int dev;
+  char* window = nullptr;
+  uint64_t* rounds = nullptr;
+  Diagnostic* diag_host = nullptr;
+  Diagnostic* diag_dev = nullptr;
+  char** table = nullptr;  // device copy of all ranks' window bases
+  void* in = nullptr;
+  void* out = nullptr;
+  cudaStream_t stream;
+};
+
+int main(int argc, char** argv) {
+  std::vector<std::string> ranks_s = {"2", "3", "4", "8"}, counts_s = {"1", "7", "1000", "4099", "300001"};
+  std::vector<std::string> algos_s = {"ring", "tree", "one_shot", "two_shot"};
+  std::vector<std::string> dtypes_s = {"f32", "bf16", "i32"}, ops_s = {"sum", "max", "min"};
+  int iters = 3, fault_rank = -1;
+  size_t lane_bytes = 256 << 10;
+  double timeout_s = 20.0;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    std::string k = argv[i], v = argv[i + 1];
+    if (k == "--ranks") ranks_s = split(v);
+    else if (k == "--counts") counts_s = split(v);
+    else if (k == "--algos") algos_s = v == "all" ? algos_s : split(v);
+    else if (k == "--dtypes") dtypes_s = split(v);
+    else if (k == "--ops") ops_s = split(v);
+    else if (k == "--iters") iters = std::atoi(v.c_str());
+    else if (k == "--lane-bytes") lane_bytes = std::strtoull(v.c_str(), nullptr, 10);
+    else if (k == "--timeout-s") timeout_s = std::atof(v.c_str());
+    else if (k == "--fault-rank") fault_rank = std::atoi(v.c_str());
+    else { std::fprintf(stderr, "unknown flag %s\n", k.c_str()); return 2; }
+  }
+  int ngpu = 0;
+  CK(cudaGetDeviceCount(&ngpu));
+  if (ngpu < 1) { std::fprintf(stderr, "no GPU\n"); return 2; }
+  for (int a = 0; a < ngpu; ++a) {
+    CK(cudaSetDevice(a));
+    CK(gpu::preload_kernels());
+    for (int b = 0; b < ngpu; ++b) {
+      if (a == b) continue;
+      int ok = 0;
+      CK(cudaDeviceCanAccessPeer(&ok, a, b));
+      if (ok) { cudaError_t e = cudaDeviceEnablePeerAccess(b, 0); if (e != cudaErrorPeerAccessAlreadyEnabled) CK(e); }
+    }
+  }
+  std::printf("# jax_gin native harness: %d GPU(s), lane_bytes %zu, iters %d\n", ngpu, lane_bytes, iters);
+  long failures = 0, cases = 0;
+  for (const auto& nr : ranks_s) {
+    const int N = std::atoi(nr.c_str());
+    std::vector<Rank> rk(N);
+    size_t max_count = 0;
+    for (const auto& c : counts_s) max_count = std::max<size_t>(max_count, std::strtoull(c.c_str(), nullptr, 10));
+    const size_t wbytes = gpu::window_bytes(N, lane_bytes);
+    std::vector<char*> bases(N);
+    for (int r = 0; r < N; ++r) {
+      Rank& R = rk[r];
+      R.dev = r % ngpu;
+      CK(cudaSetDevice(R.dev));
+      CK(cudaMalloc(&R.window, wbytes));
+      CK(cudaMemset(R.window, 0, wbytes));
+      CK(cudaMalloc(&R.rounds, kMaxLanes * sizeof(uint64_t)));
+      CK(cudaMemset(R.rounds, 0, kMaxLanes * sizeof(uint64_t)));
+      CK(cudaHostAlloc(&R.diag_host, sizeof(Diagnostic), cudaHostAllocMapped | cudaHostAllocPortable));
+      std::memset(R.diag_host, 0, sizeof(Diagnostic));
+      CK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&R.diag_dev), R.diag_host, 0));
+      CK(cudaMalloc(&R.in, max_count * 8 + 16));
+      CK(cudaMalloc(&R.out, max_count * 8 + 16));
+      CK(cudaStreamCreateWithFlags(&R.stream, cudaStreamNonBlocking));
+      bases[r] = R.window;
+    }
+    for (int r = 0; r < N; ++r) {
+      CK(cudaSetDevice(rk[r].dev));
+      CK(cudaMalloc(&rk[r].table, N * sizeof(char*)));
+      CK(cudaMemcpy(rk[r].table, bases.data(), N * sizeof(char*), cudaMemcpyHostToDevice));
+    }
+    for (const auto& ds : dtypes_s) {
+      const DT* dt = nullptr;
+      for (const auto& d : kDTypes) if (ds == d.name) dt = &d;
+      if (!dt) { std::fprintf(stderr, "unknown dtype %s\n", ds.c_str()); return 2; }
+      for (const auto& os_ : ops_s) {
+        const RedOp op = os_ == "sum" ? RedOp::kSum : os_ == "max" ? RedOp::kMax : RedOp::kMin;
+        for (const auto& as : algos_s) {
+          Algorithm algo = Algorithm::kRing;
+          for (int a = 0; a < kNumAlgorithms; ++a) if (as == algorithm_name(Algorithm(a))) algo = Algorithm(a);
+          for (const auto& cs : counts_s) {
+            const size_t count = std::strtoull(cs.c_str(), nullptr, 10);
+            std::mt19937 gen(unsigned(count * 131 + N));
+            std::vector<std::vector<double>> vals(N, std::vector<double>(count));
+            std::vector<double> ref(count);
+            for (size_t i = 0; i < count; ++i) {
+              for (int r = 0; r < N; ++r) vals[r][i] = double(int(gen() % 15) - 7);
+              double acc = vals[0][i];
+              for (int r = 1; r < N; ++r)
+                acc = op == RedOp::kSum ? acc + vals[r][i] : op == RedOp::kMax ? std::max(acc, vals[r][i]) : std::min(acc, vals[r][i]);
+              ref[i] = acc;
+            }
+            std::vector<char> host(count * dt->size), want(count * dt->size);
+            for (size_t i = 0; i < count; ++i) encode(dt->dt, ref[i], want.data() + i * dt->size);
+            for (int r = 0; r < N; ++r) {
+              for (size_t i = 0; i < count; ++i) encode(dt->dt, vals[r][i], host.data() + i * dt->size);
+              CK(cudaSetDevice(rk[r].dev));
+              CK(cudaMemcpy(rk[r].in, host.data(), count * dt->size, cudaMemcpyHostToDevice));
+              CK(cudaMemset(rk[r].out, 0xff, count * dt->size));  // poison
+            }
+            for (int it = 0; it < iters; ++it) {
+              // Launch every rank before synchronizing any (a blocking call before the last
+              // launch would leave the others spinning).
+              for (int r = 0; r < N; ++r) {
+                Rank& R = rk[r];
+                CK(cudaSetDevice(R.dev));
+                gpu::LaunchConfig cfg;
+                cfg.rank = r;
+                cfg.nranks = N;
+                cfg.flags_offset = 0;
+                cfg.data_offset = gpu::window_flags_bytes(N);
+                cfg.lane_bytes = lane_bytes;
+                cfg.rounds = R.rounds;
+                cfg.diag = R.diag_dev;
+                cfg.timeout_ns = uint64_t(timeout_s * 1e9);
+                cfg.fault_rank = fault_rank;
+                CK(gpu::launch_allreduce(gpu::PeerAccess{nullptr, R.table}, cfg, dt->dt, op, algo,
+                                         R.in, R.out, count, R.stream));
+              }
+            }
+            bool timed_out = false;
+            for (int r = 0; r < N; ++r) {
+              CK(cudaSetDevice(rk[r].dev));
+              cudaError_t e = cudaStreamSynchronize(rk[r].stream);
+              if (e != cudaSuccess) timed_out = true;
+            }
+            if (timed_out) {
+              for (int r = 0; r < N; ++r)
+                if (rk[r].diag_host->valid) std::printf("%s\n", gpu::describe(*rk[r].diag_host, N).c_str());
+              std::printf("launch failed (a wait timed out)\n");
+              return 3;
+            }
+            long bad = 0;
+            for (int r = 0; r < N; ++r) {
+              CK(cudaSetDevice(rk[r].dev));
+              CK(cudaMemcpy(host.data(), rk[r].out, count * dt->size, cudaMemcpyDeviceToHost));
+              if (std::memcmp(host.data(), want.data(), count * dt->size) != 0) {
+                for (size_t i = 0; i < count; ++i)
+                  bad += std::memcmp(host.data() + i * dt->size, want.data() + i * dt->size, dt->size) != 0;
+              }
+            }
+            ++cases;
+            if (bad) {
+              ++failures;
+              std::printf("FAIL ranks=%d dtype=%s op=%s algo=%s count=%zu wrong=%ld\n", N, dt->name,
+                          os_.c_str(), as.c_str(), count, bad);
+            }
+          }
+        }
+      }
+    }
+    std::printf("ranks=%d: done\n", N);
+    for (auto& R : rk) {
+      cudaSetDevice(R.dev);
+      cudaFree(R.window); cudaFree(R.rounds); cudaFreeHost(R.diag_host); cudaFree(R.table);
+      cudaFree(R.in); cudaFree(R.out); cudaStreamDestroy(R.stream);
+    }
+  }
+  std::printf("%ld passed, %ld failed\n", cases - failures, failures);
+  return failures ? 1 : 0;
+}

@@ -1,0 +1,55 @@
+// Host-side launch API of jax_gin's CUDA kernels. Includes no nanobind, Python or XLA, so
+// both the FFI handlers and the native test harness can use it.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "jax_gin/common.h"
+
+namespace jax_gin {
+namespace gpu {
+
+struct LaneParams;
+
+// Where one rank's windows are: an NCCL window (LSA) or a device array of peer base pointers.
+struct PeerAccess {
+  ncclWindow_t win = nullptr;        // NCCL window, or
+  char* const* table = nullptr;      // device array [nranks] of window bases (harness)
+};
+
+struct LaunchConfig {
+  int rank = 0, nranks = 1, group = 0;
+  size_t flags_offset = 0;   // bytes, inside each window
+  size_t data_offset = 0;    // bytes, inside each window
+  size_t lane_bytes = 0;     // data bytes per lane
+  uint64_t* rounds = nullptr;   // device: kMaxLanes round counters of this rank
+  Diagnostic* diag = nullptr;   // host-mapped (device pointer of it)
+  uint64_t timeout_ns = 30ull * 1000 * 1000 * 1000;
+  int fault_rank = -1;
+  int threads = 512;
+};
+
+// Number of lanes (CTAs) used for a message of `bytes` with `algo`. Depends only on its
+// arguments, so every rank of a group makes the same choice.
+int choose_lanes(Algorithm algo, size_t bytes, int nranks);
+
+// Launches one rank's part of an all-reduce on `stream`. Returns the launch error, if any.
+cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, DType dtype,
+                             RedOp op, Algorithm algo, const void* in, void* out, size_t count,
+                             cudaStream_t stream);
+
+// Loads every kernel on the current device now, so that no lazy module load (which takes a
+// global lock) happens while a peer's kernel spins.
+cudaError_t preload_kernels();
+
+// Window layout of one rank: flags first, then kMaxLanes data areas of lane_bytes each.
+size_t window_flags_bytes(int nranks);
+size_t window_bytes(int nranks, size_t lane_bytes);
+size_t lane_bytes_for_workspace(size_t workspace_bytes);
+
+}  // namespace gpu
+}  // namespace jax_gin

@@ -1,0 +1,47 @@
+// jax_gin's GPU runtime: its own NCCL communicators, symmetric windows and device
+// communicators, built before any program runs and looked up by the FFI handler.
+// Host code only; no nanobind, Python or XLA.
+#pragma once
+
+#include <nccl.h>
+#include <nccl_device.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+
+namespace jax_gin {
+namespace gpu {
+
+struct RankState {
+  int device = -1;        // local CUDA ordinal
+  int group = 0, rank = 0, nranks = 1;
+  ncclComm_t comm = nullptr;
+  void* window_ptr = nullptr;       // ncclMemAlloc'd: [flags | kMaxLanes data areas]
+  ncclWindow_t win = nullptr;
+  ncclDevComm devcomm{};
+  bool has_devcomm = false;
+  uint64_t* rounds = nullptr;       // device: per-lane round counters, never reset
+  Diagnostic* diag_host = nullptr;  // host-mapped diagnostic slot
+  LaunchConfig cfg;                 // everything a launch needs, precomputed
+};
+
+// Creates one communicator per group. groups[g][r] is the local CUDA ordinal of rank r of
+// group g. Throws std::runtime_error with NCCL's or CUDA's message on failure.
+int64_t comm_create(const std::vector<std::vector<int>>& groups, size_t workspace_bytes,
+                    double timeout_s, int fault_rank);
+void comm_destroy(int64_t id);
+// The state of the rank that runs on `device`, or nullptr.
+const RankState* find_rank(int64_t id, int device);
+// Messages of every timed-out wait recorded for communicator `id` (all if id < 0).
+std::vector<std::string> diagnostics(int64_t id);
+std::string describe(const Diagnostic& d, int nranks);
+void shutdown();
+int nccl_runtime_version();
+// Empty if the loaded NCCL matches the headers we were built against, else why not.
+std::string check_nccl_version();
+
+}  // namespace gpu
+}  // namespace jax_gin

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Build the CUDA extension on the GPU machine, run the GPU tests and the benchmark, in one call.
+# Logs and results go under $OUT (default ./gpu_out). Uses the machine's own python3, nvcc,
+# cmake and NCCL wheel; installs nothing.
+#
+#   scripts/gpu_run.sh [quick|full|bench|tests]   (default: full)
+set -uo pipefail
+MODE=${1:-full}
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never multicast
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+log() { echo "== $(date +%H:%M:%S) $*" | tee -a "$OUT/summary.txt"; }
+
+log "machine"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvcc --version | tail -1;
+  $PY -c "import jax, jaxlib, nvidia.nccl as n; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'nccl wheel', list(n.__path__))";
+  nvidia-smi topo -m; } > "$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt" | head -5
+
+log "build"
+t0=$(date +%s)
+cmake -S . -B build/gpu -G Ninja -DJAX_GIN_CUDA=ON -DPython_EXECUTABLE="$(command -v $PY)" \
+  -DCMAKE_BUILD_TYPE=Release > "$OUT/build.log" 2>&1 &&
+  cmake --build build/gpu -j "$(nproc)" >> "$OUT/build.log" 2>&1
+rc=$?
+log "build rc=$rc in $(( $(date +%s) - t0 )) s"
+if [ $rc -ne 0 ]; then tail -40 "$OUT/build.log"; exit 1; fi
+cp build/gpu/_jax_gin*.so jax_gin/
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+H=build/gpu/jax_gin_cuda_harness
+
+harness() {
+  log "native harness: ranks 2,3,4,8 as streams on the GPUs present"
+  $H --ranks 2,3,4,8 --dtypes f32,bf16,f16,i32,f64 --iters 3 > "$OUT/harness.log" 2>&1
+  log "harness rc=$? $(tail -1 "$OUT/harness.log")"
+  grep FAIL "$OUT/harness.log" | head -5
+  log "harness fault injection (rank 1 drops its signals, 1 s timeout)"
+  $H --ranks 2 --counts 1000 --algos one_shot --dtypes f32 --ops sum --iters 1 --timeout-s 1 \
+    --fault-rank 1 > "$OUT/harness_fault.log" 2>&1
+  log "fault rc=$? (3 expected): $(grep -m1 'timed out' "$OUT/harness_fault.log")"
+}
+
+sanitizer() {
+  log "compute-sanitizer memcheck + racecheck (small native case)"
+  compute-sanitizer --tool memcheck --error-exitcode 9 $H --ranks 2 --counts 1,1000,4099 \
+    --dtypes f32,bf16 --ops sum --iters 2 > "$OUT/memcheck.log" 2>&1
+  log "memcheck rc=$? $(grep -m1 'ERROR SUMMARY' "$OUT/memcheck.log")"
+  compute-sanitizer --tool racecheck --error-exitcode 9 $H --ranks 2 --counts 1000 \
+    --dtypes f32 --ops sum --iters 1 > "$OUT/racecheck.log" 2>&1
+  log "racecheck rc=$? $(grep -m1 -i 'hazard\|ERROR SUMMARY' "$OUT/racecheck.log")"
+}
+
+tests() {
+  log "pytest JAX_PLATFORMS=cuda"
+  JAX_PLATFORMS=cuda timeout 480 $PY -m pytest -q -x -p no:cacheprovider tests/ ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
+  log "pytest rc=$? $(tail -1 "$OUT/pytest.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -10
+}
+
+bench() {
+  log "benchmark"
+  JAX_PLATFORMS=cuda $PY -m jax_gin.bench -b 4K -e ${BENCH_MAX:-1G} -f 4 -d float32,bfloat16 \
+    -a auto,one_shot,two_shot,ring,tree,lax -n 20 -w 5 -k 20 --json "$OUT/bench.json" \
+    --plot "$OUT/bench.png" > "$OUT/bench.txt" 2> "$OUT/bench.err"
+  log "bench rc=$?"
+  grep -v "^#" "$OUT/bench.txt" | head -80
+}
+
+case "$MODE" in
+  quick) harness; PYTEST_ARGS="-k 'parity_1d and float32'" tests ;;
+  tests) harness; sanitizer; tests ;;
+  bench) bench ;;
+  full) harness; sanitizer; tests; bench ;;
+esac
+log "done"

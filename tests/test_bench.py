@@ -1,0 +1,94 @@
+"""The benchmark command (jax_gin.bench): a tiny sweep on the test devices, end to end."""
+import importlib.util
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_gin import bench
+from conftest import ndev
+
+SIZES = [1024, 4096]
+DTYPES = ["float32", "int32"]
+OPS = ["sum", "max"]
+ALGOS = ["auto", "lax", "ring"]
+TINY = ["-b", "1K", "-e", "4K", "-n", "2", "-w", "1", "-k", "3", "--quiet"]
+
+
+def test_tiny_sweep(tmp_path, capsys):
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    rc = bench.main(TINY + ["-a", ",".join(ALGOS), "-d", ",".join(DTYPES), "-o", ",".join(OPS),
+                            "--json", str(out_json), "--plot", str(out_png)])
+    text, err = capsys.readouterr()
+    assert rc == 0, text
+
+    data = json.loads(out_json.read_text())
+    assert data["meta"]["ndevices"] == ndev()
+    assert data["meta"]["chain"] == 3
+    rows = data["results"]
+    got = {(r["size"], r["dtype"], r["op"], r["algorithm"]) for r in rows}
+    assert got == {(s, d, o, a) for s in SIZES for d in DTYPES for o in OPS for a in ALGOS}
+    assert len(rows) == len(got)
+    for r in rows:
+        assert r["error"] is None, r
+        assert r["wrong"] == 0 and r["wrong_chain"] == 0, r
+        assert r["count"] * jnp.dtype(r["dtype"]).itemsize == r["size"]
+        assert r["wall_us"] > 0 and r["chain_us"] > 0 and r["time_us"] is not None
+        assert r["nranks"] == ndev()
+        assert (r["auto_choice"] in bench.jax_gin.ALGORITHMS) == (r["algorithm"] == "auto")
+        if r["algorithm"] == "lax" and r["time_us"] > 0:
+            assert r["vs_lax"] == pytest.approx(1.0)
+
+    for col in ("size", "count", "type", "redop", "algo", "time(us)", "algbw(GB/s)",
+                "busbw(GB/s)", "#wrong", "wall(us)", "vs_lax"):
+        assert col in text
+    assert text.count("# Avg bus bandwidth") == len(ALGOS)
+    assert "# Wrong values        : 0 OK" in text
+    data_lines = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
+    assert len(data_lines) == len(rows)
+
+    # The plot is optional: written with matplotlib, otherwise skipped with a message.
+    if importlib.util.find_spec("matplotlib"):
+        assert out_png.stat().st_size > 0
+    else:
+        assert not out_png.exists() and "matplotlib is not installed" in err
+
+
+def test_wrong_results_fail(monkeypatch, capsys):
+    # A reference off by one: every element is reported wrong and main() fails.
+    true_reference = bench.reference
+    monkeypatch.setattr(bench, "reference", lambda v, op: true_reference(v, op) + 1)
+    rc = bench.main(TINY + ["-e", "1K", "-a", "ring"])
+    text = capsys.readouterr().out
+    assert rc == 1
+    count = 1024 // 4
+    row = next(ln for ln in text.splitlines() if ln.strip().startswith("1024"))
+    assert str(count * ndev()) in row.split("|")[1].split()
+    assert "FAILED" in text
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int32", "uint32"])
+@pytest.mark.parametrize("op", ["sum", "max", "min"])
+def test_inputs_are_exact_and_nonzero(dtype, op):
+    inp = bench.make_inputs(8, 100, dtype, op, seed=1)
+    assert np.all(inp.x != 0)
+    want = bench.reference(inp.x.astype(np.int64), op)
+    np.testing.assert_array_equal(inp.ref.astype(np.int64), want)
+    # One chain step on the device: allreduce(x) - corr must give x back exactly.
+    step = jnp.asarray(np.broadcast_to(inp.ref, inp.x.shape)) - jnp.asarray(inp.corr)
+    np.testing.assert_array_equal(np.asarray(step), inp.x)
+
+
+def test_sizes_and_flags():
+    assert [bench.parse_size(s) for s in ("4096", "4K", "4k", "64M", "1G", "2KiB")] == \
+        [4096, 4096, 4096, 64 << 20, 1 << 30, 2048]
+    assert bench.size_steps(4 << 10, 1 << 20, 4) == [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20]
+    args = bench.parse_args(["-d", "float,half,bf16", "-o", "all", "-a", "one_shot,lax"])
+    assert args.dtype == ["float32", "float16", "bfloat16"]
+    assert args.op == ["sum", "max", "min"]
+    assert args.algorithm == ["one_shot", "lax"]
+    assert args.check and args.maxbytes is None
+    for bad in (["-a", "butterfly"], ["-d", "int8"], ["-k", "1"], ["-b", "3X"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
