@@ -54,7 +54,8 @@ sanitizer() {
 
 tests() {
   log "pytest JAX_PLATFORMS=cuda"
-  JAX_PLATFORMS=cuda timeout 480 $PY -m pytest -q -x -p no:cacheprovider tests/ ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
+  JAX_PLATFORMS=cuda timeout ${PYTEST_TIMEOUT:-480} $PY -m pytest -q -x -p no:cacheprovider \
+    ${PYTEST_K:+-k "$PYTEST_K"} tests/ > "$OUT/pytest.log" 2>&1
   log "pytest rc=$? $(tail -1 "$OUT/pytest.log")"
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -10
 }
@@ -69,7 +70,7 @@ bench() {
 }
 
 case "$MODE" in
-  quick) harness; PYTEST_ARGS="-k 'parity_1d and float32'" tests ;;
+  quick) harness; PYTEST_K="parity_1d and float32" tests; BENCH_MAX=64M bench ;;
   tests) harness; sanitizer; tests ;;
   bench) bench ;;
   full) harness; sanitizer; tests; bench ;;
