@@ -52,6 +52,15 @@ def axes_in_scope() -> tuple:
     return tuple(getattr(env, "axis_names", lambda: ())())
 
 
+def manual_mesh_axes() -> frozenset:
+    """Mesh axes that are manual here (shard_map); vmap axis names are not among them."""
+    try:
+        from jax.sharding import get_abstract_mesh
+        return frozenset(get_abstract_mesh().manual_axes)
+    except Exception:  # pragma: no cover - older JAX
+        return frozenset()
+
+
 def is_tracer(x) -> bool:
     return isinstance(x, _core.Tracer)
 

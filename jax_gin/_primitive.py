@@ -91,7 +91,9 @@ def _allreduce(x, axis_name, op: str, algorithm: str):
                 return leaf * jnp.asarray(size, leaf.dtype)
             return leaf
         if invariant:
-            missing = tuple(a for a in axes if a not in _compat.varying_axes(_compat_typeof(leaf)))
+            manual = _compat.manual_mesh_axes()
+            vma = _compat.varying_axes(_compat_typeof(leaf))
+            missing = tuple(a for a in axes if a in manual and a not in vma)
             leaf = _compat.pcast_varying(leaf, missing)
         return allreduce_p.bind(leaf, axes=axes, op=op, algorithm=algorithm, invariant=invariant)
 
@@ -118,7 +120,8 @@ def _abstract_eval(aval, *, axes, op, algorithm, invariant):
             raise NameError(f"jax_gin.{OP_API_NAMES[op]}: unknown axis name {a!r}")
     if invariant:
         vma = _compat.varying_axes(aval)
-        if not set(axes) <= vma:
+        mesh_axes = set(axes) & _compat.manual_mesh_axes()
+        if not mesh_axes <= vma:
             raise ValueError(
                 f"jax_gin.{OP_API_NAMES[op]}: with check_vma=True the input must vary over "
                 f"the reduced axes {axes}; it varies over {sorted(vma)}")

@@ -1,0 +1,68 @@
+"""Bad input gets a clear error that names the problem, at trace time."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_gin
+from conftest import mesh_1d, ndev
+from helpers import exact_input, smap
+
+
+def _trace(f, x):
+    return smap(f, mesh_1d(), P("i")).trace(x)
+
+
+def test_unknown_axis():
+    x = exact_input((4,), ndev(), "float32")
+    with pytest.raises(NameError, match=r"unknown axis name 'j'.*'i'"):
+        _trace(lambda v: jax_gin.psum(v, "j"), x)
+
+
+def test_unknown_axis_outside_shard_map():
+    with pytest.raises(NameError, match="unknown axis name 'i'"):
+        jax_gin.psum(jnp.ones(3), "i")
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "complex64", "int16"])
+def test_unsupported_dtype(dtype):
+    x = jnp.zeros((ndev() * 2,), dtype)
+    with pytest.raises(TypeError, match=rf"unsupported dtype {dtype}.*float32.*bfloat16"):
+        _trace(lambda v: jax_gin.psum(v, "i"), x)
+
+
+@pytest.mark.parametrize("algo", ["ringg", "nccl", "", None, 3])
+def test_unknown_algorithm(algo):
+    x = exact_input((4,), ndev(), "float32")
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        _trace(lambda v: jax_gin.psum(v, "i", algorithm=algo), x)
+
+
+def test_positional_axis_rejected():
+    x = exact_input((4,), ndev(), "float32")
+    with pytest.raises(TypeError, match="positional"):
+        _trace(lambda v: jax_gin.psum(v, 0), x)
+
+
+def test_workspace_too_small(monkeypatch):
+    monkeypatch.setattr(jax_gin.runtime.settings, "cpu_workspace_bytes", 64)
+    x = exact_input((4,), ndev(), "float32")
+    f = smap(lambda v: jax_gin.psum(v, "i", algorithm="one_shot"), mesh_1d(), P("i"))
+    with pytest.raises(ValueError, match="workspace too small"):
+        f.lower(x)
+
+
+def test_bad_env_setting(monkeypatch):
+    monkeypatch.setenv("JAX_GIN_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="JAX_GIN_TIMEOUT_S"):
+        jax_gin.runtime.Settings()
+
+
+def test_cuda_lowering_without_cuda_build(monkeypatch):
+    from jax_gin import _native
+    monkeypatch.setattr(_native, "cuda", None)
+    x = exact_input((4,), ndev(), "float32")
+    f = smap(lambda v: jax_gin.psum(v, "i"), mesh_1d(), P("i"))
+    with pytest.raises(Exception, match="not compiled with CUDA support"):
+        f.trace(x).lower(lowering_platforms=("cuda",))

@@ -1,0 +1,189 @@
+"""Transformations: grad (check_vma on and off), vmap, scan, interleaving with lax, jvp."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jax_gin
+from conftest import mesh_1d, mesh_2d, ndev
+from helpers import assert_bitwise, exact_input, smap
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("algo", ["auto", "ring", "two_shot"])
+def test_grad_matches_lax(check_vma, algo):
+    mesh = mesh_1d()
+    x = exact_input((6,), ndev(), "float32")
+    w = exact_input((6,), ndev(), "float32", seed=5)
+
+    def loss(psum_fn, x, w):
+        return jnp.sum(psum_fn(x * w, "i") ** 2)
+
+    def f(x, w):
+        ours = jax.grad(lambda a, b: loss(lambda v, n: jax_gin.psum(v, n, algorithm=algo), a, b),
+                        argnums=(0, 1))(x, w)
+        ref = jax.grad(lambda a, b: loss(lax.psum, a, b), argnums=(0, 1))(x, w)
+        return ours, ref
+
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("i"), P("i")),
+                              out_specs=((P("i"), P("i")), (P("i"), P("i"))), check_vma=check_vma))
+    ours, ref = g(x, w)
+    jax.tree.map(assert_bitwise, ours, ref)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_grad_of_invariant_input(check_vma):
+    # psum of a value that does not vary over the axis (jax inserts a pcast under check_vma).
+    mesh = mesh_1d()
+
+    def f(x):
+        w = jnp.float32(3.0)
+        g1 = jax.grad(lambda w: jnp.sum(jax_gin.psum(x * w, "i")))(w)
+        g2 = jax.grad(lambda w: jnp.sum(lax.psum(x * w, "i")))(w)
+        return g1[None], g2[None]
+
+    x = exact_input((4,), ndev(), "float32")
+    a, b = smap(f, mesh, P("i"), check_vma=check_vma, out_spec=(P("i"), P("i")))(x)
+    assert_bitwise(a, b)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_jvp_and_linearity(check_vma):
+    mesh = mesh_1d()
+
+    def f(x, t):
+        y, ty = jax.jvp(lambda v: jax_gin.psum(v, "i"), (x,), (t,))
+        y2, ty2 = jax.jvp(lambda v: lax.psum(v, "i"), (x,), (t,))
+        return y, ty, y2, ty2
+
+    x = exact_input((5,), ndev(), "float32")
+    t = exact_input((5,), ndev(), "float32", seed=9)
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("i"), P("i")), out_specs=P("i"),
+                              check_vma=check_vma))
+    y, ty, y2, ty2 = g(x, t)
+    assert_bitwise(y, y2)
+    assert_bitwise(ty, ty2)
+
+
+@pytest.mark.parametrize("op", ["pmax", "pmin"])
+def test_pmax_pmin_gradient(op):
+    # lax.pmax has no derivative rule; jax_gin's matches jnp.max's: the winners share it.
+    mesh = mesh_1d()
+    n = ndev()
+    fn = getattr(jax_gin, op)
+    x = jnp.asarray(np.arange(n * 3, dtype=np.float32) % 5)
+
+    def f(x):
+        return jax.grad(lambda v: jnp.sum(fn(v, "i")))(x)
+
+    got = np.asarray(smap(f, mesh, P("i"))(x)).reshape(n, 3)
+    xs = np.asarray(x).reshape(n, 3)
+    red = xs.max(0) if op == "pmax" else xs.min(0)
+    hits = (xs == red).astype(np.float32)
+    np.testing.assert_allclose(got, hits / hits.sum(0), rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_vmap_inside_shard_map(check_vma):
+    mesh = mesh_1d()
+    x = exact_input((4, 9), ndev(), "float32")
+
+    def f(v):
+        return (jax.vmap(lambda r: jax_gin.psum(r, "i"))(v),
+                jax.vmap(lambda r: lax.psum(r, "i"))(v))
+
+    a, b = smap(f, mesh, P("i"), check_vma=check_vma, out_spec=(P("i"), P("i")))(x)
+    assert_bitwise(a, b)
+
+
+@pytest.mark.parametrize("op", ["psum", "pmax", "pmin"])
+def test_vmap_named_axis(op):
+    # Reducing over the vmapped axis itself (no mesh at all).
+    x = jnp.asarray(np.arange(12, dtype=np.float32).reshape(4, 3) % 5)
+    ours = jax.vmap(lambda v: getattr(jax_gin, op)(v, "b"), axis_name="b")(x)
+    ref = jax.vmap(lambda v: getattr(lax, op)(v, "b"), axis_name="b")(x)
+    assert_bitwise(ours, ref)
+
+
+def test_vmap_named_axis_and_mesh_axis():
+    mesh = mesh_1d()
+    x = exact_input((4, 3), ndev(), "float32")
+
+    def f(v):
+        # (lax.psum rejects this mix of a mesh axis and a vmap axis under check_vma, so the
+        # reference sums the batch locally, then over the mesh.)
+        ours = jax.vmap(lambda r: jax_gin.psum(r, ("i", "b")), axis_name="b")(v)
+        ref = jnp.broadcast_to(lax.psum(v.sum(0), "i"), v.shape)
+        return ours, ref
+
+    a, b = smap(f, mesh, P("i"), out_spec=(P("i"), P("i")))(x)
+    assert_bitwise(a, b)
+
+
+def test_grad_2d_mesh_two_axes():
+    mesh = mesh_2d()
+    x = exact_input((mesh.shape["x"] * 2, mesh.shape["y"] * 3), 1, "float32")
+
+    def f(v):
+        g1 = jax.grad(lambda u: jnp.sum(jax_gin.psum(u, ("x", "y")) * u))(v)
+        g2 = jax.grad(lambda u: jnp.sum(lax.psum(u, ("x", "y")) * u))(v)
+        return g1, g2
+
+    a, b = smap(f, mesh, P("x", "y"), out_spec=(P("x", "y"), P("x", "y")))(x)
+    assert_bitwise(a, b)
+
+
+def test_scan_200_steps():
+    mesh = mesh_1d()
+    n = ndev()
+
+    def f(x):
+        def body(c, _):
+            ours = jax_gin.psum(c, "i", algorithm="ring")
+            ref = lax.psum(c, "i")
+            # the next step depends on this one's result, and values stay exact and bounded
+            return c + (ours - ref), jnp.all(ours == ref)
+        c, ok = lax.scan(body, x, None, length=200)
+        return c, jnp.all(ok)[None]
+
+    x = exact_input((33,), n, "float32")
+    c, ok = smap(f, mesh, P("i"), out_spec=(P("i"), P("i")))(x)
+    assert bool(np.all(np.asarray(ok)))
+    assert c.shape == x.shape
+
+
+def test_interleaved_with_lax():
+    mesh = mesh_1d()
+
+    def f(x):
+        a = jax_gin.psum(x, "i", algorithm="one_shot")
+        b = lax.psum(a, "i")
+        c = jax_gin.pmax(b - x, "i", algorithm="tree")
+        d = lax.pmin(c, "i")
+        e = jax_gin.psum(d, "i", algorithm="two_shot")
+        ref = lax.psum(lax.pmin(lax.pmax(lax.psum(lax.psum(x, "i"), "i") - x, "i"), "i"), "i")
+        return e, ref
+
+    x = exact_input((257,), ndev(), "int32")
+    a, b = smap(f, mesh, P("i"), out_spec=(P("i"), P("i")))(x)
+    assert_bitwise(a, b)
+
+
+def test_communicator_reused_across_calls_and_compilations():
+    mesh = mesh_1d()
+    x = exact_input((8,), ndev(), "float32")
+    smap(lambda v: jax_gin.psum(v, "i", algorithm="ring"), mesh, P("i"))(x)
+    before = jax_gin.runtime.num_communicators()
+    for k in range(3):  # new shapes: new compilations, same communicator
+        y = exact_input((8 + k,), ndev(), "float32")
+        smap(lambda v: jax_gin.psum(v, "i", algorithm="ring") * 2, mesh, P("i"))(y)
+    assert jax_gin.runtime.num_communicators() == before
+
+
+def test_explain():
+    s = jax_gin.explain(jax.ShapeDtypeStruct((1024,), jnp.float32), nranks=8, platform="cpu")
+    assert s.startswith("one_shot")
+    s = jax_gin.explain(jax.ShapeDtypeStruct((1 << 22,), jnp.float32), nranks=8, platform="cpu")
+    assert s.startswith("two_shot")

@@ -1,0 +1,55 @@
+"""No silent hangs: an injected fault makes every wait time out with op, rank, peer and step."""
+import re
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_gin
+from jax_gin import _native
+from conftest import mesh_1d, ndev
+from helpers import exact_input, smap
+
+
+@pytest.mark.parametrize("algo", jax_gin.ALGORITHMS)
+def test_fault_injection_times_out(monkeypatch, algo):
+    if jax.default_backend() != "cpu":
+        pytest.skip("the GPU fault test runs in the native harness (a trap kills the context)")
+    # A communicator that timed out is never reused; a distinct timeout gives each case its own.
+    timeout = 0.5 + 0.01 * jax_gin.ALGORITHMS.index(algo)
+    monkeypatch.setattr(jax_gin.runtime.settings, "timeout_s", timeout)
+    monkeypatch.setattr(jax_gin.runtime.settings, "fault_rank", 1)  # rank 1 never signals
+    x = exact_input((100,), ndev(), "float32")
+    f = smap(lambda v: jax_gin.psum(v, "i", algorithm=algo), mesh_1d(), P("i"))
+    with pytest.raises(Exception) as info:
+        jax.block_until_ready(f(x))
+    msg = str(info.value)
+    # Which device's error XLA reports first is arbitrary; each names op, rank, peer, step.
+    assert re.search(rf"jax_gin psum \({algo}\) on CPU: rank \d+ of group 0 \(\d+ ranks\)", msg), msg
+    assert re.search(rf"(timed out after {timeout:g} s|gave up).*waiting for peer \d+", msg), msg
+    # the broken communicator refuses later calls instead of running on corrupted state
+    with pytest.raises(Exception, match="cannot be reused"):
+        jax.block_until_ready(f(x))
+    assert re.search(r"(at step \d+ of round \d+|\(credit\) before round \d+)", msg), msg
+
+
+def test_fault_only_affects_its_communicator(monkeypatch):
+    if jax.default_backend() != "cpu":
+        pytest.skip("CPU only")
+    x = exact_input((10,), ndev(), "float32")
+    monkeypatch.setattr(jax_gin.runtime.settings, "timeout_s", 0.31)
+    monkeypatch.setattr(jax_gin.runtime.settings, "fault_rank", 0)
+    f = smap(lambda v: jax_gin.psum(v, "i", algorithm="ring"), mesh_1d(), P("i"))
+    with pytest.raises(Exception, match=r"jax_gin psum \(ring\) on CPU: rank \d+ .*waiting for peer"):
+        jax.block_until_ready(f(x))
+    monkeypatch.setattr(jax_gin.runtime.settings, "fault_rank", -1)
+    g = smap(lambda v: jax_gin.psum(v, "i", algorithm="ring") + 0, mesh_1d(), P("i"))
+    out = np.asarray(g(x)).reshape(ndev(), -1)
+    np.testing.assert_array_equal(out[0], np.asarray(x).reshape(ndev(), -1).sum(0))
+
+
+def test_threads_harness_timeout():
+    x = np.ones((4, 50), np.float32)
+    with pytest.raises(RuntimeError, match=r"rank \d of group 0 \(4 ranks\) .*waiting for peer \d at step \d"):
+        _native.cpu.threads_allreduce(x, 0, 0, 4096, timeout_s=0.3, fault_rank=2)
