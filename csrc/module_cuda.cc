@@ -38,8 +38,8 @@ NB_MODULE(_jax_gin_cuda, m) {
   m.def("diagnostics", &gpu::diagnostics, nb::arg("comm") = -1,
         "Messages of timed-out waits recorded on the device (readable after a failed launch).");
   m.def("lane_bytes", &gpu::lane_bytes_for_workspace);
-  m.def("choose_lanes", [](int algo, size_t bytes, int nranks) {
-    return gpu::choose_lanes(Algorithm(algo), bytes, nranks);
+  m.def("choose_lanes", [](int algo, size_t bytes, int nranks, int max_lanes) {
+    return gpu::choose_lanes(Algorithm(algo), bytes, nranks, max_lanes);
   });
   m.def("nccl_version", &gpu::nccl_runtime_version);
   m.def("nccl_header_version", []() { return int(NCCL_VERSION_CODE); });

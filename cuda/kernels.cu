@@ -57,14 +57,15 @@ cudaError_t preload_peers() {
 
 }  // namespace
 
-int choose_lanes(Algorithm algo, size_t bytes, int nranks) {
+int choose_lanes(Algorithm algo, size_t bytes, int nranks, int max_lanes) {
   // Small messages: one lane (fewest flags). Larger: one lane per 64 KiB of message, up to
-  // 32 lanes, so that many CTAs move data over NVLink at once.
+  // max_lanes, so that many CTAs move data over NVLink at once.
   (void)algo;
   (void)nranks;
   size_t lanes = (bytes + (64u << 10) - 1) / (64u << 10);
+  if (max_lanes < 1 || max_lanes > kMaxLanes) max_lanes = kMaxLanes;
   if (lanes < 1) lanes = 1;
-  if (lanes > 32) lanes = 32;
+  if (lanes > size_t(max_lanes)) lanes = size_t(max_lanes);
   return int(lanes);
 }
 
@@ -84,7 +85,7 @@ cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, D
   p.fault_rank = cfg.fault_rank;
   p.op = int32_t(op);
   p.algorithm = int32_t(algo);
-  const int lanes = choose_lanes(algo, count * dtype_size(dtype), cfg.nranks);
+  const int lanes = choose_lanes(algo, count * dtype_size(dtype), cfg.nranks, cfg.max_lanes);
   if (peers.table != nullptr)
     return launch_dtype(dtype, op, TablePeers{peers.table}, p, lanes, cfg.threads, algo, in, out, count, stream);
   return launch_dtype(dtype, op, NcclPeers{peers.win}, p, lanes, cfg.threads, algo, in, out, count, stream);

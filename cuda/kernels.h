@@ -31,11 +31,12 @@ struct LaunchConfig {
   uint64_t timeout_ns = 30ull * 1000 * 1000 * 1000;
   int fault_rank = -1;
   int threads = 512;
+  int max_lanes = kMaxLanes;  // JAX_GIN_MAX_LANES
 };
 
 // Number of lanes (CTAs) used for a message of `bytes` with `algo`. Depends only on its
 // arguments, so every rank of a group makes the same choice.
-int choose_lanes(Algorithm algo, size_t bytes, int nranks);
+int choose_lanes(Algorithm algo, size_t bytes, int nranks, int max_lanes);
 
 // Launches one rank's part of an all-reduce on `stream`. Returns the launch error, if any.
 cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, DType dtype,

@@ -2,6 +2,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -166,6 +167,7 @@ int64_t comm_create(const std::vector<std::vector<int>>& groups, size_t workspac
         c.diag = diag_dev;
         c.timeout_ns = uint64_t(timeout_s * 1e9);
         c.fault_rank = fault_rank;
+        if (const char* v = std::getenv("JAX_GIN_MAX_LANES")) c.max_lanes = std::atoi(v);
       }
     }
   } catch (...) {

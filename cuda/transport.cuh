@@ -142,14 +142,14 @@ class GpuTransport {
     }
   }
 
-  // All threads' earlier stores (local and remote) are ordered before the flag by the CTA
-  // barrier plus thread 0's system-scope fence and release store.
+  // All threads' earlier stores (local and remote) happen before the flag: the CTA barrier
+  // orders them before thread 0's store, and a release store at system scope is cumulative
+  // (the pattern NCCL's LSA barrier uses), so no separate __threadfence_system is needed.
   __device__ void signal(int peer, int kind, uint64_t value) const {
     __syncthreads();
     if (threadIdx.x == 0 && p_.rank != p_.fault_rank) {
       uint64_t* f = reinterpret_cast<uint64_t*>(peers_.base(peer) + p_.flags_offset) +
                     flag_index(lane_, p_.rank, kind, p_.nranks);
-      __threadfence_system();
       st_release_sys(f, value);
     }
   }

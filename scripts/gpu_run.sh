@@ -40,6 +40,7 @@ harness() {
   $H --ranks 2 --counts 1000 --algos one_shot --dtypes f32 --ops sum --iters 1 --timeout-s 1 \
     --fault-rank 1 > "$OUT/harness_fault.log" 2>&1
   log "fault rc=$? (3 expected): $(grep -m1 'timed out' "$OUT/harness_fault.log")"
+  cat "$OUT/harness_fault.log" >> "$OUT/harness.log"; rm -f "$OUT/harness_fault.log"
 }
 
 sanitizer() {
@@ -50,6 +51,7 @@ sanitizer() {
   compute-sanitizer --tool racecheck --error-exitcode 9 $H --ranks 2 --counts 1000 \
     --dtypes f32 --ops sum --iters 1 > "$OUT/racecheck.log" 2>&1
   log "racecheck rc=$? $(grep -m1 -i 'hazard\|ERROR SUMMARY' "$OUT/racecheck.log")"
+  cat "$OUT/memcheck.log" "$OUT/racecheck.log" >> "$OUT/harness.log"; rm -f "$OUT/memcheck.log" "$OUT/racecheck.log"
 }
 
 tests() {
@@ -63,16 +65,31 @@ tests() {
 bench() {
   log "benchmark"
   JAX_PLATFORMS=cuda $PY -m jax_gin.bench -b 4K -e ${BENCH_MAX:-1G} -f 4 -d float32,bfloat16 \
-    -a auto,one_shot,two_shot,ring,tree,lax -n 20 -w 5 -k 20 --json "$OUT/bench.json" \
-    --plot "$OUT/bench.png" > "$OUT/bench.txt" 2> "$OUT/bench.err"
+    -a ${BENCH_ALGOS:-auto,one_shot,two_shot,ring,tree,lax} -n 20 -w 5 -k 20 --json "$OUT/bench.json" \
+    --plot "$OUT/bench.png" > "$OUT/bench.txt" 2>> "$OUT/build.log"
   log "bench rc=$?"
-  grep -v "^#" "$OUT/bench.txt" | head -80
+}
+
+# Command buffers (CUDA graphs): the same small sizes with XLA's command buffers off, and on
+# for custom calls and collectives, both libraries side by side.
+graphs() {
+  for mode in off on; do
+    if [ $mode = off ]; then F="--xla_gpu_enable_command_buffer="; else
+      F="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUSTOM_CALL,COLLECTIVES --xla_gpu_graph_min_graph_size=1"; fi
+    log "benchmark, command buffers $mode"
+    XLA_FLAGS="$F" JAX_PLATFORMS=cuda $PY -m jax_gin.bench -b 4K -e 1M -f 4 -d float32 \
+      -a auto,one_shot,lax -n 20 -w 5 -k 20 > "$OUT/bench_cmdbuf_$mode.txt" 2>> "$OUT/build.log"
+    log "rc=$?"
+  done
 }
 
 case "$MODE" in
   quick) harness; PYTEST_K="parity_1d and float32" tests; BENCH_MAX=64M bench ;;
   tests) harness; sanitizer; tests ;;
   bench) bench ;;
-  full) harness; sanitizer; tests; bench ;;
+  full) harness; sanitizer; tests; bench; graphs ;;
+  graphs) graphs ;;
 esac
 log "done"
+cat "$OUT/summary.txt"
+for f in "$OUT"/bench*.txt; do [ -f "$f" ] && { echo "--- $f"; grep -E "^ +[0-9]|Avg|Geomean" "$f" | head -120; }; done
