@@ -56,7 +56,7 @@ sanitizer() {
 
 tests() {
   log "pytest JAX_PLATFORMS=cuda"
-  JAX_PLATFORMS=cuda timeout ${PYTEST_TIMEOUT:-480} $PY -m pytest -q -x -p no:cacheprovider \
+  JAX_PLATFORMS=cuda timeout ${PYTEST_TIMEOUT:-480} $PY -m pytest -q -p no:cacheprovider \
     ${PYTEST_K:+-k "$PYTEST_K"} tests/ > "$OUT/pytest.log" 2>&1
   log "pytest rc=$? $(tail -1 "$OUT/pytest.log")"
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -10
@@ -89,6 +89,8 @@ case "$MODE" in
   bench) bench ;;
   full) harness; sanitizer; tests; bench; graphs ;;
   graphs) graphs ;;
+  pytest) tests ;;
+  record) tests; bench; graphs ;;
 esac
 log "done"
 cat "$OUT/summary.txt"

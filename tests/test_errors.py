@@ -47,6 +47,7 @@ def test_positional_axis_rejected():
 
 def test_workspace_too_small(monkeypatch):
     monkeypatch.setattr(jax_gin.runtime.settings, "cpu_workspace_bytes", 64)
+    monkeypatch.setattr(jax_gin.runtime.settings, "gpu_workspace_bytes", 64)
     x = exact_input((4,), ndev(), "float32")
     f = smap(lambda v: jax_gin.psum(v, "i", algorithm="one_shot"), mesh_1d(), P("i"))
     with pytest.raises(ValueError, match="workspace too small"):
