@@ -1,0 +1,98 @@
+"""GPU-only checks: sizes up to 1 GiB per device, 100,000 repeated calls, command buffers.
+
+Run with JAX_PLATFORMS=cuda on a machine with >= 2 GPUs and the CUDA extension; skipped on
+CPU. (The timeout fault on GPU traps the CUDA context, so it is tested in the native harness,
+cuda/harness.cu --fault-rank, which scripts/gpu_run.sh runs.)
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jax_gin
+from conftest import mesh_1d, ndev
+from helpers import assert_bitwise, smap
+
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "gpu" or not jax_gin.has_cuda() or len(jax.devices()) < 2,
+    reason="needs >= 2 CUDA devices and the CUDA extension")
+
+
+def _exact_device_input(count, dtype):
+    # Built on the devices (no 1 GiB host transfer): small integers, different per device.
+    mesh = mesh_1d()
+
+    def make(_):
+        i = lax.axis_index("i")
+        v = (jnp.arange(count, dtype=jnp.int32) * 7 + i * 3) % 11 - 5
+        return v.astype(dtype)
+
+    return smap(make, mesh, P("i"))(jnp.zeros((ndev(),), jnp.int32))
+
+
+@pytest.mark.parametrize("algo", jax_gin.ALGORITHMS + ("auto",))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sizes_1_to_1gib(algo, dtype):
+    itemsize = np.dtype(dtype).itemsize
+    mesh = mesh_1d()
+    f = smap(lambda v: jnp.all(jax_gin.psum(v, "i", algorithm=algo) == lax.psum(v, "i"))[None],
+             mesh, P("i"))
+    for nbytes in [itemsize, 3 * itemsize, 4 << 10, 1 << 20, (16 << 20) + 6, 256 << 20, 1 << 30]:
+        if algo == "tree" and nbytes > (256 << 20):
+            continue  # tree is for latency; it is exercised up to 256 MiB
+        x = _exact_device_input(nbytes // itemsize, dtype)
+        ok = np.asarray(f(x))
+        assert ok.all(), (algo, dtype, nbytes)
+        del x
+
+
+@pytest.mark.parametrize("algo", jax_gin.ALGORITHMS)
+def test_100k_repeated_calls(algo):
+    # 100 jit calls of a scan of 1000 dependent all-reduces = 100,000 calls, every one checked.
+    mesh = mesh_1d()
+
+    def f(x):
+        def body(c, _):
+            y = jax_gin.psum(c, "i", algorithm=algo)
+            ok = jnp.all(y == lax.psum(c, "i"))
+            return c + (y - lax.psum(c, "i")), ok
+        c, ok = lax.scan(body, x, None, length=1000)
+        return jnp.all(ok)[None]
+
+    g = smap(f, mesh, P("i"))
+    x = _exact_device_input(4099, "float32")
+    oks = [g(x) for _ in range(100)]
+    assert all(bool(np.asarray(o).all()) for o in oks)
+
+
+def test_cuda_graphs_subprocess():
+    # With XLA command buffers forced on for custom calls, jax_gin's execute-only handler is
+    # captured into CUDA graphs and still gives lax's bits.
+    code = textwrap.dedent("""
+        import os, numpy as np, jax, jax.numpy as jnp
+        from jax import lax
+        from jax.sharding import Mesh, PartitionSpec as P
+        import jax_gin
+        mesh = Mesh(np.array(jax.devices()), ("i",))
+        def f(x):
+            for _ in range(8):
+                x = jax_gin.psum(x, "i") - lax.psum(x, "i") + x
+            return jnp.all(jax_gin.psum(x, "i") == lax.psum(x, "i"))[None]
+        g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+        x = jnp.arange(len(jax.devices()) * 1000, dtype=jnp.float32) % 7
+        for _ in range(50):
+            assert bool(np.asarray(g(x)).all())
+        print("OK")
+    """)
+    env = dict(os.environ, XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
+               "--xla_gpu_graph_min_graph_size=1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
