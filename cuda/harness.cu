@@ -12,6 +12,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -77,8 +79,9 @@ int main(int argc, char** argv) {
   std::vector<std::string> ranks_s = {"2", "3", "4", "8"}, counts_s = {"1", "7", "1000", "4099", "300001"};
   std::vector<std::string> algos_s = {"ring", "tree", "one_shot", "two_shot"};
   std::vector<std::string> dtypes_s = {"f32", "bf16", "i32"}, ops_s = {"sum", "max", "min"};
-  int iters = 3, fault_rank = -1;
+  int iters = 3, fault_rank = -1, time_iters = 0;
   size_t lane_bytes = 256 << 10;
+  size_t ll_max_bytes = 64 << 10;
   double timeout_s = 20.0;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
@@ -91,6 +94,8 @@ int main(int argc, char** argv) {
     else if (k == "--lane-bytes") lane_bytes = std::strtoull(v.c_str(), nullptr, 10);
     else if (k == "--timeout-s") timeout_s = std::atof(v.c_str());
     else if (k == "--fault-rank") fault_rank = std::atoi(v.c_str());
+    else if (k == "--time-iters") time_iters = std::atoi(v.c_str());
+    else if (k == "--ll-max-bytes") ll_max_bytes = std::strtoull(v.c_str(), nullptr, 10);
     else { std::fprintf(stderr, "unknown flag %s\n", k.c_str()); return 2; }
   }
   int ngpu = 0;
@@ -121,8 +126,8 @@ int main(int argc, char** argv) {
       CK(cudaSetDevice(R.dev));
       CK(cudaMalloc(&R.window, wbytes));
       CK(cudaMemset(R.window, 0, wbytes));
-      CK(cudaMalloc(&R.rounds, kMaxLanes * sizeof(uint64_t)));
-      CK(cudaMemset(R.rounds, 0, kMaxLanes * sizeof(uint64_t)));
+      CK(cudaMalloc(&R.rounds, 2 * kMaxLanes * sizeof(uint64_t)));
+      CK(cudaMemset(R.rounds, 0, 2 * kMaxLanes * sizeof(uint64_t)));
       CK(cudaHostAlloc(&R.diag_host, sizeof(Diagnostic), cudaHostAllocMapped | cudaHostAllocPortable));
       std::memset(R.diag_host, 0, sizeof(Diagnostic));
       CK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&R.diag_dev), R.diag_host, 0));
@@ -174,9 +179,8 @@ int main(int argc, char** argv) {
                 gpu::LaunchConfig cfg;
                 cfg.rank = r;
                 cfg.nranks = N;
-                cfg.flags_offset = 0;
-                cfg.data_offset = gpu::window_flags_bytes(N);
-                cfg.lane_bytes = lane_bytes;
+                gpu::set_window_layout(cfg, N, lane_bytes);
+                cfg.ll_max_bytes = std::min(cfg.ll_max_bytes, ll_max_bytes);
                 cfg.rounds = R.rounds;
                 cfg.diag = R.diag_dev;
                 cfg.timeout_ns = uint64_t(timeout_s * 1e9);
@@ -184,6 +188,31 @@ int main(int argc, char** argv) {
                 CK(gpu::launch_allreduce(gpu::PeerAccess{nullptr, R.table}, cfg, dt->dt, op, algo,
                                          R.in, R.out, count, R.stream));
               }
+            }
+            double us_per_iter = 0;
+            if (time_iters > 0) {
+              // Kernel-level latency without XLA: back-to-back launches on every rank, timed
+              // on the host around the whole batch after a synchronized start.
+              for (int r = 0; r < N; ++r) { CK(cudaSetDevice(rk[r].dev)); CK(cudaStreamSynchronize(rk[r].stream)); }
+              auto t0 = std::chrono::steady_clock::now();
+              for (int it = 0; it < time_iters; ++it) {
+                for (int r = 0; r < N; ++r) {
+                  Rank& R = rk[r];
+                  CK(cudaSetDevice(R.dev));
+                  gpu::LaunchConfig cfg;
+                  cfg.rank = r; cfg.nranks = N;
+                  gpu::set_window_layout(cfg, N, lane_bytes);
+                  cfg.ll_max_bytes = std::min(cfg.ll_max_bytes, ll_max_bytes);
+                  cfg.rounds = R.rounds; cfg.diag = R.diag_dev;
+                  cfg.timeout_ns = uint64_t(timeout_s * 1e9);
+                  CK(gpu::launch_allreduce(gpu::PeerAccess{nullptr, R.table}, cfg, dt->dt, op, algo,
+                                           R.in, R.out, count, R.stream));
+                }
+              }
+              for (int r = 0; r < N; ++r) { CK(cudaSetDevice(rk[r].dev)); CK(cudaStreamSynchronize(rk[r].stream)); }
+              us_per_iter = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / time_iters;
+              std::printf("time ranks=%d dtype=%s op=%s algo=%s bytes=%zu: %.2f us/call\n", N, dt->name,
+                          os_.c_str(), as.c_str(), count * dt->size, us_per_iter);
             }
             bool timed_out = false;
             for (int r = 0; r < N; ++r) {

@@ -85,7 +85,14 @@ cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, D
   p.fault_rank = cfg.fault_rank;
   p.op = int32_t(op);
   p.algorithm = int32_t(algo);
-  const int lanes = choose_lanes(algo, count * dtype_size(dtype), cfg.nranks, cfg.max_lanes);
+  p.ll_offset = cfg.ll_offset;
+  const size_t bytes = count * dtype_size(dtype);
+  // Small one_shot messages take the LL protocol: no separate signal, fence or credit.
+  p.ll = algo == Algorithm::kOneShot && bytes <= cfg.ll_max_bytes &&
+         bytes <= kLLLanePayload * kLLMaxLanes && cfg.nranks <= kLLMaxRanks && cfg.nranks > 1;
+  const int lanes = p.ll ? int((bytes + kLLLanePayload - 1) / kLLLanePayload)
+                         : choose_lanes(algo, bytes, cfg.nranks, cfg.max_lanes);
+  if (lanes == 0) return cudaSuccess;  // nothing to reduce
   if (peers.table != nullptr)
     return launch_dtype(dtype, op, TablePeers{peers.table}, p, lanes, cfg.threads, algo, in, out, count, stream);
   return launch_dtype(dtype, op, NcclPeers{peers.win}, p, lanes, cfg.threads, algo, in, out, count, stream);
@@ -106,8 +113,20 @@ size_t lane_bytes_for_workspace(size_t workspace_bytes) {
   return workspace_bytes / kMaxLanes / 4096 * 4096;
 }
 
+size_t window_ll_bytes(int nranks) {
+  return nranks <= kLLMaxRanks ? ll_area_bytes(nranks) : 0;
+}
+
 size_t window_bytes(int nranks, size_t lane_bytes) {
-  return window_flags_bytes(nranks) + size_t(kMaxLanes) * lane_bytes;
+  return window_flags_bytes(nranks) + window_ll_bytes(nranks) + size_t(kMaxLanes) * lane_bytes;
+}
+
+void set_window_layout(LaunchConfig& cfg, int nranks, size_t lane_bytes) {
+  cfg.flags_offset = 0;
+  cfg.ll_offset = window_flags_bytes(nranks);
+  cfg.data_offset = cfg.ll_offset + window_ll_bytes(nranks);
+  cfg.lane_bytes = lane_bytes;
+  if (window_ll_bytes(nranks) == 0) cfg.ll_max_bytes = 0;
 }
 
 }  // namespace gpu

@@ -25,8 +25,10 @@ struct LaunchConfig {
   int rank = 0, nranks = 1, group = 0;
   size_t flags_offset = 0;   // bytes, inside each window
   size_t data_offset = 0;    // bytes, inside each window
+  size_t ll_offset = 0;      // bytes, inside each window: the LL area
+  size_t ll_max_bytes = 64 << 10;  // one_shot uses the LL protocol up to this size (JAX_GIN_LL_MAX_BYTES)
   size_t lane_bytes = 0;     // data bytes per lane
-  uint64_t* rounds = nullptr;   // device: kMaxLanes round counters of this rank
+  uint64_t* rounds = nullptr;   // device: 2 * kMaxLanes round counters (simple, then LL)
   Diagnostic* diag = nullptr;   // host-mapped (device pointer of it)
   uint64_t timeout_ns = 30ull * 1000 * 1000 * 1000;
   int fault_rank = -1;
@@ -47,8 +49,11 @@ cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, D
 // global lock) happens while a peer's kernel spins.
 cudaError_t preload_kernels();
 
-// Window layout of one rank: flags first, then kMaxLanes data areas of lane_bytes each.
+// Window layout of one rank: flags, then the LL area, then kMaxLanes data areas of lane_bytes.
 size_t window_flags_bytes(int nranks);
+size_t window_ll_bytes(int nranks);
+// Fills flags_offset, ll_offset and data_offset of `cfg` for this layout.
+void set_window_layout(LaunchConfig& cfg, int nranks, size_t lane_bytes);
 size_t window_bytes(int nranks, size_t lane_bytes);
 size_t lane_bytes_for_workspace(size_t workspace_bytes);
 

@@ -26,12 +26,98 @@ __global__ void __launch_bounds__(512)
   if (threadIdx.x == 0) p.rounds[lane] = round;
 }
 
+// one_shot over the LL protocol (transport.cuh). Purpose: the smallest latency for messages up
+// to 64 KiB per rank and up to 16 ranks. Each thread owns lines: it pushes its 8 input bytes
+// with the round's flag to every peer, then polls its own window for every peer's line and
+// reduces the N contributions in rank order (same order on every rank: same bits).
+__device__ __forceinline__ uint64_t ll_load8(const char* base, size_t line, size_t nbytes) {
+  const size_t off = line * 8;
+  if (off + 8 <= nbytes) return *reinterpret_cast<const uint64_t*>(base + off);
+  uint64_t v = 0;
+  for (size_t b = 0; off + b < nbytes; ++b) v |= uint64_t(uint8_t(base[off + b])) << (8 * b);
+  return v;
+}
+__device__ __forceinline__ void ll_store8(char* base, size_t line, size_t nbytes, uint64_t v) {
+  const size_t off = line * 8;
+  if (off + 8 <= nbytes) { *reinterpret_cast<uint64_t*>(base + off) = v; return; }
+  for (size_t b = 0; off + b < nbytes; ++b) base[off + b] = char(uint8_t(v >> (8 * b)));
+}
+
+template <class T, class Op, class Peers>
+__global__ void __launch_bounds__(512)
+    one_shot_ll_kernel(Peers peers, LaneParams p, const T* __restrict__ in, T* __restrict__ out,
+                       size_t count) {
+  const int lane = blockIdx.x, r = p.rank, N = p.nranks;
+  __shared__ uint64_t s_round;
+  if (threadIdx.x == 0) s_round = p.rounds[kMaxLanes + lane] + 1;
+  __syncthreads();
+  const uint64_t round = s_round;
+  const uint32_t flag = uint32_t(round);
+  const int parity = int(round & 1);
+  const size_t total = count * sizeof(T);
+  const size_t lo = size_t(lane) * kLLLanePayload;
+  const size_t nbytes = total > lo ? (total - lo < kLLLanePayload ? total - lo : kLLLanePayload) : 0;
+  const size_t nlines = (nbytes + 7) / 8;
+  const char* inb = reinterpret_cast<const char*>(in) + lo;
+  char* outb = reinterpret_cast<char*>(out) + lo;
+  const uint64_t hi = uint64_t(flag) << 32;
+  constexpr int E = 8 / sizeof(T);
+  for (size_t i = threadIdx.x; i < nlines; i += blockDim.x) {
+    const uint64_t mine = ll_load8(inb, i, nbytes);
+    // step 0: push my line, tagged with the round's flag, to every peer
+    if (r != p.fault_rank) {
+      for (int k = 1; k < N; ++k) {
+        const int q = (r + k) % N;
+        uint64_t* dst = reinterpret_cast<uint64_t*>(peers.base(q) + p.ll_offset +
+                                                    ll_slot_offset(parity, lane, r, N)) + 2 * i;
+        st_volatile_v2(dst, hi | (mine & 0xffffffffull), hi | (mine >> 32));
+      }
+    }
+    // reduce the N lines in rank order, polling for the peers' ones
+    union { uint64_t u; T e[E]; } acc, x;
+    for (int q = 0; q < N; ++q) {
+      if (q == r) {
+        x.u = mine;
+      } else {
+        const uint64_t* src = reinterpret_cast<const uint64_t*>(
+            peers.base(r) + p.ll_offset + ll_slot_offset(parity, lane, q, N)) + 2 * i;
+        uint64_t a, b;
+        ld_volatile_v2(src, a, b);
+        if ((a >> 32) != flag || (b >> 32) != flag) {
+          const uint64_t start = globaltimer_ns();
+          for (uint32_t spins = 1;; ++spins) {
+            ld_volatile_v2(src, a, b);
+            if ((a >> 32) == flag && (b >> 32) == flag) break;
+            if ((spins & 1023u) == 0 && globaltimer_ns() - start > p.timeout_ns) {
+              record_timeout(p, lane, q, 0, round, flag, (a >> 32) != flag ? (a >> 32) : (b >> 32));
+              __trap();
+            }
+          }
+        }
+        x.u = (a & 0xffffffffull) | (b << 32);
+      }
+      if (q == 0) {
+        acc.u = x.u;
+      } else {
+#pragma unroll
+        for (int j = 0; j < E; ++j) acc.e[j] = Op::apply(acc.e[j], x.e[j]);
+      }
+    }
+    ll_store8(outb, i, nbytes, acc.u);
+  }
+  if (threadIdx.x == 0) p.rounds[kMaxLanes + lane] = round;
+}
 
 template <class T, class Op, class Peers>
 cudaError_t launch_typed(const Peers& peers, const LaneParams& p, int lanes, int threads,
                          Algorithm algo, const void* in, void* out, size_t count, cudaStream_t s) {
-  allreduce_kernel<T, Op, Peers><<<lanes, threads, 0, s>>>(
-      peers, p, int(algo), static_cast<const T*>(in), static_cast<T*>(out), count);
+  if (p.ll) {
+    one_shot_ll_kernel<T, Op, Peers><<<lanes, threads, 0, s>>>(
+        peers, p, static_cast<const T*>(in), static_cast<T*>(out), count);
+  } else {
+    allreduce_kernel<T, Op, Peers><<<lanes, threads, 0, s>>>(
+        peers, p, int(algo), static_cast<const T*>(in), static_cast<T*>(out), count);
+  }
   return cudaGetLastError();
 }
 
@@ -51,6 +137,9 @@ cudaError_t preload_type() {
   cudaFuncAttributes a;
   cudaError_t e;
   if ((e = cudaFuncGetAttributes(&a, allreduce_kernel<T, DevSum, Peers>)) != cudaSuccess) return e;
+  if ((e = cudaFuncGetAttributes(&a, one_shot_ll_kernel<T, DevSum, Peers>)) != cudaSuccess) return e;
+  if ((e = cudaFuncGetAttributes(&a, one_shot_ll_kernel<T, DevMax, Peers>)) != cudaSuccess) return e;
+  if ((e = cudaFuncGetAttributes(&a, one_shot_ll_kernel<T, DevMin, Peers>)) != cudaSuccess) return e;
   if ((e = cudaFuncGetAttributes(&a, allreduce_kernel<T, DevMax, Peers>)) != cudaSuccess) return e;
   return cudaFuncGetAttributes(&a, allreduce_kernel<T, DevMin, Peers>);
 }

@@ -2,6 +2,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -123,8 +124,8 @@ int64_t comm_create(const std::vector<std::vector<int>>& groups, size_t workspac
         JG_CUDA(cudaSetDevice(s.device));
         JG_NCCL(ncclMemAlloc(&s.window_ptr, wbytes));
         JG_CUDA(cudaMemset(s.window_ptr, 0, wbytes));
-        JG_CUDA(cudaMalloc(&s.rounds, kMaxLanes * sizeof(uint64_t)));
-        JG_CUDA(cudaMemset(s.rounds, 0, kMaxLanes * sizeof(uint64_t)));
+        JG_CUDA(cudaMalloc(&s.rounds, 2 * kMaxLanes * sizeof(uint64_t)));
+        JG_CUDA(cudaMemset(s.rounds, 0, 2 * kMaxLanes * sizeof(uint64_t)));
         JG_CUDA(cudaHostAlloc(&s.diag_host, sizeof(Diagnostic), cudaHostAllocMapped | cudaHostAllocPortable));
         std::memset(s.diag_host, 0, sizeof(Diagnostic));
         JG_CUDA(cudaDeviceSynchronize());
@@ -160,14 +161,14 @@ int64_t comm_create(const std::vector<std::vector<int>>& groups, size_t workspac
         c.rank = r;
         c.nranks = n;
         c.group = int(g);
-        c.flags_offset = 0;
-        c.data_offset = window_flags_bytes(n);
-        c.lane_bytes = lane_bytes;
+        set_window_layout(c, n, lane_bytes);
         c.rounds = s.rounds;
         c.diag = diag_dev;
         c.timeout_ns = uint64_t(timeout_s * 1e9);
         c.fault_rank = fault_rank;
         if (const char* v = std::getenv("JAX_GIN_MAX_LANES")) c.max_lanes = std::atoi(v);
+        if (const char* v = std::getenv("JAX_GIN_LL_MAX_BYTES"))
+          c.ll_max_bytes = std::min<size_t>(c.ll_max_bytes, std::strtoull(v, nullptr, 10));
       }
     }
   } catch (...) {

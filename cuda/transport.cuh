@@ -80,7 +80,34 @@ struct LaneParams {
   uint64_t timeout_ns;
   int fault_rank;        // testing only: this rank's signals are dropped
   int32_t op, algorithm;
+  size_t ll_offset;      // byte offset of the LL (low-latency) area inside each window
+  int ll;                // 1: this launch uses the LL one-shot kernel
 };
+
+// ---- LL protocol (one_shot for small messages) ----------------------------------------
+// Each 16-byte line carries 8 payload bytes as two (data32, flag32) pairs written with one
+// v2.u64 store; every 64-bit half is single-copy atomic, so a reader that sees the flag of
+// the current round in both halves also sees their data. No separate signal, no fence, no
+// credit: one NVLink one-way latency per call. Buffers alternate by round parity; a rank in
+// round e has received its peers' round e-1 data, so they finished reading round e-2's
+// buffer (each call is one kernel, and kernels of one rank are stream-ordered).
+constexpr size_t kLLLanePayload = 8 << 10;  // payload bytes per lane
+constexpr int kLLMaxLanes = 8;              // so LL carries at most 64 KiB per rank
+constexpr int kLLMaxRanks = 16;
+constexpr size_t kLLLinesPerLane = kLLLanePayload / 8;
+__host__ __device__ inline size_t ll_area_bytes(int nranks) {
+  return 2ull * kLLMaxLanes * size_t(nranks) * kLLLinesPerLane * 16;
+}
+__host__ __device__ inline size_t ll_slot_offset(int parity, int lane, int sender, int nranks) {
+  return ((size_t(parity) * kLLMaxLanes + size_t(lane)) * size_t(nranks) + size_t(sender)) *
+         kLLLinesPerLane * 16;
+}
+__device__ __forceinline__ void st_volatile_v2(uint64_t* p, uint64_t a, uint64_t b) {
+  asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(a), "l"(b) : "memory");
+}
+__device__ __forceinline__ void ld_volatile_v2(const uint64_t* p, uint64_t& a, uint64_t& b) {
+  asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
+}
 
 // Peers reached through an NCCL window (LSA pointers).
 struct NcclPeers {
@@ -92,6 +119,25 @@ struct TablePeers {
   char* const* bases;
   __device__ char* base(int peer) const { return bases[peer]; }
 };
+
+__device__ inline void record_timeout(const LaneParams& p, int lane, int peer, int step,
+                                      uint64_t round, uint64_t expected, uint64_t seen) {
+  volatile Diagnostic* d = p.diag;
+  if (d == nullptr) return;
+  d->op = p.op;
+  d->algorithm = p.algorithm;
+  d->rank = p.rank;
+  d->peer = peer;
+  d->step = step;
+  d->lane = lane;
+  d->group = p.group;
+  d->round = round;
+  d->expected = expected;
+  d->seen = seen;
+  __threadfence_system();
+  d->valid = 1;
+  __threadfence_system();
+}
 
 template <class Peers>
 class GpuTransport {
@@ -178,21 +224,8 @@ class GpuTransport {
 
  private:
   __device__ void report(int peer, int step, uint64_t expected, uint64_t seen) const {
-    volatile Diagnostic* d = p_.diag;
-    if (d == nullptr) return;
-    d->op = p_.op;
-    d->algorithm = p_.algorithm;
-    d->rank = p_.rank;
-    d->peer = peer;
-    d->step = step;
-    d->lane = lane_;
-    d->group = p_.group;
-    d->round = step < 0 ? expected + 1 : (expected - 1) / 256;  // inverse of data_tag()
-    d->expected = expected;
-    d->seen = seen;
-    __threadfence_system();
-    d->valid = 1;
-    __threadfence_system();
+    const uint64_t round = step < 0 ? expected + 1 : (expected - 1) / 256;  // inverse of data_tag()
+    record_timeout(p_, lane_, peer, step, round, expected, seen);
   }
 
   Peers peers_;

@@ -43,6 +43,15 @@ harness() {
   cat "$OUT/harness_fault.log" >> "$OUT/harness.log"; rm -f "$OUT/harness_fault.log"
 }
 
+# Kernel-level latency, no XLA: one_shot over LL vs the simple protocol, two_shot, ring.
+latency() {
+  log "kernel latency (native harness, 2 ranks on 2 GPUs, 2000 back-to-back calls)"
+  for ll in 65536 0; do
+    $H --ranks 2 --counts 1024,16384 --algos one_shot,two_shot --dtypes f32 --ops sum --iters 1 \
+      --time-iters 2000 --ll-max-bytes $ll | grep -E "^time" | sed "s/^/ll_max=$ll /" | tee -a "$OUT/summary.txt"
+  done
+}
+
 sanitizer() {
   log "compute-sanitizer memcheck + racecheck (small native case)"
   compute-sanitizer --tool memcheck --error-exitcode 9 $H --ranks 2 --counts 1,1000,4099 \
@@ -85,6 +94,8 @@ graphs() {
 
 case "$MODE" in
   quick) harness; PYTEST_K="parity_1d and float32" tests; BENCH_MAX=64M bench ;;
+  latency) latency ;;
+  small) harness; latency; sanitizer; PYTEST_K="parity or gpu or rules" tests; BENCH_MAX=4M bench; graphs ;;
   tests) harness; sanitizer; tests ;;
   bench) bench ;;
   full) harness; sanitizer; tests; bench; graphs ;;
