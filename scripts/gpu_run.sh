@@ -74,7 +74,7 @@ tests() {
 bench() {
   log "benchmark"
   JAX_PLATFORMS=cuda $PY -m jax_gin.bench -b 4K -e ${BENCH_MAX:-1G} -f 4 -d float32,bfloat16 \
-    -a ${BENCH_ALGOS:-auto,one_shot,two_shot,ring,tree,lax} -n 20 -w 5 -k 20 --json "$OUT/bench.json" \
+    -a ${BENCH_ALGOS:-auto,one_shot,two_shot,ring,tree,lax} -n ${BENCH_ITERS:-20} -w 5 -k 20 --json "$OUT/bench.json" \
     --plot "$OUT/bench.png" > "$OUT/bench.txt" 2>> "$OUT/build.log"
   log "bench rc=$?"
 }
@@ -95,7 +95,7 @@ graphs() {
 case "$MODE" in
   quick) harness; PYTEST_K="parity_1d and float32" tests; BENCH_MAX=64M bench ;;
   latency) latency ;;
-  small) harness; latency; sanitizer; PYTEST_K="parity or gpu or rules" tests; BENCH_MAX=4M bench; graphs ;;
+  small) harness; latency; sanitizer; PYTEST_K="parity or gpu or rules" tests; BENCH_MAX=4M BENCH_ITERS=50 bench; graphs ;;
   tests) harness; sanitizer; tests ;;
   bench) bench ;;
   full) harness; sanitizer; tests; bench; graphs ;;
