@@ -12,6 +12,7 @@ from . import _runtime as runtime
 from ._ops import ALGORITHMS, SUPPORTED_DTYPE_NAMES as SUPPORTED_DTYPES
 from ._primitive import allreduce_p, pmax, pmin, psum
 from ._explain import explain
+from .global_ops import einsum, matmul, max, mean, min, sum  # global view (jit/pjit)
 
 __version__ = "0.1.0"
 
@@ -19,3 +20,4 @@ has_cuda = _native.has_cuda
 
 __all__ = ["psum", "pmax", "pmin", "ALGORITHMS", "SUPPORTED_DTYPES", "explain", "runtime",
            "has_cuda", "allreduce_p", "__version__"]
+__all__ += ["einsum", "matmul", "sum", "mean", "max", "min"]

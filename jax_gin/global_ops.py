@@ -1,0 +1,472 @@
+"""Global-view operations for jit/pjit: contractions and reductions whose all-reduce is jax_gin's.
+
+Under jit with globally sharded arrays the all-reduce is implicit: the partitioner inserts
+one whenever a contraction or a reduction runs over a sharded dimension. Each operation here
+is a `jax.experimental.custom_partitioning` op with a Shardy sharding rule. Its partition
+function gives each device its local partial result and all-reduces the partials with
+jax_gin.psum / pmax / pmin over exactly the mesh axes that shard the reduced dimensions. So
+the compiled program holds jax_gin's custom call where XLA's all-reduce would be, and when
+no reduced dimension is sharded, no collective runs at all.
+
+    einsum(subscripts, x, w)    two operands, explicit output ("bk,kn->bn")
+    matmul(x, w)                x (..., k) @ w (k, n)
+    sum / mean / max / min      (x, axis=None, keepdims=False)
+
+Each is differentiable: custom_partitioning has no AD rules, so each op is wrapped in
+custom_vjp. The backward passes are built from the same operations, so a backward
+contraction over a sharded dimension also all-reduces with jax_gin. Examples are the weight
+gradient of a data-parallel layer and the input gradient of a column-parallel one.
+
+Mesh axis types:
+- Auto axes go straight to the partitioner.
+- Explicit axes become Auto around the op, through jax.sharding.auto_axes. The result then
+  gets the sharding that the sharding rule implies: the reduced dimensions lose their
+  sharding, and the others keep the first operand's. `out_sharding=` overrides it.
+- Inside jax.shard_map, where every axis is manual, the ops compute on the local block and
+  never communicate, as jnp does there. Use jax_gin.psum in that case.
+"""
+from __future__ import annotations
+
+import builtins
+import functools
+import math
+import string
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, get_abstract_mesh
+
+from ._ops import check_dtype
+from ._primitive import pmax, pmin, psum
+from . import _select
+
+__all__ = ["einsum", "matmul", "sum", "mean", "max", "min"]
+
+_ALLREDUCE = {"sum": psum, "max": pmax, "min": pmin}
+_LOCAL = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}
+
+
+# ---------------------------------------------------------------------------------------
+# Sharding helpers: which mesh axes shard which factor (dimension letter)
+
+
+def _entry_axes(entry) -> tuple:
+    """The mesh axes of one PartitionSpec entry: None, a name, or a tuple of names."""
+    if entry is None:
+        return ()
+    if isinstance(entry, (tuple, list)):
+        return tuple(entry)
+    return (entry,)
+
+
+def _padded_spec(spec, ndim: int) -> tuple:
+    spec = tuple(spec) if spec is not None else ()
+    return spec + (None,) * (ndim - len(spec))
+
+
+def _assign_factors(operands, specs, sizes: dict, mesh_shape: dict) -> dict:
+    """Choose one sharding per factor: factor -> tuple of mesh axes.
+
+    A factor takes the axes of the first operand that shards it. Each mesh axis shards at
+    most one factor, axes of size 1 are dropped, and the axes that remain must divide the
+    factor's size: a tuple keeps its longest prefix that does.
+    """
+    chosen, used = {}, set()
+    for factors, spec in zip(operands, specs):
+        for f, entry in zip(factors, _padded_spec(spec, len(factors))):
+            if chosen.get(f):
+                continue
+            axes, prod = [], 1
+            for a in _entry_axes(entry):
+                n = int(mesh_shape.get(a, 1))
+                if a in used or n == 1 or sizes[f] % (prod * n):
+                    break
+                axes.append(a)
+                prod *= n
+            if axes:
+                chosen[f] = tuple(axes)
+                used.update(axes)
+    return chosen
+
+
+def _spec_for(factors, chosen: dict) -> P:
+    out = []
+    for f in factors:
+        axes = chosen.get(f, ())
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return P(*out)
+
+
+def _reduced_axes(reduced_factors, chosen: dict, mesh_axis_names) -> tuple:
+    """The mesh axes that shard a reduced factor, in mesh order: the all-reduce's axes."""
+    axes = {a for f in reduced_factors for a in chosen.get(f, ())}
+    return tuple(a for a in mesh_axis_names if a in axes)
+
+
+def _named_specs(api: str, arg_shapes) -> list:
+    specs = []
+    for a in arg_shapes:
+        if not isinstance(a.sharding, NamedSharding):
+            raise NotImplementedError(
+                f"jax_gin.{api}: the partitioner gave an operand sharding that is not a "
+                f"NamedSharding ({type(a.sharding).__name__}); shard the inputs with "
+                "NamedSharding over a jax.sharding.Mesh")
+        specs.append(a.sharding.spec)
+    return specs
+
+
+def _rule_string(operands, result) -> str:
+    return ", ".join(" ".join(fs) for fs in operands) + " -> " + " ".join(result)
+
+
+# ---------------------------------------------------------------------------------------
+# Explicit mesh axes: run the op with them switched to Auto
+
+
+def _explicit_axes(*xs) -> tuple:
+    """Mesh axes of type Explicit in the types of xs (or the context mesh), in mesh order."""
+    meshes = [jax.typeof(x).sharding.mesh for x in xs] + [get_abstract_mesh()]
+    for m in meshes:
+        if m is not None and not m.empty:
+            return tuple(a for a, t in zip(m.axis_names, m.axis_types) if t == AxisType.Explicit)
+    return ()
+
+
+def _type_spec(x) -> tuple:
+    return _padded_spec(jax.typeof(x).sharding.spec, jnp.ndim(x))
+
+
+def _mesh_of(*xs):
+    for x in xs:
+        m = jax.typeof(x).sharding.mesh
+        if m is not None and not m.empty:
+            return m
+    return get_abstract_mesh()
+
+
+def _run(api, op, args, out_factors, operand_factors, sizes, out_sharding):
+    """Call the custom-partitioned `op`, through auto_axes when the mesh has Explicit axes."""
+    explicit = _explicit_axes(*args)
+    if not explicit:
+        y = op(*args)
+        if out_sharding is not None:
+            y = jax.lax.with_sharding_constraint(y, out_sharding)
+        return y
+    mesh = _mesh_of(*args)
+    if out_sharding is None:
+        # The sharding the rule implies, as a typed program would expect it.
+        chosen = _assign_factors(operand_factors, [_type_spec(a) for a in args], sizes,
+                                 dict(zip(mesh.axis_names, mesh.axis_sizes)))
+        out_sharding = _spec_for(out_factors, chosen)
+    if isinstance(out_sharding, P):
+        out_sharding = NamedSharding(mesh, out_sharding)
+    try:
+        return jax.sharding.auto_axes(op, axes=explicit, out_sharding=out_sharding)(*args)
+    except NotImplementedError as e:  # pragma: no cover - depends on the JAX release
+        raise NotImplementedError(
+            f"jax_gin.{api}: could not switch the Explicit mesh axes {explicit} to Auto "
+            f"({e}); build the mesh with Auto axes instead: "
+            f"jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * n)") from e
+
+
+def _explicit_mode(*xs) -> bool:
+    return bool(_explicit_axes(*xs))
+
+
+def _like(ct, x):
+    """Give a cotangent x's sharding type under Explicit axes (a no-op under Auto)."""
+    if _explicit_mode(x):
+        return jax.sharding.reshard(ct, jax.typeof(x).sharding)
+    return ct
+
+
+# ---------------------------------------------------------------------------------------
+# The custom-partitioned kernels: contraction and reduction
+
+
+def _parse_einsum(subscripts: str):
+    if not isinstance(subscripts, str) or "->" not in subscripts or "." in subscripts:
+        raise ValueError(
+            f"jax_gin.einsum: subscripts must name every dimension and the output, as in "
+            f"'bk,kn->bn' (no '...'); got {subscripts!r}")
+    lhs, out = subscripts.replace(" ", "").split("->")
+    ins = lhs.split(",")
+    if len(ins) != 2:
+        raise ValueError(f"jax_gin.einsum takes exactly two operands; got {subscripts!r}")
+    for s in (*ins, out):
+        if len(set(s)) != len(s) or not builtins.all(c in string.ascii_letters for c in s):
+            raise ValueError(
+                f"jax_gin.einsum: each operand and the output need distinct letters "
+                f"(no traces or diagonals); got {subscripts!r}")
+    xs, ws = ins
+    for c in out:
+        if c not in xs and c not in ws:
+            raise ValueError(f"jax_gin.einsum: output letter {c!r} is in no operand: {subscripts!r}")
+    for c in set(xs) ^ set(ws):
+        if c not in out:
+            raise ValueError(
+                f"jax_gin.einsum: letter {c!r} appears in one operand only and not in the "
+                f"output; sum it out first (jax_gin.sum): {subscripts!r}")
+    return xs, ws, out
+
+
+@functools.partial(custom_partitioning, static_argnums=(2, 3, 4, 5))
+def _contract_op(x, w, subscripts, algorithm, precision, preferred):
+    return jnp.einsum(subscripts, x, w, precision=precision, preferred_element_type=preferred)
+
+
+def _contract_rule(subscripts, algorithm, precision, preferred, mesh, value_types, result_types):
+    xs, ws, out = _parse_einsum(subscripts)
+    reduced = tuple(c for c in dict.fromkeys(xs + ws) if c not in out)
+    return _rule_string((xs, ws), out), {"reduction_factors": reduced}
+
+
+def _contract_partition(subscripts, algorithm, precision, preferred, mesh, arg_shapes,
+                        result_shape):
+    xs, ws, out = _parse_einsum(subscripts)
+    specs = _named_specs("einsum", arg_shapes)
+    sizes = {**dict(zip(xs, arg_shapes[0].shape)), **dict(zip(ws, arg_shapes[1].shape))}
+    chosen = _assign_factors((xs, ws), specs, sizes, dict(mesh.shape))
+    reduce_axes = _reduced_axes([c for c in sizes if c not in out], chosen, mesh.axis_names)
+
+    def lower_fn(x, w):
+        # this device's partial product
+        y = jnp.einsum(subscripts, x, w, precision=precision, preferred_element_type=preferred)
+        return psum(y, reduce_axes, algorithm=algorithm) if reduce_axes else y
+
+    arg_shardings = tuple(NamedSharding(mesh, _spec_for(fs, chosen)) for fs in (xs, ws))
+    return mesh, lower_fn, NamedSharding(mesh, _spec_for(out, chosen)), arg_shardings
+
+
+_contract_op.def_partition(_contract_partition, sharding_rule=_contract_rule)
+
+
+def _reduce_factors(ndim: int, axes: tuple):
+    names = [f"d{i}" for i in range(ndim)]
+    return names, [n for i, n in enumerate(names) if i not in axes]
+
+
+@functools.partial(custom_partitioning, static_argnums=(1, 2, 3))
+def _reduce_op(x, axes, op, algorithm):
+    return _LOCAL[op](x, axis=axes)
+
+
+def _reduce_rule(axes, op, algorithm, mesh, value_types, result_types):
+    names, kept = _reduce_factors(len(value_types[0].shape), axes)
+    return _rule_string((names,), kept), {"reduction_factors": tuple(names[i] for i in axes)}
+
+
+def _reduce_partition(axes, op, algorithm, mesh, arg_shapes, result_shape):
+    names, kept = _reduce_factors(len(arg_shapes[0].shape), axes)
+    specs = _named_specs(op, arg_shapes)
+    sizes = dict(zip(names, arg_shapes[0].shape))
+    chosen = _assign_factors((names,), specs, sizes, dict(mesh.shape))
+    reduce_axes = _reduced_axes([names[i] for i in axes], chosen, mesh.axis_names)
+
+    def lower_fn(x):
+        y = _LOCAL[op](x, axis=axes)  # this device's partial reduction
+        return _ALLREDUCE[op](y, reduce_axes, algorithm=algorithm) if reduce_axes else y
+
+    return (mesh, lower_fn, NamedSharding(mesh, _spec_for(kept, chosen)),
+            (NamedSharding(mesh, _spec_for(names, chosen)),))
+
+
+_reduce_op.def_partition(_reduce_partition, sharding_rule=_reduce_rule)
+
+
+# ---------------------------------------------------------------------------------------
+# Differentiable contraction: einsum and matmul
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4, 5, 6))
+def _einsum(subscripts, x, w, algorithm, precision, preferred, out_sharding):
+    xs, ws, out = _parse_einsum(subscripts)
+    sizes = {**dict(zip(xs, x.shape)), **dict(zip(ws, w.shape))}
+    op = lambda a, b: _contract_op(a, b, subscripts, algorithm, precision, preferred)  # noqa: E731
+    return _run("einsum", op, (x, w), out, (xs, ws), sizes, out_sharding)
+
+
+def _einsum_fwd(subscripts, x, w, algorithm, precision, preferred, out_sharding):
+    return _einsum(subscripts, x, w, algorithm, precision, preferred, out_sharding), (x, w)
+
+
+def _einsum_bwd(subscripts, algorithm, precision, preferred, out_sharding, res, g):
+    x, w = res
+    xs, ws, out = _parse_einsum(subscripts)
+    # dx contracts g with w over the letters of w missing from x; dw likewise. Each is a
+    # jax_gin contraction, so a sharded contracted dimension all-reduces with jax_gin.
+    g = g.astype(x.dtype)
+    dx = _einsum(f"{out},{ws}->{xs}", g, w, algorithm, precision, preferred, None)
+    dw = _einsum(f"{xs},{out}->{ws}", x, g, algorithm, precision, preferred, None)
+    return _like(dx.astype(x.dtype), x), _like(dw.astype(w.dtype), w)
+
+
+_einsum.defvjp(_einsum_fwd, _einsum_bwd)
+
+
+def einsum(subscripts: str, x, w, *, algorithm: str = "auto", precision=None,
+           preferred_element_type=None, out_sharding=None):
+    """Two-operand einsum whose sharded contractions all-reduce with jax_gin.
+
+    `subscripts` names every dimension and the output (``"bk,kn->bn"``, ``"bsd,df->bsf"``).
+    Each letter is in at least two of x, w and the output. Letters that are missing from
+    the output are contracted. When the partitioner shards a contracted dimension over some
+    mesh axes, each device contracts its blocks, and jax_gin.psum sums the partials over
+    those axes. `out_sharding` (a NamedSharding, or a PartitionSpec under jax.set_mesh)
+    fixes the result's sharding. `precision` and `preferred_element_type` are jnp.einsum's; the all-reduce runs
+    in the result's dtype, as XLA's own would.
+    """
+    _parse_einsum(subscripts)
+    _select.validate(algorithm, "einsum")
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    dtype = jnp.result_type(x, w)
+    x, w = x.astype(dtype), w.astype(dtype)
+    preferred = None if preferred_element_type is None else np.dtype(preferred_element_type)
+    check_dtype(dtype if preferred is None else preferred, "einsum")
+    return _einsum(subscripts.replace(" ", ""), x, w, algorithm, precision, preferred,
+                   out_sharding)
+
+
+def matmul(x, w, *, algorithm: str = "auto", precision=None, preferred_element_type=None,
+           out_sharding=None):
+    """``x @ w`` for x of shape (..., k) and w of shape (k, n), with jax_gin's all-reduce.
+
+    For a row-parallel (tensor-parallel) layer: with k sharded over "tensor", each device
+    multiplies its blocks, and jax_gin sums the partial products over "tensor". The
+    gradients are contractions too: the weight gradient contracts the batch dimensions, so
+    a data-parallel batch all-reduces them with jax_gin.
+    """
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    if w.ndim != 2 or x.ndim < 1:
+        raise ValueError(
+            f"jax_gin.matmul: x must be (..., k) and w (k, n); got shapes {x.shape} and "
+            f"{w.shape} (use jax_gin.einsum for other contractions)")
+    if x.shape[-1] != w.shape[0]:
+        raise ValueError(f"jax_gin.matmul: contraction sizes differ: {x.shape} @ {w.shape}")
+    letters = [c for c in string.ascii_letters if c not in "kn"]
+    if x.ndim - 1 > len(letters):
+        raise ValueError(f"jax_gin.matmul: too many dimensions: {x.shape}")
+    batch = "".join(letters[: x.ndim - 1])
+    return einsum(f"{batch}k,kn->{batch}n", x, w, algorithm=algorithm, precision=precision,
+                  preferred_element_type=preferred_element_type, out_sharding=out_sharding)
+
+
+# ---------------------------------------------------------------------------------------
+# Differentiable reductions: sum, mean, max, min
+
+
+def _normalize_axis(axis, ndim: int, api: str) -> tuple:
+    if axis is None:
+        return tuple(range(ndim))
+    axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+    out = []
+    for a in axes:
+        a = int(a)
+        if not -ndim <= a < ndim:
+            raise ValueError(f"jax_gin.{api}: axis {a} is out of bounds for {ndim} dimensions")
+        out.append(a % ndim)
+    if len(set(out)) != len(out):
+        raise ValueError(f"jax_gin.{api}: repeated axis in {axis!r}")
+    return tuple(sorted(out))
+
+
+def _reduce_raw(x, axes, op, algorithm, out_sharding):
+    names, kept = _reduce_factors(x.ndim, axes)
+    sizes = dict(zip(names, x.shape))
+    fn = lambda a: _reduce_op(a, axes, op, algorithm)  # noqa: E731
+    return _run(op, fn, (x,), kept, (names,), sizes, out_sharding)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _reduce(x, axes, op, algorithm, out_sharding):
+    return _reduce_raw(x, axes, op, algorithm, out_sharding)
+
+
+def _reduce_fwd(x, axes, op, algorithm, out_sharding):
+    y = _reduce_raw(x, axes, op, algorithm, out_sharding)
+    return y, (x, y)
+
+
+def _broadcast_back(v, x, axes):
+    """v (x with `axes` reduced away) broadcast back to x's shape (and sharding)."""
+    return _like(jnp.broadcast_to(jnp.expand_dims(v, axes), x.shape), x)
+
+
+def _reduce_bwd(axes, op, algorithm, out_sharding, res, g):
+    x, y = res
+    if op == "sum":
+        return (_broadcast_back(g, x, axes),)
+    # max/min: ties share the cotangent equally, exactly as jnp.max's derivative does. The
+    # number of ties is a sum over the reduced (maybe sharded) dimensions: a jax_gin sum.
+    hit = (x == _broadcast_back(y, x, axes)).astype(g.dtype)
+    counts = _reduce(hit, axes, "sum", algorithm, None)
+    return (_broadcast_back(g / counts, x, axes) * hit,)
+
+
+_reduce.defvjp(_reduce_fwd, _reduce_bwd)
+
+
+def _computation_dtype(dtype):
+    """float16 and bfloat16 reduce in float32, as in jnp.sum and jnp.mean."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float32) if dtype in (np.dtype(jnp.bfloat16), np.dtype(np.float16)) else dtype
+
+
+def _reduction(x, axis, keepdims, op, algorithm, out_sharding, api):
+    _select.validate(algorithm, api)
+    x = jnp.asarray(x)
+    axes = _normalize_axis(axis, x.ndim, api)
+    if op == "sum":
+        # Sum as jnp.sum does: small integers and bool widen to the default integer;
+        # float16 and bfloat16 are summed (and all-reduced) in float32, then rounded back.
+        out_dtype = jax.eval_shape(lambda v: jnp.sum(v, axis=axes), x).dtype
+        comp_dtype = _computation_dtype(out_dtype)
+    else:
+        out_dtype = comp_dtype = x.dtype
+    check_dtype(comp_dtype, api)
+    if not axes:
+        y = x.astype(out_dtype)
+    else:
+        y = _reduce(x.astype(comp_dtype), axes, op, algorithm,
+                    None if keepdims else out_sharding).astype(out_dtype)
+    if keepdims:
+        y = jnp.expand_dims(y, axes)
+        if out_sharding is not None:
+            y = jax.sharding.reshard(y, out_sharding) if _explicit_mode(y) else \
+                jax.lax.with_sharding_constraint(y, out_sharding)
+    return y
+
+
+def sum(x, axis=None, keepdims: bool = False, *, algorithm: str = "auto", out_sharding=None):
+    """``jnp.sum(x, axis, keepdims=...)``, all-reduced with jax_gin when `axis` is sharded.
+
+    Each device sums its block, and jax_gin.psum adds the partial sums over the mesh axes
+    that shard the reduced dimensions. The dtypes follow jnp.sum: float16 and bfloat16 sum
+    in float32.
+    """
+    return _reduction(x, axis, keepdims, "sum", algorithm, out_sharding, "sum")
+
+
+def mean(x, axis=None, keepdims: bool = False, *, algorithm: str = "auto", out_sharding=None):
+    """``jnp.mean``: a jax_gin `sum` divided by the global count, with jnp.mean's dtypes."""
+    x = jnp.asarray(x)
+    axes = _normalize_axis(axis, x.ndim, "mean")
+    result_dtype = jax.eval_shape(lambda v: jnp.mean(v, axis=axes), x).dtype
+    comp_dtype = _computation_dtype(result_dtype)
+    count = math.prod(x.shape[a] for a in axes)
+    s = sum(x.astype(comp_dtype), axes, keepdims, algorithm=algorithm, out_sharding=out_sharding)
+    return jax.lax.div(s, jnp.asarray(count, comp_dtype)).astype(result_dtype)
+
+
+def max(x, axis=None, keepdims: bool = False, *, algorithm: str = "auto", out_sharding=None):
+    """``jnp.max``, all-reduced with jax_gin.pmax when `axis` is sharded; ties share the
+    gradient equally, as in jnp."""
+    return _reduction(x, axis, keepdims, "max", algorithm, out_sharding, "max")
+
+
+def min(x, axis=None, keepdims: bool = False, *, algorithm: str = "auto", out_sharding=None):
+    """``jnp.min``, all-reduced with jax_gin.pmin when `axis` is sharded."""
+    return _reduction(x, axis, keepdims, "min", algorithm, out_sharding, "min")
