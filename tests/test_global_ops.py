@@ -1,0 +1,315 @@
+"""Global-view (jit/pjit) operations: parity with jnp, gradients, and the compiled HLO.
+
+Each operation runs under jax.jit on globally sharded arrays, and is compared bit for bit
+with the plain jnp expression under the same shardings. The inputs are small integers in
+float32, so every sum is exact whatever the reduction order. The structure tests check that
+the compiled program holds jax_gin's custom call, and no XLA all-reduce, wherever the jnp
+program all-reduces.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jax_gin
+from conftest import ndev
+from helpers import assert_bitwise as _assert_bitwise
+
+AUTO, EXPLICIT = AxisType.Auto, AxisType.Explicit
+
+
+def make_mesh(shape, names, kind):
+    if ndev() < int(np.prod(shape)):
+        pytest.skip(f"needs {int(np.prod(shape))} devices, have {ndev()}")
+    devices = np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape)
+    return jax.sharding.Mesh(devices, names, axis_types=(kind,) * len(names))
+
+
+def mesh_dt(kind=AUTO):
+    """data x tensor: 2 x (n/2) -- 2 x 4 on 8 CPU devices, 1 x 2 on 2 GPUs."""
+    n = ndev()
+    return make_mesh((2, n // 2) if n >= 4 else (1, n), ("data", "tensor"), kind)
+
+
+def mesh_1d(kind=AUTO):
+    return make_mesh((ndev(),), ("i",), kind)
+
+
+def ints(shape, seed=0, lo=-3, hi=4):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.integers(lo, hi, size=shape).astype(np.float32))
+
+
+def put(x, mesh, spec):
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+def hlo(f, *args) -> str:
+    return jax.jit(f).lower(*args).compile().as_text()
+
+
+def counts(text):
+    """(jax_gin custom calls, XLA all-reduces) in compiled HLO text."""
+    ours = text.count('custom_call_target="jax_gin_all_reduce')
+    xla = sum(1 for line in text.splitlines()
+              if " all-reduce(" in line or " all-reduce-start(" in line)
+    return ours, xla
+
+
+def assert_bitwise(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    _assert_bitwise(a.reshape(-1), b.reshape(-1))  # reshaped: 0-d arrays cannot be viewed
+
+
+def assert_all_bitwise(got, want):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert_bitwise(a, b)
+
+
+# ---------------------------------------------------------------------------------------
+# matmul: forward and gradients, 1-D and 2-D meshes, Auto and Explicit axes
+
+# (x spec, w spec): row-parallel (k sharded), column-parallel, k over both axes, only one
+# operand sharded on k, data-parallel batch, replicated.
+MATMUL_2D = [
+    (P("data", "tensor"), P("tensor", None)),
+    (P(None, "tensor"), P("tensor", None)),
+    (P("data", None), P(None, "tensor")),
+    (P(None, ("data", "tensor")), P(("data", "tensor"), None)),
+    (P("data", "tensor"), P(None, None)),
+    (P(None, None), P(None, None)),
+]
+MATMUL_1D = [(P(None, "i"), P("i", None)), (P("i", None), P(None, None)),
+             (P(None, None), P(None, "i"))]
+
+
+def _matmul_case(mesh, sx, sw, x, w):
+    xs, ws = put(x, mesh, sx), put(w, mesh, sw)
+
+    def ours(a, b):
+        loss = lambda a, b: jnp.sum(jax_gin.matmul(a, b) ** 2)  # noqa: E731
+        return jax_gin.matmul(a, b), jax.grad(loss, argnums=(0, 1))(a, b)
+
+    with jax.set_mesh(mesh):
+        got = jax.jit(ours)(xs, ws)
+        explicit = AxisType.Explicit in mesh.axis_types
+        out_spec = got[0].sharding.spec if explicit else None
+
+        def ref(a, b):
+            # Under Explicit axes jnp needs the result sharding of a sharded contraction.
+            mm = lambda a, b: jnp.matmul(a, b, out_sharding=out_spec)  # noqa: E731
+            loss = lambda a, b: jnp.sum(mm(a, b) ** 2)  # noqa: E731
+            return mm(a, b), jax.grad(loss, argnums=(0, 1))(a, b)
+
+        want = jax.jit(ref)(xs, ws)
+    assert_all_bitwise(got, want)
+    assert_bitwise(got[0], np.asarray(x) @ np.asarray(w))
+    return got
+
+
+@pytest.mark.parametrize("kind", [AUTO, EXPLICIT], ids=["auto", "explicit"])
+@pytest.mark.parametrize("sx,sw", MATMUL_2D, ids=[f"{a}x{b}" for a, b in MATMUL_2D])
+def test_matmul_2d(kind, sx, sw):
+    _matmul_case(mesh_dt(kind), sx, sw, ints((16, 32)), ints((32, 8), seed=1))
+
+
+@pytest.mark.parametrize("sx,sw", MATMUL_1D, ids=[f"{a}x{b}" for a, b in MATMUL_1D])
+def test_matmul_1d(sx, sw):
+    _matmul_case(mesh_1d(), sx, sw, ints((16, 32)), ints((32, 16), seed=1))
+
+
+def test_matmul_3d_activations():
+    # (batch, seq, d) @ (d, f): batch over data, d over tensor -- a row-parallel layer.
+    mesh = mesh_dt()
+    x, w = ints((4, 6, 16)), ints((16, 8), seed=1)
+    _matmul_case(mesh, P("data", None, "tensor"), P("tensor", None), x, w)
+
+
+def test_einsum_batched_and_dot():
+    mesh = mesh_dt()
+    a, b = ints((4, 6, 16)), ints((4, 16, 8), seed=1)
+    f = jax.jit(lambda a, b: jax_gin.einsum("bij,bjk->bik", a, b))
+    got = f(put(a, mesh, P("data", None, "tensor")), put(b, mesh, P("data", "tensor", None)))
+    assert_bitwise(got, jnp.einsum("bij,bjk->bik", a, b))
+    u, v = ints((32,)), ints((32,), seed=1)
+    dot = jax.jit(lambda u, v: jax_gin.einsum("i,i->", u, v))
+    assert_bitwise(dot(put(u, mesh, P(("data", "tensor"))), v), jnp.dot(u, v))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int32"])
+def test_matmul_dtypes(dtype):
+    mesh = mesh_1d()
+    x, w = ints((8, 16)).astype(dtype), ints((16, 8), seed=1).astype(dtype)
+    got = jax.jit(jax_gin.matmul)(put(x, mesh, P(None, "i")), put(w, mesh, P("i", None)))
+    assert_bitwise(got, jnp.matmul(x, w))
+
+
+# ---------------------------------------------------------------------------------------
+# sum, mean, max, min
+
+REDUCTIONS = ["sum", "mean", "max", "min"]
+# (axis, keepdims) for an x of shape (8, 12, 4) sharded P("data", "tensor"): over every
+# dimension, over the tensor-sharded one, over data plus a replicated one (keepdims), and
+# over the replicated one only (no collective).
+AXES = [(None, False), (1, False), ((0, 2), True), (-1, False)]
+
+
+def _reduce_case(mesh, spec, name, axis, keepdims, x):
+    xs = put(x, mesh, spec)
+    ours_f = getattr(jax_gin, name)
+    ref_f = getattr(jnp, name)
+
+    def ours(v):
+        loss = lambda v: jnp.sum(ours_f(v, axis, keepdims) * 3)  # noqa: E731
+        return ours_f(v, axis, keepdims), jax.grad(loss)(v)
+
+    def ref(v):
+        loss = lambda v: jnp.sum(ref_f(v, axis, keepdims=keepdims) * 3)  # noqa: E731
+        return ref_f(v, axis, keepdims=keepdims), jax.grad(loss)(v)
+
+    with jax.set_mesh(mesh):
+        got, want = jax.jit(ours)(xs), jax.jit(ref)(xs)
+    assert_all_bitwise(got, want)
+    assert got[0].sharding.spec == want[0].sharding.spec
+    return got
+
+
+@pytest.mark.parametrize("kind", [AUTO, EXPLICIT], ids=["auto", "explicit"])
+@pytest.mark.parametrize("axis,keepdims", AXES, ids=[str(a) for a in AXES])
+@pytest.mark.parametrize("name", REDUCTIONS)
+def test_reduction_2d(name, axis, keepdims, kind):
+    # values in -3..3 over 12 elements: max and min have many ties, which share the gradient
+    _reduce_case(mesh_dt(kind), P("data", "tensor"), name, axis, keepdims, ints((8, 12, 4)))
+
+
+@pytest.mark.parametrize("spec", [P(("data", "tensor")), P(None, None, "tensor")],
+                         ids=["both-axes-on-dim0", "tensor-on-dim2"])
+@pytest.mark.parametrize("name", REDUCTIONS)
+def test_reduction_2d_other_shardings(name, spec):
+    _reduce_case(mesh_dt(), spec, name, (0, 2), False, ints((8, 12, 4), seed=3))
+
+
+@pytest.mark.parametrize("name", REDUCTIONS)
+def test_reduction_1d(name):
+    _reduce_case(mesh_1d(), P("i"), name, 0, False, ints((16, 5), seed=2))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int32", "bool"])
+def test_reduction_dtypes(dtype):
+    mesh = mesh_1d()
+    x = ints((4, 16)) > 0 if dtype == "bool" else ints((4, 16)).astype(dtype)
+    xs = put(x, mesh, P(None, "i"))
+    for name in ("sum", "mean") + (() if dtype == "bool" else ("max",)):
+        got = jax.jit(lambda v: getattr(jax_gin, name)(v, 1))(xs)
+        assert_bitwise(got, getattr(jnp, name)(x, 1))
+
+
+# ---------------------------------------------------------------------------------------
+# Structure: jax_gin's custom call in place of XLA's all-reduce
+
+
+def test_hlo_matmul_row_parallel():
+    mesh = mesh_dt()
+    xs = put(ints((16, 32)), mesh, P("data", "tensor"))
+    ws = put(ints((32, 8)), mesh, P("tensor", None))
+    assert counts(hlo(jnp.matmul, xs, ws))[1] >= 1  # jnp all-reduces here...
+    assert counts(hlo(jax_gin.matmul, xs, ws)) == (1, 0)  # ...and jax_gin replaces it
+    # Gradients: dw contracts the data-sharded batch (a jax_gin all-reduce over data).
+    def loss(a, b):
+        return jax_gin.sum(jax_gin.matmul(a, b) ** 2)
+    ours, xla = counts(hlo(jax.grad(loss, argnums=(0, 1)), xs, ws))
+    assert ours >= 2 and xla == 0
+
+
+def test_hlo_column_parallel_backward():
+    # Column-parallel: the forward needs no collective; dx contracts the sharded n.
+    mesh = mesh_dt()
+    xs = put(ints((16, 32)), mesh, P("data", None))
+    ws = put(ints((32, 8)), mesh, P(None, "tensor"))
+    assert counts(hlo(jax_gin.matmul, xs, ws)) == (0, 0)
+    dx = jax.grad(lambda a, b: jax_gin.sum(jax_gin.matmul(a, b)))
+    assert counts(hlo(dx, xs, ws)) == (1, 0)
+
+
+@pytest.mark.parametrize("name", REDUCTIONS)
+def test_hlo_reductions(name):
+    mesh = mesh_dt()
+    xs = put(ints((8, 12, 4)), mesh, P("data", "tensor"))
+    f = getattr(jax_gin, name)
+    assert counts(hlo(lambda v: getattr(jnp, name)(v, 1), xs))[1] >= 1
+    assert counts(hlo(lambda v: f(v, 1), xs)) == (1, 0)
+    ours, xla = counts(hlo(jax.grad(lambda v: jax_gin.sum(f(v, 1))), xs))
+    # sum/mean: the backward only broadcasts. max/min: the forward pmax/pmin, and the count
+    # of ties (a jax_gin sum over the sharded axis).
+    assert xla == 0 and ours == (0 if name in ("sum", "mean") else 2)
+    # Unsharded reduced dimension: correct, and no collective at all.
+    assert counts(hlo(lambda v: f(v, 2), xs)) == (0, 0)
+
+
+def test_hlo_explicit_axes():
+    mesh = mesh_dt(EXPLICIT)
+    xs = put(ints((16, 32)), mesh, P("data", "tensor"))
+    ws = put(ints((32, 8)), mesh, P("tensor", None))
+    with jax.set_mesh(mesh):
+        assert counts(hlo(jax_gin.matmul, xs, ws)) == (1, 0)
+        y = jax.jit(jax_gin.matmul)(xs, ws)
+    assert jax.typeof(y).sharding.spec == P("data", None)
+
+
+# ---------------------------------------------------------------------------------------
+# Other contexts and errors
+
+
+def test_out_sharding():
+    mesh = mesh_dt()
+    x, w = ints((16, 32)), ints((32, 8), seed=1)
+    f = jax.jit(lambda a, b: jax_gin.matmul(a, b, out_sharding=NamedSharding(mesh, P("data", "tensor"))))
+    y = f(put(x, mesh, P("data", "tensor")), put(w, mesh, P("tensor", None)))
+    assert y.sharding.spec == P("data", "tensor")
+    assert_bitwise(y, x @ w)
+
+
+def test_single_device_and_eager():
+    x, w = ints((8, 16)), ints((16, 4), seed=1)
+    assert_bitwise(jax_gin.matmul(x, w), x @ w)
+    assert_bitwise(jax.jit(jax_gin.sum)(x), jnp.sum(x))
+    mesh = mesh_1d()
+    xs = put(x, mesh, P(None, "i"))
+    assert_bitwise(jax_gin.max(xs, 1), jnp.max(x, 1))  # eager on sharded inputs
+
+
+def test_inside_shard_map_is_local():
+    # Every axis manual: the ops see the local block, as jnp does; psum is for this case.
+    mesh = mesh_1d()
+    x = ints((ndev() * 2, 3))
+    f = jax.jit(jax.shard_map(lambda v: (jax_gin.sum(v, 0), jnp.sum(v, 0)), mesh=mesh,
+                              in_specs=P("i"), out_specs=P("i")))
+    got, want = f(put(x, mesh, P("i")))
+    assert_bitwise(got, want)
+
+
+def test_errors():
+    x = ints((4, 4))
+    with pytest.raises(ValueError, match="name every dimension"):
+        jax_gin.einsum("ij,jk", x, x)
+    with pytest.raises(ValueError, match="one operand only"):
+        jax_gin.einsum("ij,kl->il", x, x)
+    with pytest.raises(ValueError, match="w \\(k, n\\)"):
+        jax_gin.matmul(x, x[0])
+    with pytest.raises(TypeError, match="unsupported dtype int8"):
+        jax_gin.max(x.astype(jnp.int8))
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        jax_gin.sum(x, algorithm="fastest")
+    with pytest.raises(ValueError, match="out of bounds"):
+        jax_gin.mean(x, axis=2)
+
+
+@pytest.mark.parametrize("algo", jax_gin.ALGORITHMS)
+def test_algorithms(algo):
+    mesh = mesh_dt()
+    x, w = ints((16, 32)), ints((32, 8), seed=1)
+    y = jax.jit(lambda a, b: jax_gin.matmul(a, b, algorithm=algo))(
+        put(x, mesh, P("data", "tensor")), put(w, mesh, P("tensor", None)))
+    assert_bitwise(y, x @ w)
