@@ -1,10 +1,19 @@
 #include "cpu_backend.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <map>
+#include <new>
+#include <set>
 #include <shared_mutex>
 #include <sstream>
+#include <stdexcept>
 #include <thread>
 
 #include "host_types.h"
@@ -29,17 +38,17 @@ int64_t g_next_id = 1;
 // The transport for one rank of a CPU group: peers' windows are plain host memory.
 class HostTransport {
  public:
-  HostTransport(Group& g, const CommConfig& cfg, int group, int rank, size_t slot_bytes,
+  HostTransport(Workspace& ws, const CommConfig& cfg, int group, int rank, size_t slot_bytes,
                 RedOp op, Algorithm algo)
-      : g_(g), cfg_(cfg), group_(group), rank_(rank), slot_bytes_(slot_bytes), op_(op),
+      : ws_(ws), cfg_(cfg), group_(group), rank_(rank), slot_bytes_(slot_bytes), op_(op),
         algo_(algo) {}
 
   int rank() const { return rank_; }
-  int nranks() const { return g_.nranks; }
+  int nranks() const { return ws_.nranks(); }
 
   template <class T>
   T* slot(int peer, int k) {
-    return reinterpret_cast<T*>(g_.window[peer].get() + size_t(k) * slot_bytes_);
+    return reinterpret_cast<T*>(ws_.window(peer) + size_t(k) * slot_bytes_);
   }
 
   template <class T>
@@ -63,13 +72,13 @@ class HostTransport {
 
   void signal(int peer, int kind, uint64_t value) {
     if (rank_ == cfg_.fault_rank) return;  // injected fault: this rank's signals are lost
-    g_.flags[peer][flag_index(0, rank_, kind, g_.nranks)].store(value, std::memory_order_release);
+    ws_.flags(peer)[flag_index(0, rank_, kind, nranks())].store(value, std::memory_order_release);
   }
 
   // Spin briefly, then yield, then sleep: 8 device threads may share 2 cores, and a waiter
   // that keeps its core busy would starve the peer it waits for.
   bool wait(int peer, int kind, uint64_t value, int step) {
-    std::atomic<uint64_t>& f = g_.flags[rank_][flag_index(0, peer, kind, g_.nranks)];
+    std::atomic<uint64_t>& f = ws_.flags(rank_)[flag_index(0, peer, kind, nranks())];
     uint64_t seen = f.load(std::memory_order_acquire);
     if (seen >= value) return true;
     using clock = std::chrono::steady_clock;
@@ -82,9 +91,9 @@ class HostTransport {
       if (it < 2048) std::this_thread::yield();
       else std::this_thread::sleep_for(std::chrono::microseconds(it < 8192 ? 5 : 50));
       if ((it & 15) == 0) {
-        // A peer that already failed will never signal: give up now instead of waiting out
-        // the whole timeout.
-        if (g_.broken.load(std::memory_order_relaxed)) {
+        // A peer that already failed (in this process or another) will never signal: give
+        // up now instead of waiting out the whole timeout.
+        if (ws_.header().broken.load(std::memory_order_relaxed)) {
           record(peer, step, value, seen, "gave up because another rank of the group failed");
           return false;
         }
@@ -103,7 +112,7 @@ class HostTransport {
   void record(int peer, int step, uint64_t expected, uint64_t seen, const char* why) {
     std::ostringstream os;
     os << "jax_gin " << redop_name(op_) << " (" << algorithm_name(algo_) << ") on CPU: rank "
-       << rank_ << " of group " << group_ << " (" << g_.nranks << " ranks) ";
+       << rank_ << " of group " << group_ << " (" << nranks() << " ranks) ";
     if (why) {
       os << why << ", while waiting for peer " << peer;
     } else {
@@ -114,10 +123,10 @@ class HostTransport {
     os << " (flag " << seen << ", expected " << expected << ")."
        << (why ? "" : " Set JAX_GIN_TIMEOUT_S to wait longer.");
     error_ = os.str();
-    g_.broken.store(true);
+    ws_.header().broken.store(1);
   }
 
-  Group& g_;
+  Workspace& ws_;
   const CommConfig& cfg_;
   int group_;
   int rank_;
@@ -161,24 +170,225 @@ bool dispatch_op(HostTransport& tp, RedOp op, Algorithm algo, const void* in, vo
 
 }  // namespace
 
-Group::Group(int n, size_t lb)
-    : nranks(n), lane_bytes(lb), round(size_t(n), 0), busy(new std::atomic<int>[n]) {
-  for (int r = 0; r < n; ++r) busy[r].store(0);
-  for (int r = 0; r < n; ++r) {
-    window.emplace_back(new char[lane_bytes]());
-    const size_t words = flag_words(n);
-    flags.emplace_back(new std::atomic<uint64_t>[words]);
-    for (size_t w = 0; w < words; ++w) flags.back()[w].store(0);
+// ---------------------------------------------------------------------------------------
+// Workspaces
+
+namespace {
+
+constexpr uint64_t kWorkspaceMagic = 0x314e49475f58414aull;  // "JAX_GIN1", little-endian
+constexpr uint32_t kWorkspaceVersion = 1;
+constexpr size_t kHeaderBytes = 4096;
+constexpr size_t kPageBytes = 4096;
+
+size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+static_assert(sizeof(WorkspaceHeader) <= kHeaderBytes, "the header must fit its page");
+
+std::string errno_text(int e) { return std::string(std::strerror(e)); }
+
+// Names of segments that this process created or mapped and has not unlinked yet.
+std::mutex g_names_mu;
+std::set<std::string>& linked_names() {
+  static auto* names = new std::set<std::string>();  // never destroyed: used at exit
+  return *names;
+}
+
+}  // namespace
+
+Workspace::Workspace(int nranks, size_t lane_bytes) : nranks_(nranks), lane_bytes_(lane_bytes) {
+  lay_out();
+}
+
+// The layout, a function of (nranks, lane_bytes) only, so it is the same in every process:
+// header | control word per rank | flags per rank | window per rank (page-aligned).
+void Workspace::lay_out() {
+  ctrl_off_ = kHeaderBytes;
+  flags_off_ = round_up(ctrl_off_ + size_t(nranks_) * sizeof(RankControl), 64);
+  windows_off_ = round_up(flags_off_ + size_t(nranks_) * flag_words(nranks_) * sizeof(uint64_t),
+                          kPageBytes);
+  window_stride_ = round_up(lane_bytes_ == 0 ? 1 : lane_bytes_, kPageBytes);
+  total_ = windows_off_ + size_t(nranks_) * window_stride_;
+}
+
+// Maps the region (fd < 0: anonymous private memory). The creator constructs the atomics and
+// writes the header, last of all `ready`.
+void Workspace::map(int fd, bool create) {
+  void* p = fd < 0 ? mmap(nullptr, total_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+                   : mmap(nullptr, total_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    throw std::runtime_error("jax_gin: could not map a workspace of " + std::to_string(total_) +
+                             " bytes" + (name_.empty() ? "" : " (" + name_ + ")") + ": " +
+                             errno_text(errno));
+  }
+  base_ = static_cast<char*>(p);
+  if (!create) return;
+  // New memory is zero-filled; construct the atomics in place on it all the same.
+  WorkspaceHeader* h = new (base_) WorkspaceHeader{};
+  for (int r = 0; r < nranks_; ++r) new (&control(r)) RankControl{};
+  std::atomic<uint64_t>* f = flags(0);
+  for (size_t w = 0; w < size_t(nranks_) * flag_words(nranks_); ++w) new (f + w) std::atomic<uint64_t>(0);
+  h->magic = kWorkspaceMagic;
+  h->version = kWorkspaceVersion;
+  h->nranks = uint32_t(nranks_);
+  h->lane_bytes = lane_bytes_;
+  h->total_bytes = total_;
+  h->ready.store(1, std::memory_order_release);
+}
+
+std::shared_ptr<Workspace> Workspace::create_private(int nranks, size_t lane_bytes) {
+  std::shared_ptr<Workspace> ws(new Workspace(nranks, lane_bytes));
+  ws->map(-1, true);
+  for (int r = 0; r < nranks; ++r) ws->join(r);
+  return ws;
+}
+
+std::shared_ptr<Workspace> Workspace::create_shared(const std::string& name, int nranks,
+                                                    size_t lane_bytes) {
+  std::shared_ptr<Workspace> ws(new Workspace(nranks, lane_bytes));
+  int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) {
+    const int e = errno;
+    throw std::runtime_error("jax_gin: could not create the shared-memory segment " + name + ": " +
+                             errno_text(e) +
+                             (e == EEXIST ? " (a segment of that name exists already)" : ""));
+  }
+  ws->name_ = name;
+  {
+    std::lock_guard<std::mutex> lock(g_names_mu);
+    linked_names().insert(name);
+  }
+  // Reserve the pages now: on a full /dev/shm a plain ftruncate succeeds and the first touch
+  // of a missing page kills the process with SIGBUS instead.
+  int rc = ftruncate(fd, off_t(ws->total_)) == 0 ? posix_fallocate(fd, 0, off_t(ws->total_)) : errno;
+  if (rc != 0) {
+    close(fd);
+    ws->unlink();
+    throw std::runtime_error("jax_gin: could not reserve " + std::to_string(ws->total_) +
+                             " bytes of shared memory for " + name + ": " + errno_text(rc) +
+                             (rc == ENOSPC ? " (is /dev/shm full or too small? lower "
+                                             "JAX_GIN_WORKSPACE_BYTES or enlarge /dev/shm)" : ""));
+  }
+  try {
+    ws->map(fd, true);
+  } catch (...) {
+    close(fd);
+    ws->unlink();
+    throw;
+  }
+  close(fd);
+  return ws;
+}
+
+std::shared_ptr<Workspace> Workspace::attach_shared(const std::string& name, int nranks,
+                                                    size_t lane_bytes) {
+  std::shared_ptr<Workspace> ws(new Workspace(nranks, lane_bytes));
+  int fd = shm_open(name.c_str(), O_RDWR, 0600);
+  if (fd < 0) {
+    throw std::runtime_error("jax_gin: could not open the shared-memory segment " + name +
+                             " that another process created: " + errno_text(errno));
+  }
+  ws->name_ = name;
+  {
+    std::lock_guard<std::mutex> lock(g_names_mu);
+    linked_names().insert(name);
+  }
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || size_t(st.st_size) != ws->total_) {
+    close(fd);
+    throw std::runtime_error("jax_gin: the shared-memory segment " + name + " has " +
+                             std::to_string(st.st_size) + " bytes, expected " +
+                             std::to_string(ws->total_) + " for " + std::to_string(nranks) +
+                             " ranks of " + std::to_string(lane_bytes) +
+                             " bytes (do all processes use the same JAX_GIN_WORKSPACE_BYTES?)");
+  }
+  try {
+    ws->map(fd, false);
+  } catch (...) {
+    close(fd);
+    throw;
+  }
+  close(fd);
+  const WorkspaceHeader& h = ws->header();
+  if (h.ready.load(std::memory_order_acquire) != 1 || h.magic != kWorkspaceMagic ||
+      h.version != kWorkspaceVersion || h.nranks != uint32_t(nranks) ||
+      h.lane_bytes != lane_bytes || h.total_bytes != ws->total_) {
+    std::ostringstream os;
+    os << "jax_gin: the shared-memory segment " << name << " does not hold a jax_gin workspace "
+       << "of version " << kWorkspaceVersion << " for " << nranks << " ranks of " << lane_bytes
+       << " bytes (found magic " << std::hex << h.magic << std::dec << ", version " << h.version
+       << ", " << h.nranks << " ranks of " << h.lane_bytes << " bytes); do all processes run "
+       << "the same jax_gin?";
+    throw std::runtime_error(os.str());
+  }
+  return ws;
+}
+
+Workspace::~Workspace() {
+  if (!name_.empty()) unlink();
+  if (base_) munmap(base_, total_);
+}
+
+void Workspace::join(int rank) { control(rank).joined.store(1, std::memory_order_release); }
+
+std::vector<int> Workspace::wait_joined(double timeout_s) const {
+  using clock = std::chrono::steady_clock;
+  const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(
+                                           std::chrono::duration<double>(timeout_s));
+  std::vector<int> missing;
+  for (;;) {
+    missing.clear();
+    for (int r = 0; r < nranks_; ++r)
+      if (control(r).joined.load(std::memory_order_acquire) == 0) missing.push_back(r);
+    if (missing.empty() || clock::now() >= deadline) return missing;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
 }
 
+bool Workspace::linked() const {
+  if (name_.empty()) return false;
+  std::lock_guard<std::mutex> lock(g_names_mu);
+  return linked_names().count(name_) != 0;
+}
+
+void Workspace::unlink() {
+  if (name_.empty()) return;
+  std::lock_guard<std::mutex> lock(g_names_mu);
+  if (linked_names().erase(name_)) shm_unlink(name_.c_str());  // ENOENT: a peer did it first
+}
+
+void unlink_all_workspaces() {
+  std::lock_guard<std::mutex> lock(g_names_mu);
+  for (const std::string& n : linked_names()) shm_unlink(n.c_str());
+  linked_names().clear();
+}
+
+// ---------------------------------------------------------------------------------------
+// Communicators
+
 int64_t create_comm(const CommConfig& config) {
+  int ngroups = 0;
+  for (int32_t g : config.group_of) ngroups = std::max(ngroups, g + 1);
+  std::vector<std::shared_ptr<Workspace>> ws;
+  for (int g = 0; g < ngroups; ++g)
+    ws.push_back(Workspace::create_private(config.nranks, config.lane_bytes));
+  return create_comm(config, std::move(ws));
+}
+
+int64_t create_comm(const CommConfig& config, std::vector<std::shared_ptr<Workspace>> workspaces) {
   auto comm = std::make_shared<Comm>();
   comm->config = config;
   int ngroups = 0;
   for (int32_t g : config.group_of) ngroups = std::max(ngroups, g + 1);
-  for (int g = 0; g < ngroups; ++g)
-    comm->groups.emplace_back(new Group(config.nranks, config.lane_bytes));
+  if (int(workspaces.size()) != ngroups)
+    throw std::invalid_argument("jax_gin: " + std::to_string(workspaces.size()) +
+                                " workspaces for " + std::to_string(ngroups) + " groups");
+  for (int g = 0; g < ngroups; ++g) {
+    const auto& w = workspaces[g];
+    if (w && (w->nranks() != config.nranks || w->lane_bytes() != config.lane_bytes))
+      throw std::invalid_argument("jax_gin: workspace of group " + std::to_string(g) +
+                                  " does not match the communicator's ranks or lane bytes");
+    comm->groups.emplace_back(new Group(w));
+  }
   std::unique_lock<std::shared_mutex> lock(g_registry_mu);
   comm->id = g_next_id++;
   g_registry[comm->id] = comm;
@@ -203,46 +413,54 @@ int64_t num_comms() {
 
 std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Algorithm algo,
                       const void* in, void* out, size_t count) {
-  if (group < 0 || group >= int(comm.groups.size()) || rank < 0 || rank >= comm.config.nranks) {
+  if (group < 0 || group >= int(comm.groups.size()) || rank < 0 || rank >= comm.config.nranks ||
+      !comm.groups[group]->ws) {
     std::ostringstream os;
-    os << "jax_gin: communicator " << comm.id << " has no rank " << rank << " in group " << group;
+    os << "jax_gin: communicator " << comm.id << " has no rank " << rank << " in group " << group
+       << " in this process";
     return os.str();
   }
   Group& g = *comm.groups[group];
-  if (g.broken.load()) {
+  Workspace& ws = *g.ws;
+  if (ws.header().broken.load()) {
     std::lock_guard<std::mutex> lock(g.error_mu);
     return "jax_gin: this communicator stopped after an earlier failure and cannot be reused: " +
-           g.first_error;
+           (g.first_error.empty() ? std::string("a rank of group ") + std::to_string(group) +
+                                        " failed (in another process)"
+                                  : g.first_error);
   }
+  const int nranks = ws.nranks();
+  const size_t lane_bytes = ws.lane_bytes();
   const size_t esize = dtype_size(dtype);
-  const size_t slot_bytes = schedule::slot_elems(algo, g.nranks, g.lane_bytes, esize) * esize;
-  if (g.nranks > 1 && slot_bytes == 0) {
+  const size_t slot_bytes = schedule::slot_elems(algo, nranks, lane_bytes, esize) * esize;
+  if (nranks > 1 && slot_bytes == 0) {
     std::ostringstream os;
-    os << "jax_gin: workspace of " << g.lane_bytes << " bytes is too small for "
-       << algorithm_name(algo) << " over " << g.nranks << " ranks";
+    os << "jax_gin: workspace of " << lane_bytes << " bytes is too small for "
+       << algorithm_name(algo) << " over " << nranks << " ranks";
     return os.str();
   }
-  if (g.busy[rank].exchange(1, std::memory_order_acquire) != 0) {
+  RankControl& ctl = ws.control(rank);
+  if (ctl.busy.exchange(1, std::memory_order_acquire) != 0) {
     std::ostringstream os;
     os << "jax_gin: two collectives ran concurrently on rank " << rank << " of group " << group
        << " of communicator " << comm.id << "; calls on one communicator must be ordered";
     return os.str();
   }
   struct Release {
-    std::atomic<int>& b;
+    std::atomic<uint64_t>& b;
     ~Release() { b.store(0, std::memory_order_release); }
-  } release{g.busy[rank]};
-  HostTransport tp(g, comm.config, group, rank, slot_bytes, op, algo);
-  uint64_t& round = g.round[rank];
+  } release{ctl.busy};
+  HostTransport tp(ws, comm.config, group, rank, slot_bytes, op, algo);
+  uint64_t& round = ctl.round;
   bool ok = false;
   switch (dtype) {
-    case DType::kF32: ok = dispatch_op<float>(tp, op, algo, in, out, count, g.lane_bytes, round); break;
-    case DType::kF64: ok = dispatch_op<double>(tp, op, algo, in, out, count, g.lane_bytes, round); break;
-    case DType::kBF16: ok = dispatch_op<bf16>(tp, op, algo, in, out, count, g.lane_bytes, round); break;
-    case DType::kF16: ok = dispatch_op<f16>(tp, op, algo, in, out, count, g.lane_bytes, round); break;
-    case DType::kS32: ok = dispatch_op<int32_t>(tp, op, algo, in, out, count, g.lane_bytes, round); break;
-    case DType::kS64: ok = dispatch_op<int64_t>(tp, op, algo, in, out, count, g.lane_bytes, round); break;
-    case DType::kU32: ok = dispatch_op<uint32_t>(tp, op, algo, in, out, count, g.lane_bytes, round); break;
+    case DType::kF32: ok = dispatch_op<float>(tp, op, algo, in, out, count, lane_bytes, round); break;
+    case DType::kF64: ok = dispatch_op<double>(tp, op, algo, in, out, count, lane_bytes, round); break;
+    case DType::kBF16: ok = dispatch_op<bf16>(tp, op, algo, in, out, count, lane_bytes, round); break;
+    case DType::kF16: ok = dispatch_op<f16>(tp, op, algo, in, out, count, lane_bytes, round); break;
+    case DType::kS32: ok = dispatch_op<int32_t>(tp, op, algo, in, out, count, lane_bytes, round); break;
+    case DType::kS64: ok = dispatch_op<int64_t>(tp, op, algo, in, out, count, lane_bytes, round); break;
+    case DType::kU32: ok = dispatch_op<uint32_t>(tp, op, algo, in, out, count, lane_bytes, round); break;
   }
   if (ok) return std::string();
   {

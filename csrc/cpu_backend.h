@@ -1,6 +1,12 @@
-// The CPU backend: the same algorithms as the GPU (include/jax_gin/algorithms.h), run by the
-// CPU devices of one process, each on its own thread, over a host "symmetric workspace":
-// one window and one flag area per rank, written by peers with one-sided puts and signals.
+// The CPU backend: the same algorithms as the GPU (include/jax_gin/algorithms.h), run by CPU
+// devices, each on its own thread, over a host "symmetric workspace": one window and one flag
+// area per rank, written by peers with one-sided puts and signals.
+//
+// A group's whole state (header, per-rank control words, flags and windows) lives in one
+// memory region with the same layout everywhere. When every rank of the group runs in this
+// process the region is private memory; when the group spans processes (jax.distributed) it
+// is a POSIX shared-memory segment that one process creates and the others map, so that the
+// device threads of all processes run the very same code on it.
 #pragma once
 
 #include <atomic>
@@ -15,6 +21,9 @@
 namespace jax_gin {
 namespace cpu {
 
+static_assert(std::atomic<uint64_t>::is_always_lock_free,
+              "flags in shared memory need lock-free (address-free) 64-bit atomics");
+
 struct CommConfig {
   int nranks = 1;                // ranks per group
   std::vector<int32_t> group_of;  // indexed by logical device id (XLA partition id)
@@ -24,18 +33,81 @@ struct CommConfig {
   int fault_rank = -1;            // testing only: this rank's signals are dropped
 };
 
-// One group of ranks that reduce together, with its symmetric workspace.
+// The first bytes of a workspace. Attaching processes check it against what they expect.
+struct WorkspaceHeader {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t nranks;
+  uint64_t lane_bytes;
+  uint64_t total_bytes;
+  std::atomic<uint64_t> ready;   // 1 once the creator has laid the workspace out
+  std::atomic<uint64_t> broken;  // 1 once any rank of the group failed: the others give up
+};
+
+// Per-rank control words, one cache line each.
+struct alignas(64) RankControl {
+  std::atomic<uint64_t> joined;  // 1 once the process that runs this rank has mapped it
+  std::atomic<uint64_t> busy;    // 1 while a call of this rank runs
+  uint64_t round;                // rounds run so far; touched only by this rank's thread
+};
+
+// One group's symmetric workspace: all ranks' windows, flags and round counters.
+class Workspace {
+ public:
+  // Private memory: every rank of the group runs in this process.
+  static std::shared_ptr<Workspace> create_private(int nranks, size_t lane_bytes);
+  // A new POSIX shared-memory segment `name` (fails if it exists), for other processes to
+  // map with attach_shared(). Throws std::runtime_error with a message that says why.
+  static std::shared_ptr<Workspace> create_shared(const std::string& name, int nranks,
+                                                  size_t lane_bytes);
+  static std::shared_ptr<Workspace> attach_shared(const std::string& name, int nranks,
+                                                  size_t lane_bytes);
+  ~Workspace();
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+
+  // This process runs `rank`.
+  void join(int rank);
+  // Waits until every rank has joined; returns the ranks still missing after `timeout_s`
+  // (empty: all joined).
+  std::vector<int> wait_joined(double timeout_s) const;
+  // Removes the segment's name (idempotent); the mapping stays valid until destruction.
+  void unlink();
+
+  int nranks() const { return nranks_; }
+  size_t lane_bytes() const { return lane_bytes_; }
+  const std::string& name() const { return name_; }  // empty for private memory
+  bool linked() const;
+
+  WorkspaceHeader& header() const { return *reinterpret_cast<WorkspaceHeader*>(base_); }
+  RankControl& control(int rank) const {
+    return reinterpret_cast<RankControl*>(base_ + ctrl_off_)[rank];
+  }
+  std::atomic<uint64_t>* flags(int rank) const {
+    return reinterpret_cast<std::atomic<uint64_t>*>(base_ + flags_off_) + size_t(rank) * flag_words(nranks_);
+  }
+  char* window(int rank) const { return base_ + windows_off_ + size_t(rank) * window_stride_; }
+
+ private:
+  Workspace(int nranks, size_t lane_bytes);
+  void map(int fd, bool create);
+  void lay_out();
+
+  int nranks_;
+  size_t lane_bytes_;
+  size_t ctrl_off_ = 0, flags_off_ = 0, windows_off_ = 0, window_stride_ = 0, total_ = 0;
+  char* base_ = nullptr;
+  std::string name_;
+};
+
+// Unlinks every segment name this process created or mapped and has not unlinked yet (at
+// exit, so that a process that fails during set-up leaves nothing in /dev/shm).
+void unlink_all_workspaces();
+
+// One group of ranks that reduce together. `ws` is null when none of its ranks runs here.
 struct Group {
-  Group(int nranks, size_t lane_bytes);
-  int nranks;
-  size_t lane_bytes;
-  std::vector<std::unique_ptr<char[]>> window;                   // per rank
-  std::vector<std::unique_ptr<std::atomic<uint64_t>[]>> flags;  // per rank, flag_words(nranks)
-  std::vector<uint64_t> round;  // per rank: touched only by that rank's own thread
-  // per rank: 1 while a call runs. Two calls of one rank must never overlap (they share the
-  // rank's round counter and window); if XLA ever ran them concurrently we fail loudly.
-  std::unique_ptr<std::atomic<int>[]> busy;
-  std::atomic<bool> broken{false};
+  explicit Group(std::shared_ptr<Workspace> w) : ws(std::move(w)) {}
+  std::shared_ptr<Workspace> ws;
   std::mutex error_mu;
   std::string first_error;
 };
@@ -46,7 +118,10 @@ struct Comm {
   std::vector<std::unique_ptr<Group>> groups;
 };
 
+// Every group in private memory (one process).
 int64_t create_comm(const CommConfig& config);
+// One workspace per group (null for groups without a rank in this process).
+int64_t create_comm(const CommConfig& config, std::vector<std::shared_ptr<Workspace>> workspaces);
 void destroy_comm(int64_t id);
 std::shared_ptr<Comm> find_comm(int64_t id);
 int64_t num_comms();

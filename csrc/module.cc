@@ -3,8 +3,11 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
+
+#include <sys/mman.h>
 
 #include <stdexcept>
 #include <string>
@@ -83,6 +86,9 @@ nb::ndarray<nb::numpy> threads_allreduce(nb::ndarray<nb::c_contig, nb::device::c
 
 NB_MODULE(_jax_gin, m) {
   m.doc() = "jax_gin native module (CPU backend, FFI handlers, schedules)";
+  // Communicators (and the workspaces they hold) live until the process exits, by design:
+  // compiled programs refer to them. Do not report them as leaks at interpreter exit.
+  nb::set_leak_warnings(false);
 
   m.def("registrations", []() {
     nb::dict d;
@@ -98,7 +104,7 @@ NB_MODULE(_jax_gin, m) {
   // Runtime: communicators of the CPU backend.
   m.def("cpu_comm_create",
         [](int nranks, std::vector<int32_t> group_of, std::vector<int32_t> rank_of,
-           size_t lane_bytes, double timeout_s, int fault_rank) {
+           size_t lane_bytes, double timeout_s, int fault_rank, nb::object workspaces) {
           if (nranks < 1 || nranks > kMaxRanks)
             throw nb::value_error(("jax_gin supports 1 to " + std::to_string(kMaxRanks) +
                                    " ranks per group, got " + std::to_string(nranks)).c_str());
@@ -110,10 +116,48 @@ NB_MODULE(_jax_gin, m) {
           cfg.lane_bytes = lane_bytes;
           cfg.timeout_s = timeout_s;
           cfg.fault_rank = fault_rank;
-          return cpu::create_comm(cfg);
+          if (workspaces.is_none()) return cpu::create_comm(cfg);
+          // One Workspace (or None: no rank of that group runs here) per group.
+          std::vector<std::shared_ptr<cpu::Workspace>> ws;
+          for (nb::handle w : workspaces)
+            ws.push_back(w.is_none() ? nullptr : nb::cast<std::shared_ptr<cpu::Workspace>>(w));
+          try {
+            return cpu::create_comm(cfg, std::move(ws));
+          } catch (const std::invalid_argument& e) {
+            throw nb::value_error(e.what());
+          }
         },
         nb::arg("nranks"), nb::arg("group_of"), nb::arg("rank_of"), nb::arg("lane_bytes"),
-        nb::arg("timeout_s"), nb::arg("fault_rank") = -1);
+        nb::arg("timeout_s"), nb::arg("fault_rank") = -1, nb::arg("workspaces") = nb::none());
+
+  // Workspaces: one group's windows, flags and round counters, in private memory or in a
+  // POSIX shared-memory segment that several processes map (see jax_gin/_distributed.py).
+  nb::class_<cpu::Workspace>(m, "Workspace",
+                             "one group's symmetric workspace (private or POSIX shared memory)")
+      .def_static("private", &cpu::Workspace::create_private, nb::arg("nranks"),
+                  nb::arg("lane_bytes"), "private memory; every rank joined")
+      .def_static("create", &cpu::Workspace::create_shared, nb::arg("name"), nb::arg("nranks"),
+                  nb::arg("lane_bytes"), "a new shared-memory segment (fails if it exists)")
+      .def_static("attach", &cpu::Workspace::attach_shared, nb::arg("name"), nb::arg("nranks"),
+                  nb::arg("lane_bytes"), "map a segment that another process created")
+      .def("join", [](cpu::Workspace& w, std::vector<int> ranks) {
+             for (int r : ranks) {
+               if (r < 0 || r >= w.nranks()) throw nb::index_error("rank out of range");
+               w.join(r);
+             }
+           }, nb::arg("ranks"), "this process runs `ranks`")
+      .def("wait_joined", &cpu::Workspace::wait_joined, nb::arg("timeout_s"),
+           nb::call_guard<nb::gil_scoped_release>(),
+           "wait until every rank joined; returns the ranks still missing after the timeout")
+      .def("unlink", &cpu::Workspace::unlink, "remove the segment's name; the mapping stays")
+      .def_prop_ro("name", &cpu::Workspace::name)
+      .def_prop_ro("linked", &cpu::Workspace::linked)
+      .def_prop_ro("nranks", &cpu::Workspace::nranks)
+      .def_prop_ro("broken", [](cpu::Workspace& w) { return w.header().broken.load() != 0; });
+  m.def("cpu_unlink_all_workspaces", &cpu::unlink_all_workspaces,
+        "unlink every segment name this process created or mapped and has not unlinked");
+  m.def("shm_unlink", [](const std::string& name) { return shm_unlink(name.c_str()) == 0; },
+        nb::arg("name"), "remove a POSIX shared-memory name; False if there was none");
   m.def("cpu_comm_destroy", &cpu::destroy_comm);
   m.def("cpu_num_comms", &cpu::num_comms);
   m.def("threads_allreduce", &threads_allreduce, nb::arg("inputs"), nb::arg("op"),
