@@ -71,8 +71,8 @@ def _assign_factors(operands, specs, sizes: dict, mesh_shape: dict) -> dict:
     """Choose one sharding per factor: factor -> tuple of mesh axes.
 
     A factor takes the axes of the first operand that shards it. Each mesh axis shards at
-    most one factor, axes of size 1 are dropped, and the axes that remain must divide the
-    factor's size: a tuple keeps its longest prefix that does.
+    most one factor, and the axes must divide the factor's size: a tuple keeps its longest
+    prefix that does.
     """
     chosen, used = {}, set()
     for factors, spec in zip(operands, specs):
@@ -82,7 +82,7 @@ def _assign_factors(operands, specs, sizes: dict, mesh_shape: dict) -> dict:
             axes, prod = [], 1
             for a in _entry_axes(entry):
                 n = int(mesh_shape.get(a, 1))
-                if a in used or n == 1 or sizes[f] % (prod * n):
+                if a in used or sizes[f] % (prod * n):
                     break
                 axes.append(a)
                 prod *= n
@@ -100,10 +100,11 @@ def _spec_for(factors, chosen: dict) -> P:
     return P(*out)
 
 
-def _reduced_axes(reduced_factors, chosen: dict, mesh_axis_names) -> tuple:
-    """The mesh axes that shard a reduced factor, in mesh order: the all-reduce's axes."""
+def _reduced_axes(reduced_factors, chosen: dict, mesh_shape: dict) -> tuple:
+    """The mesh axes that shard a reduced factor, in mesh order: the all-reduce's axes.
+    Axes of size 1 need no communication and are left out."""
     axes = {a for f in reduced_factors for a in chosen.get(f, ())}
-    return tuple(a for a in mesh_axis_names if a in axes)
+    return tuple(a for a, n in mesh_shape.items() if a in axes and n > 1)
 
 
 def _named_specs(api: str, arg_shapes) -> list:
@@ -230,7 +231,7 @@ def _contract_partition(subscripts, algorithm, precision, preferred, mesh, arg_s
     specs = _named_specs("einsum", arg_shapes)
     sizes = {**dict(zip(xs, arg_shapes[0].shape)), **dict(zip(ws, arg_shapes[1].shape))}
     chosen = _assign_factors((xs, ws), specs, sizes, dict(mesh.shape))
-    reduce_axes = _reduced_axes([c for c in sizes if c not in out], chosen, mesh.axis_names)
+    reduce_axes = _reduced_axes([c for c in sizes if c not in out], chosen, dict(mesh.shape))
 
     def lower_fn(x, w):
         # this device's partial product
@@ -264,7 +265,7 @@ def _reduce_partition(axes, op, algorithm, mesh, arg_shapes, result_shape):
     specs = _named_specs(op, arg_shapes)
     sizes = dict(zip(names, arg_shapes[0].shape))
     chosen = _assign_factors((names,), specs, sizes, dict(mesh.shape))
-    reduce_axes = _reduced_axes([names[i] for i in axes], chosen, mesh.axis_names)
+    reduce_axes = _reduced_axes([names[i] for i in axes], chosen, dict(mesh.shape))
 
     def lower_fn(x):
         y = _LOCAL[op](x, axis=axes)  # this device's partial reduction
