@@ -6,6 +6,9 @@ float32, so every sum is exact whatever the reduction order. The structure tests
 the compiled program holds jax_gin's custom call, and no XLA all-reduce, wherever the jnp
 program all-reduces.
 """
+import importlib.util
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,8 +23,8 @@ AUTO, EXPLICIT = AxisType.Auto, AxisType.Explicit
 
 
 def make_mesh(shape, names, kind):
-    if ndev() < int(np.prod(shape)):
-        pytest.skip(f"needs {int(np.prod(shape))} devices, have {ndev()}")
+    if ndev() & (ndev() - 1):
+        pytest.skip(f"the test shapes divide by a power-of-two device count, have {ndev()}")
     devices = np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape)
     return jax.sharding.Mesh(devices, names, axis_types=(kind,) * len(names))
 
@@ -30,6 +33,11 @@ def mesh_dt(kind=AUTO):
     """data x tensor: 2 x (n/2) -- 2 x 4 on 8 CPU devices, 1 x 2 on 2 GPUs."""
     n = ndev()
     return make_mesh((2, n // 2) if n >= 4 else (1, n), ("data", "tensor"), kind)
+
+
+def needs_two_devices():
+    if ndev() < 2:
+        pytest.skip("one device: nothing to all-reduce")
 
 
 def mesh_1d(kind=AUTO):
@@ -211,6 +219,7 @@ def test_reduction_dtypes(dtype):
 
 
 def test_hlo_matmul_row_parallel():
+    needs_two_devices()
     mesh = mesh_dt()
     xs = put(ints((16, 32)), mesh, P("data", "tensor"))
     ws = put(ints((32, 8)), mesh, P("tensor", None))
@@ -220,10 +229,11 @@ def test_hlo_matmul_row_parallel():
     def loss(a, b):
         return jax_gin.sum(jax_gin.matmul(a, b) ** 2)
     ours, xla = counts(hlo(jax.grad(loss, argnums=(0, 1)), xs, ws))
-    assert ours >= 2 and xla == 0
+    assert ours >= 1 and xla == 0
 
 
 def test_hlo_column_parallel_backward():
+    needs_two_devices()
     # Column-parallel: the forward needs no collective; dx contracts the sharded n.
     mesh = mesh_dt()
     xs = put(ints((16, 32)), mesh, P("data", None))
@@ -235,6 +245,7 @@ def test_hlo_column_parallel_backward():
 
 @pytest.mark.parametrize("name", REDUCTIONS)
 def test_hlo_reductions(name):
+    needs_two_devices()
     mesh = mesh_dt()
     xs = put(ints((8, 12, 4)), mesh, P("data", "tensor"))
     f = getattr(jax_gin, name)
@@ -249,6 +260,7 @@ def test_hlo_reductions(name):
 
 
 def test_hlo_explicit_axes():
+    needs_two_devices()
     mesh = mesh_dt(EXPLICIT)
     xs = put(ints((16, 32)), mesh, P("data", "tensor"))
     ws = put(ints((32, 8)), mesh, P("tensor", None))
@@ -313,3 +325,19 @@ def test_algorithms(algo):
     y = jax.jit(lambda a, b: jax_gin.matmul(a, b, algorithm=algo))(
         put(x, mesh, P("data", "tensor")), put(w, mesh, P("tensor", None)))
     assert_bitwise(y, x @ w)
+
+
+def test_example_tp_mlp():
+    # examples/tp_mlp.py: a tensor-parallel MLP training step in global view, jax_gin vs jnp.
+    if ndev() & (ndev() - 1):
+        pytest.skip(f"the example's shapes divide by a power-of-two device count, have {ndev()}")
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "tp_mlp.py"
+    spec = importlib.util.spec_from_file_location("tp_mlp", path)
+    tp_mlp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tp_mlp)
+    results, loss_diff, grad_diff, bitwise = tp_mlp.run(steps=3, iters=0)
+    assert loss_diff <= 1e-5 and grad_diff <= 1e-5
+    if jax.default_backend() == "cpu":
+        assert bitwise
+    ours, xla = results["jax_gin"]["collectives"]
+    assert xla == 0 and ours >= (1 if ndev() > 1 else 0)
