@@ -92,7 +92,7 @@ struct LaneParams {
 // round e has received its peers' round e-1 data, so they finished reading round e-2's
 // buffer (each call is one kernel, and kernels of one rank are stream-ordered).
 constexpr size_t kLLLanePayload = 8 << 10;  // payload bytes per lane
-constexpr int kLLMaxLanes = 8;              // so LL carries at most 64 KiB per rank
+constexpr int kLLMaxLanes = 32;             // so LL can carry up to 256 KiB per rank
 constexpr int kLLMaxRanks = 16;
 constexpr size_t kLLLinesPerLane = kLLLanePayload / 8;
 __host__ __device__ inline size_t ll_area_bytes(int nranks) {

@@ -95,6 +95,14 @@ graphs() {
 case "$MODE" in
   quick) harness; PYTEST_K="parity_1d and float32" tests; BENCH_MAX=64M bench ;;
   latency) latency ;;
+  llsweep)  # where does the LL protocol stop paying? (JAX_GIN_LL_MAX_BYTES)
+    $H --ranks 2,4 --counts 16384,40000,65536 --dtypes f32,bf16 --algos one_shot --ll-max-bytes 262144 --iters 3 \
+      > "$OUT/harness.log" 2>&1; log "harness LL<=256K: $(tail -1 "$OUT/harness.log")"
+    for ll in 65536 262144; do
+      JAX_GIN_LL_MAX_BYTES=$ll JAX_PLATFORMS=cuda $PY -m jax_gin.bench -b 64K -e 1M -f 2 -d float32 \
+        -a one_shot,lax -n 50 -w 5 -k 20 > "$OUT/bench_ll_$ll.txt" 2>> "$OUT/build.log"
+      log "ll_max=$ll"; grep -E "^ +[0-9]" "$OUT/bench_ll_$ll.txt" | tee -a "$OUT/summary.txt"
+    done ;;
   small) harness; latency; sanitizer; PYTEST_K="parity or gpu or rules" tests; BENCH_MAX=4M BENCH_ITERS=50 bench; graphs ;;
   tests) harness; sanitizer; tests ;;
   bench) bench ;;
