@@ -170,12 +170,13 @@ int main(int argc, char** argv) {
               CK(cudaMemcpy(rk[r].in, host.data(), count * dt->size, cudaMemcpyHostToDevice));
               CK(cudaMemset(rk[r].out, 0xff, count * dt->size));  // poison
             }
-            for (int it = 0; it < iters; ++it) {
-              // Launch every rank before synchronizing any (a blocking call before the last
-              // launch would leave the others spinning).
+            // One launch of every rank. All ranks are launched before any is synchronized (a
+            // blocking call before the last launch would leave the others spinning).
+            auto launch_all = [&]() -> cudaError_t {
               for (int r = 0; r < N; ++r) {
                 Rank& R = rk[r];
-                CK(cudaSetDevice(R.dev));
+                cudaError_t e = cudaSetDevice(R.dev);
+                if (e != cudaSuccess) return e;
                 gpu::LaunchConfig cfg;
                 cfg.rank = r;
                 cfg.nranks = N;
@@ -185,30 +186,20 @@ int main(int argc, char** argv) {
                 cfg.diag = R.diag_dev;
                 cfg.timeout_ns = uint64_t(timeout_s * 1e9);
                 cfg.fault_rank = fault_rank;
-                CK(gpu::launch_allreduce(gpu::PeerAccess{nullptr, R.table}, cfg, dt->dt, op, algo,
-                                         R.in, R.out, count, R.stream));
+                e = gpu::launch_allreduce(gpu::PeerAccess{nullptr, R.table}, cfg, dt->dt, op, algo,
+                                          R.in, R.out, count, R.stream);
+                if (e != cudaSuccess) return e;
               }
-            }
+              return cudaSuccess;
+            };
+            for (int it = 0; it < iters; ++it) CK(launch_all());
             double us_per_iter = 0;
             if (time_iters > 0) {
               // Kernel-level latency without XLA: back-to-back launches on every rank, timed
               // on the host around the whole batch after a synchronized start.
               for (int r = 0; r < N; ++r) { CK(cudaSetDevice(rk[r].dev)); CK(cudaStreamSynchronize(rk[r].stream)); }
               auto t0 = std::chrono::steady_clock::now();
-              for (int it = 0; it < time_iters; ++it) {
-                for (int r = 0; r < N; ++r) {
-                  Rank& R = rk[r];
-                  CK(cudaSetDevice(R.dev));
-                  gpu::LaunchConfig cfg;
-                  cfg.rank = r; cfg.nranks = N;
-                  gpu::set_window_layout(cfg, N, lane_bytes);
-                  cfg.ll_max_bytes = std::min(cfg.ll_max_bytes, ll_max_bytes);
-                  cfg.rounds = R.rounds; cfg.diag = R.diag_dev;
-                  cfg.timeout_ns = uint64_t(timeout_s * 1e9);
-                  CK(gpu::launch_allreduce(gpu::PeerAccess{nullptr, R.table}, cfg, dt->dt, op, algo,
-                                           R.in, R.out, count, R.stream));
-                }
-              }
+              for (int it = 0; it < time_iters; ++it) CK(launch_all());
               for (int r = 0; r < N; ++r) { CK(cudaSetDevice(rk[r].dev)); CK(cudaStreamSynchronize(rk[r].stream)); }
               us_per_iter = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / time_iters;
               std::printf("time ranks=%d dtype=%s op=%s algo=%s bytes=%zu: %.2f us/call\n", N, dt->name,
