@@ -201,7 +201,8 @@ def _lowering(ctx, x, *, axes, op, algorithm, invariant, platform):
                                    tuple(int(mesh.shape[n]) for n in mesh.axis_names), axes)
     nbytes = int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
     if algorithm == "auto":
-        algorithm, _ = _select.choose(platform, nbytes, layout.nranks)
+        kind = np.asarray(mesh.devices).flat[0].device_kind
+        algorithm, _ = _select.choose(platform, nbytes, layout.nranks, kind)
     _runtime.check_workspace(platform, algorithm, layout.nranks, np.dtype(aval.dtype).itemsize, api)
     if platform != "cpu" and _native.cuda is None:
         raise RuntimeError(

@@ -1,21 +1,51 @@
-"""Algorithm choice: which algorithm `algorithm="auto"` runs, and why."""
+"""Algorithm choice: which algorithm `algorithm="auto"` runs, and why.
+
+1. A tuning table measured on this kind of machine and group size (jax_gin/tuning/*.json,
+   written by `python -m jax_gin.tune`; JAX_GIN_TUNING_DIR adds a folder searched first).
+2. Otherwise a model-based rule (performance.md): one_shot moves (N-1)*S per rank in one
+   synchronization step, two_shot 2(N-1)/N*S in two, ring the same bytes in 2(N-1) steps,
+   tree log2(N) steps. Small messages are latency-bound -> one_shot; large ones
+   bandwidth-bound -> two_shot for small groups, ring for large ones (two_shot's all-to-all
+   traffic does not scale).
+"""
 from __future__ import annotations
+
+import functools
+import json
+import os
 
 from ._ops import ALGORITHMS
 
-# Model-based rule (performance.md): one_shot moves (N-1)*S per rank in one synchronization
-# step, two_shot 2(N-1)/N*S in two, ring the same bytes in 2(N-1) steps, tree log2(N) steps.
-# Small messages are latency-bound -> one_shot; large ones bandwidth-bound -> two_shot for
-# small groups, ring for large ones (two_shot's all-to-all traffic does not scale).
 SMALL_BYTES = {"cpu": 64 << 10, "cuda": 512 << 10}
 RING_MIN_RANKS = 16
 
 
-def choose(platform: str, nbytes: int, nranks: int) -> tuple[str, str]:
+@functools.lru_cache(maxsize=None)
+def load_table(device_kind: str, nranks: int):
+    """The tuning table for this device kind and group size, or None."""
+    from .tune import TABLE_DIR, table_name
+    name = table_name(device_kind, nranks)
+    for d in (os.environ.get("JAX_GIN_TUNING_DIR"), TABLE_DIR):
+        if d and os.path.exists(os.path.join(d, name)):
+            with open(os.path.join(d, name)) as f:
+                table = json.load(f)
+            if table.get("entries") and all(e["algorithm"] in ALGORITHMS for e in table["entries"]):
+                return table
+    return None
+
+
+def choose(platform: str, nbytes: int, nranks: int, device_kind: str | None = None) -> tuple[str, str]:
     """Returns (algorithm, reason)."""
     plat = "cpu" if platform == "cpu" else "cuda"
     if nranks <= 1:
         return "one_shot", "a group of one rank only copies"
+    table = load_table(device_kind, nranks) if device_kind else None
+    if table is not None:
+        entries = table["entries"]
+        pick = next((e for e in entries if nbytes <= e["max_bytes"]), entries[-1])
+        return pick["algorithm"], (
+            f"fastest measured near {pick['max_bytes']} B in the tuning table for "
+            f"{table['device_kind']} x {table['nranks']} ({table.get('measured', '?')[:10]})")
     small = SMALL_BYTES[plat]
     if nbytes <= small:
         return "one_shot", f"{nbytes} B <= {small} B: latency-bound, one synchronization step"

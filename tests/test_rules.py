@@ -187,3 +187,45 @@ def test_explain():
     assert s.startswith("one_shot")
     s = jax_gin.explain(jax.ShapeDtypeStruct((1 << 22,), jnp.float32), nranks=8, platform="cpu")
     assert s.startswith("two_shot")
+
+
+def test_auto_uses_the_tuning_table(tmp_path, monkeypatch):
+    import json
+    from jax_gin import _select, tune
+
+    table = {"device_kind": "Fake GPU", "nranks": 8, "measured": "2026-11-30", "entries": [
+        {"max_bytes": 1024, "algorithm": "tree"}, {"max_bytes": 1 << 20, "algorithm": "ring"}]}
+    (tmp_path / tune.table_name("Fake GPU", 8)).write_text(json.dumps(table))
+    monkeypatch.setenv("JAX_GIN_TUNING_DIR", str(tmp_path))
+    _select.load_table.cache_clear()
+    try:
+        assert _select.choose("cuda", 512, 8, "Fake GPU")[0] == "tree"
+        assert _select.choose("cuda", 4096, 8, "Fake GPU")[0] == "ring"
+        assert _select.choose("cuda", 1 << 30, 8, "Fake GPU")[0] == "ring"  # past the table: last entry
+        assert _select.choose("cuda", 512, 4, "Fake GPU")[0] == "one_shot"  # no table: model rule
+        s = jax_gin.explain(jax.ShapeDtypeStruct((100,), jnp.float32), nranks=8, platform="cuda",
+                            device_kind="Fake GPU")
+        assert s.startswith("tree") and "tuning table" in s
+    finally:
+        _select.load_table.cache_clear()
+
+
+def test_shipped_h200_table():
+    from jax_gin import _select
+    t = _select.load_table("NVIDIA H200", 2)
+    assert t is not None and t["nranks"] == 2
+    assert _select.choose("cuda", 4096, 2, "NVIDIA H200")[0] == "one_shot"
+
+
+def test_tune_builds_a_table_from_benchmark_json(tmp_path):
+    import json
+    from jax_gin import bench, tune
+
+    path = tmp_path / "b.json"
+    assert bench.main(["-b", "1K", "-e", "4K", "-n", "2", "-w", "1", "-k", "3", "-a",
+                       ",".join(jax_gin.ALGORITHMS), "--json", str(path), "--quiet"]) == 0
+    out = tmp_path / "t.json"
+    assert tune.main(["--from-json", str(path), "--out", str(out)]) == 0
+    t = json.loads(out.read_text())
+    assert t["nranks"] == ndev() and t["entries"]
+    assert all(e["algorithm"] in jax_gin.ALGORITHMS for e in t["entries"])

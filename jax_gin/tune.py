@@ -1,0 +1,117 @@
+"""Measure every algorithm on this machine and write a tuning table for `algorithm="auto"`.
+
+    python -m jax_gin.tune                       # measure here, write jax_gin/tuning/<gpu>_n<N>.json
+    python -m jax_gin.tune --from-json a.json b.json   # build the table from benchmark results
+
+A table is keyed by device kind and group size, and lists, for growing message sizes, the
+algorithm that was fastest there (per-op time as `python -m jax_gin.bench` measures it). `auto`
+uses the table of its machine when one ships with jax_gin (or JAX_GIN_TUNING_DIR holds one),
+and falls back to the model-based rule of _select.py otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+
+from ._ops import ALGORITHMS
+
+TABLE_DIR = os.path.join(os.path.dirname(__file__), "tuning")
+
+
+def table_name(device_kind: str, nranks: int) -> str:
+    kind = "".join(c if c.isalnum() else "_" for c in device_kind.lower()).strip("_")
+    return f"{kind}_n{nranks}.json"
+
+
+def build_table(results: list, meta: dict, dtype: str = "float32", op: str = "sum") -> dict:
+    """Fastest algorithm per size from benchmark records; adjacent sizes with the same winner
+    merge into one entry. Later records override earlier ones at the same size (so a finer
+    run can refine a sweep)."""
+    best: dict = {}
+    for r in results:
+        if r.get("dtype") != dtype or r.get("op") != op or r.get("algorithm") not in ALGORITHMS:
+            continue
+        if r.get("error") or r.get("wrong") or not r.get("time_us") or r["time_us"] <= 0:
+            continue
+        best.setdefault(r["size"], {})[r["algorithm"]] = r["time_us"]
+    entries = []
+    for size in sorted(best):
+        algo = min(best[size], key=best[size].get)
+        if entries and entries[-1]["algorithm"] == algo:
+            entries[-1]["max_bytes"] = size
+        else:
+            entries.append({"max_bytes": size, "algorithm": algo,
+                            "time_us": {a: round(t, 2) for a, t in best[size].items()}})
+    return {
+        "device_kind": meta.get("device_kind"),
+        "nranks": meta.get("nranks", meta.get("ndevices")),
+        "platform": meta.get("platform"),
+        "dtype": dtype, "op": op,
+        "jax": meta.get("jax"),
+        "measured": meta.get("date"),
+        "source": meta.get("source", "python -m jax_gin.tune"),
+        # sizes up to max_bytes (inclusive, and between two entries: the later one) use algorithm
+        "entries": entries,
+    }
+
+
+def _load_results(paths: list) -> tuple[list, dict]:
+    results, meta = [], {}
+    for p in paths:
+        with open(p) as f:
+            d = json.load(f)
+        results += d["results"]
+        meta = {**d.get("meta", {}), **meta} if not meta else meta
+    return results, meta
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jax_gin.tune", description=__doc__.splitlines()[0])
+    ap.add_argument("--from-json", nargs="+", metavar="BENCH_JSON",
+                    help="build the table from `python -m jax_gin.bench --json` files")
+    ap.add_argument("--out", help="where to write the table (default: jax_gin/tuning/<kind>_n<N>.json)")
+    ap.add_argument("-b", "--minbytes", default="4K")
+    ap.add_argument("-e", "--maxbytes", default=None)
+    ap.add_argument("-n", "--iters", default="30")
+    args = ap.parse_args(argv)
+    if args.from_json:
+        results, meta = _load_results(args.from_json)
+        meta["source"] = "built from " + ", ".join(
+            os.path.join(os.path.basename(os.path.dirname(os.path.abspath(p))), os.path.basename(p))
+            for p in args.from_json)
+    else:
+        from . import bench
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "bench.json")
+            argv_b = ["-b", args.minbytes, "-f", "2", "-n", args.iters, "-d", "float32",
+                      "-a", ",".join(ALGORITHMS), "--json", path]
+            if args.maxbytes:
+                argv_b += ["-e", args.maxbytes]
+            rc = bench.main(argv_b)
+            if rc != 0:
+                print("jax_gin.tune: the benchmark reported failures; no table written", file=sys.stderr)
+                return rc
+            results, meta = _load_results([path])
+    meta.setdefault("date", datetime.datetime.now(datetime.timezone.utc).isoformat())
+    table = build_table(results, meta)
+    if not table["entries"]:
+        print("jax_gin.tune: no usable measurements", file=sys.stderr)
+        return 1
+    out = args.out or os.path.join(TABLE_DIR, table_name(table["device_kind"] or "unknown",
+                                                         int(table["nranks"] or 0)))
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+    print(f"jax_gin.tune: wrote {out}")
+    for e in table["entries"]:
+        print(f"  <= {e['max_bytes']:>12} B: {e['algorithm']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
