@@ -5,6 +5,11 @@ mesh: reducing a 4x2 mesh over 'x' forms 2 groups of 4 ranks. It is created the 
 program that needs it is lowered -- before that program ever runs -- and reused by every
 later call and every later compilation with the same mesh, axes and settings. The FFI call
 names it by an integer attribute; the handler only looks it up.
+
+In a multi-process job (jax.distributed) on CPU, a group whose devices live in several
+processes keeps its workspace in POSIX shared memory, set up by all of them together when they
+lower the program (_distributed.py). Every process must therefore lower the same jax_gin
+programs in the same order, as SPMD programs do anyway.
 """
 from __future__ import annotations
 
@@ -14,9 +19,10 @@ import math
 import os
 import threading
 
+import jax
 import numpy as np
 
-from . import _native
+from . import _distributed, _native
 from ._ops import ALGORITHM_CODES
 
 _DEFAULT_CPU_WORKSPACE = 1 << 20  # bytes per rank
@@ -96,6 +102,7 @@ def group_layout(axis_names: tuple, axis_sizes: tuple, axes: tuple) -> GroupLayo
 
 _lock = threading.Lock()
 _cache: dict = {}
+_generations: dict = {}  # key -> communicators created for it so far (names in shared memory)
 
 
 def workspace_bytes(platform: str) -> int:
@@ -121,23 +128,39 @@ def communicator(platform: str, mesh, axes: tuple) -> int:
     """The id of the communicator for reducing `mesh` over `axes`, created on first use."""
     names = tuple(mesh.axis_names)
     sizes = tuple(int(mesh.shape[n]) for n in names)
-    device_ids = tuple(int(d.id) for d in np.asarray(mesh.devices).flat)
+    devices = list(np.asarray(mesh.devices).flat)
+    device_ids = tuple(int(d.id) for d in devices)
     ws = workspace_bytes(platform)
     key = (platform, device_ids, names, sizes, tuple(axes), ws, settings.timeout_s,
            settings.fault_rank)
+    _distributed.check_initialized(len({d.process_index for d in devices}))
     with _lock:
         comm = _cache.get(key)
         if comm is not None:
             return comm
         layout = group_layout(names, sizes, tuple(axes))
         if platform == "cpu":
-            comm = _native.cpu.cpu_comm_create(
-                layout.nranks, list(layout.group_of), list(layout.rank_of), ws,
-                settings.timeout_s, settings.fault_rank)
+            comm = _create_cpu_comm(mesh, devices, layout, ws, key)
         else:
             comm = _create_cuda_comm(mesh, layout, ws)
         _cache[key] = comm
         return comm
+
+
+def _create_cpu_comm(mesh, devices, layout: GroupLayout, ws: int, key) -> int:
+    procs = [int(d.process_index) for d in devices]
+    workspaces = None  # every group in private memory: all devices run in this process
+    if any(p != procs[0] for p in procs):
+        generation = _generations.get(key, 0)
+        _generations[key] = generation + 1
+        shape = ", ".join(f"{n!r}: {mesh.shape[n]}" for n in mesh.axis_names)
+        what = (f"the CPU communicator for axes {key[4]} of the mesh {{{shape}}} "
+                f"({len(set(procs))} processes)")
+        workspaces = _distributed.group_workspaces(
+            layout, procs, jax.process_index(), ws, key, generation, settings.timeout_s, what)
+    return _native.cpu.cpu_comm_create(
+        layout.nranks, list(layout.group_of), list(layout.rank_of), ws, settings.timeout_s,
+        settings.fault_rank, workspaces)
 
 
 def _create_cuda_comm(mesh, layout: GroupLayout, ws: int) -> int:
@@ -172,6 +195,11 @@ def reset() -> None:
 
 
 def _shutdown() -> None:  # pragma: no cover - interpreter exit
+    try:
+        # Names of shared-memory segments whose set-up did not finish (normally none).
+        _native.cpu.cpu_unlink_all_workspaces()
+    except Exception:
+        pass
     try:
         if _native.cuda is not None:
             _native.cuda.shutdown()

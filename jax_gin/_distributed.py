@@ -1,0 +1,288 @@
+"""Several processes on CPU: workspaces in POSIX shared memory, bootstrapped through the
+jax.distributed key-value store.
+
+A group whose ranks run in several processes (of one host) keeps its whole state -- every
+rank's window, flags and round counter -- in one shared-memory segment. Per communicator that
+spans processes, every process involved does this (all of them lower the same programs in
+the same order, so they all get here):
+
+1. arrive: a key per process, then a barrier of the processes involved. A process that never
+   comes makes the others fail with the group and the ranks that are missing. Nothing exists
+   in /dev/shm yet, so a process that dies while the others wait leaves nothing behind.
+2. create: the process that runs a group's rank 0 creates its segment
+   /jax_gin.<job>.<communicator>.g<group> (O_EXCL) and publishes the name under a key.
+3. attach: the other processes read the name and map the segment.
+4. join: each process marks its ranks in the segment's header and waits until every rank is
+   marked, then every process unlinks the name (the first one wins). From then on the memory
+   lives only as long as the mappings: a process that dies later leaves nothing in /dev/shm.
+   If set-up fails half-way, the names this process knows are unlinked at once, and at exit.
+
+<job> is a random token that the first process to need it publishes in the key-value store,
+so that two jobs on one host never share a name; <communicator> is a hash of the
+communicator's key (mesh devices, axes, settings) and how many times this process created it.
+
+The only JAX internal used here, the jax.distributed client, is reached through
+`distributed_client()` below, behind a guard.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import time
+
+from . import _native
+
+KV_PREFIX = "jax_gin"
+_JOB_TOKEN_KEY = f"{KV_PREFIX}/job_token"
+_job_tokens: dict = {}  # id(client) -> token
+
+
+class BootstrapTimeoutError(TimeoutError):
+    """A peer process did not take part in setting up a communicator in time."""
+
+
+class KeyValueStoreError(ConnectionError):
+    """The jax.distributed key-value store could not be reached (or refused a request)."""
+
+
+# ---------------------------------------------------------------------------------------
+# JAX internals, in one guarded place
+
+
+def distributed_client():
+    """The jax.distributed client of this process, or None before initialize()."""
+    try:
+        from jax._src import distributed as _d
+    except ImportError:  # pragma: no cover - a JAX without it
+        return None
+    return getattr(getattr(_d, "global_state", None), "client", None)
+
+
+def coordinator_address() -> str:
+    try:
+        from jax._src import distributed as _d
+        return str(getattr(_d.global_state, "coordinator_address", None) or "?")
+    except Exception:  # pragma: no cover
+        return "?"
+
+
+# ---------------------------------------------------------------------------------------
+# Is this one process of a multi-process job that forgot jax.distributed.initialize()?
+
+def _launcher_processes() -> tuple:
+    """(variable, value) of the first launcher variable that says this process is one of
+    several of a job, or None. These are the settings jax.distributed.initialize() reads."""
+    env = os.environ
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        return ("JAX_COORDINATOR_ADDRESS", env["JAX_COORDINATOR_ADDRESS"])
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
+        if var == "SLURM_NTASKS" and not env.get("SLURM_JOB_ID"):
+            continue
+        try:
+            if int(env.get(var, "1")) > 1:
+                return (var, env[var])
+        except ValueError:
+            continue
+    return None
+
+
+def check_initialized(mesh_processes: int) -> None:
+    """Raise if jax_gin is used in a multi-process job before jax.distributed.initialize()."""
+    if distributed_client() is not None:
+        return
+    howto = ("call jax.distributed.initialize() at the start of every process, before any "
+             "other JAX call (and so before jax_gin)")
+    if mesh_processes > 1:
+        raise RuntimeError(
+            f"jax_gin: the mesh spans {mesh_processes} processes but jax.distributed is not "
+            f"initialized (or was shut down): {howto}")
+    if os.environ.get("JAX_GIN_SINGLE_PROCESS", "") not in ("", "0"):
+        return
+    launcher = _launcher_processes()
+    if launcher is not None:
+        var, val = launcher
+        raise RuntimeError(
+            f"jax_gin: this process looks like one of several of a job ({var}={val}) but "
+            f"jax.distributed.initialize() has not been called, so each process would reduce "
+            f"only over its own devices: {howto}. If the processes are meant to be "
+            f"independent, set JAX_GIN_SINGLE_PROCESS=1")
+
+
+# ---------------------------------------------------------------------------------------
+# Key-value store calls with errors that say what failed
+
+
+class _Deadline(Exception):
+    """A key-value store wait timed out (the caller knows who is missing)."""
+
+
+def _kv_error(exc: Exception, doing: str) -> Exception | None:
+    """The error to raise for a failed key-value store call; None for a timeout."""
+    text = str(exc)
+    if text.startswith("DEADLINE_EXCEEDED"):
+        return None
+    first = text.splitlines()[0] if text else type(exc).__name__
+    unreachable = text.startswith(("UNAVAILABLE", "CANCELLED", "ABORTED")) or \
+        "failed to connect" in text.lower()
+    if unreachable:
+        return KeyValueStoreError(
+            f"jax_gin: the jax.distributed key-value store (coordinator "
+            f"{coordinator_address()}) is unreachable while {doing}: {first}")
+    return KeyValueStoreError(
+        f"jax_gin: the jax.distributed key-value store (coordinator {coordinator_address()}) "
+        f"failed a request while {doing}: {first}")
+
+
+def _kv(doing: str, fn, *args):
+    """fn(*args), a key-value store call: a timeout raises _Deadline, any other failure a
+    KeyValueStoreError that says what jax_gin was doing."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - jax.errors.JaxRuntimeError
+        err = _kv_error(e, doing)
+        if err is None:
+            raise _Deadline(str(e)) from e
+        raise err from e
+
+
+def _ms(deadline: float) -> int:
+    return max(1, int((deadline - time.monotonic()) * 1000))
+
+
+def job_token(client, deadline: float) -> str:
+    """A random token for this job, the same in every process: the first to ask sets it."""
+    token = _job_tokens.get(id(client))
+    if token is not None:
+        return token
+    doing = "agreeing on a job token for shared-memory names"
+    try:
+        client.key_value_set(_JOB_TOKEN_KEY, secrets.token_hex(8))
+    except Exception as e:  # noqa: BLE001 - ALREADY_EXISTS: another process set it first
+        if "ALREADY_EXISTS" not in str(e):
+            raise (_kv_error(e, doing) or KeyValueStoreError(str(e))) from e
+    try:
+        token = _kv(doing, client.blocking_key_value_get, _JOB_TOKEN_KEY, _ms(deadline))
+    except _Deadline:  # pragma: no cover - it was set just above, by us or another process
+        raise KeyValueStoreError(f"jax_gin: the job token vanished from the key-value store "
+                                 f"(coordinator {coordinator_address()})") from None
+    _job_tokens[id(client)] = token
+    return token
+
+
+def communicator_tag(key, generation: int) -> str:
+    """A name for a communicator that every process computes alike."""
+    return f"{hashlib.sha256(repr(key).encode()).hexdigest()[:12]}.{generation}"
+
+
+def segment_name(token: str, tag: str, group: int) -> str:
+    return f"/jax_gin.{token}.{tag}.g{group}"
+
+
+# ---------------------------------------------------------------------------------------
+# Workspaces of one communicator
+
+
+def _ranks_text(ranks) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def group_workspaces(layout, procs: list, me: int, lane_bytes: int, key, generation: int,
+                     timeout_s: float, what: str) -> list:
+    """One Workspace per group of `layout` (None where no rank runs in this process).
+
+    procs[logical id] is the process that runs that device; `me` is this process. Groups that
+    live in this process alone get private memory; groups that span processes get a shared
+    segment, set up collectively with the other processes of those groups.
+    """
+    ngroups, nranks = layout.ngroups, layout.nranks
+    proc_of = [[-1] * nranks for _ in range(ngroups)]  # [group][rank] -> process
+    for logical, p in enumerate(procs):
+        proc_of[layout.group_of[logical]][layout.rank_of[logical]] = int(p)
+    spanning = [g for g in range(ngroups) if len(set(proc_of[g])) > 1]
+    out: list = [None] * ngroups
+    for g in range(ngroups):
+        if g not in spanning and proc_of[g][0] == me:
+            out[g] = _native.cpu.Workspace.private(nranks, lane_bytes)
+    mine = [g for g in spanning if me in proc_of[g]]
+    if not mine:
+        return out
+    participants = sorted({p for g in spanning for p in proc_of[g]})
+    client = distributed_client()
+    if client is None:
+        check_initialized(len(participants))
+    deadline = time.monotonic() + timeout_s
+    token = job_token(client, deadline)
+    tag = communicator_tag(key, generation)
+    prefix = f"{KV_PREFIX}/{token}/{tag}"
+
+    def missing_error(missing_procs, late=False):
+        parts = []
+        for g in spanning:
+            ranks = [r for r in range(nranks) if proc_of[g][r] in missing_procs]
+            if ranks:
+                procs_txt = ", ".join(str(p) for p in sorted({proc_of[g][r] for r in ranks}))
+                parts.append(f"group {g} is missing ranks {_ranks_text(ranks)} (process "
+                             f"{procs_txt})")
+        if late:
+            others = ", ".join(str(p) for p in participants if p != me)
+            head = (f"jax_gin: process {me} came to set up {what} after the other processes "
+                    f"({others}) had stopped waiting for it (JAX_GIN_TIMEOUT_S={timeout_s:g})")
+        else:
+            head = (f"jax_gin: timed out after {timeout_s:g} s setting up {what}: "
+                    f"{'; '.join(parts)}")
+        return BootstrapTimeoutError(
+            f"{head}. Every process of the job must lower the same jax_gin programs in the "
+            f"same order; a peer may have failed, or may be slower: set JAX_GIN_TIMEOUT_S to "
+            f"wait longer. (communicator {tag}, job {token})")
+
+    # 1. arrive
+    doing = f"setting up {what}"
+    try:
+        _kv(doing, client.key_value_set, f"{prefix}/arrived/{me}", "1")
+        _kv(doing, client.wait_at_barrier, f"{prefix}/arrived", _ms(deadline), participants)
+    except _Deadline:
+        arrived = {int(k.rsplit("/", 1)[1])
+                   for k, _ in _kv(doing, client.key_value_dir_get, f"{prefix}/arrived/")}
+        missing = [p for p in participants if p not in arrived]
+        raise missing_error(missing, late=not missing) from None
+
+    shared: dict = {}
+    try:
+        # 2. create (and publish) the segments of the groups whose rank 0 runs here
+        for g in mine:
+            if proc_of[g][0] != me:
+                continue
+            name = segment_name(token, tag, g)
+            shared[g] = _native.cpu.Workspace.create(name, nranks, lane_bytes)
+            shared[g].join([r for r in range(nranks) if proc_of[g][r] == me])
+            _kv(doing, client.key_value_set, f"{prefix}/g{g}", name)
+        # 3. map the others' segments
+        for g in mine:
+            if proc_of[g][0] == me:
+                continue
+            expected = segment_name(token, tag, g)
+            try:
+                name = _kv(doing, client.blocking_key_value_get, f"{prefix}/g{g}", _ms(deadline))
+            except _Deadline:
+                # The creator may have died between creating and publishing: drop its name.
+                _native.cpu.shm_unlink(expected)
+                raise missing_error({proc_of[g][0]}) from None
+            if name != expected:
+                raise RuntimeError(f"jax_gin: process {proc_of[g][0]} published segment "
+                                   f"{name!r} for group {g}, expected {expected!r}")
+            shared[g] = _native.cpu.Workspace.attach(name, nranks, lane_bytes)
+            shared[g].join([r for r in range(nranks) if proc_of[g][r] == me])
+        # 4. wait until every rank of every group has mapped its segment
+        for g in mine:
+            missing = shared[g].wait_joined(max(0.0, deadline - time.monotonic()))
+            if missing:
+                raise missing_error({proc_of[g][r] for r in missing})
+    finally:
+        # Every process unlinks every name it knows (the first one wins): on success because
+        # all have mapped it, on failure so that nothing stays in /dev/shm.
+        for w in shared.values():
+            w.unlink()
+    for g in mine:
+        out[g] = shared[g]
+    return out
