@@ -1,0 +1,328 @@
+"""Several processes on CPU: 2 processes of 4 CPU devices each, joined by jax.distributed on
+127.0.0.1, with gloo so that lax's collectives work across them too for comparison.
+
+Each test launches this file as a script twice (one process each; the worker is at the
+bottom) and checks what they print; every launch is bounded by a timeout. The workers check:
+- parity with lax, bit for bit: every algorithm, psum/pmax/pmin, two dtypes, an odd size and
+  one larger than the 1 MiB workspace, on a global 1-D mesh of 8 devices (also in reverse
+  order, so that process 1 creates the shared memory) and a 2-D 4x2 mesh (groups that span
+  the processes, and groups inside one);
+- grad, and repeated calls;
+- that no segment is left in /dev/shm once the set-up is done, and none after the processes
+  die (they kill themselves) or exit;
+- errors: a missing peer, a late peer, an unreachable key-value store, a peer that lowered a
+  program but never runs it.
+"""
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+WORKER_DEVICES = 4
+NPROC = 2
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _shm_names() -> set:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("jax_gin.")}
+    except FileNotFoundError:  # pragma: no cover - no /dev/shm
+        return set()
+
+
+def _launch(scenario: str, timeout: float, env_extra=None):
+    """Runs the worker as NPROC processes; returns [(returncode, output)]."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("JAX_", "XLA_", "SLURM_", "OMPI_", "PMI_"))}
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={WORKER_DEVICES}")
+    env.update(env_extra or {})
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), scenario, str(i),
+                               str(port)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(NPROC)]
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append((p.returncode, out))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        outs = [p.communicate()[0] for p in procs]
+        raise AssertionError(f"{scenario}: workers still running after {timeout} s:\n" +
+                             "\n".join(f"--- process {i}\n{_tail(o)}" for i, o in enumerate(outs)))
+    return results
+
+
+def _tail(out: str, n: int = 60) -> str:
+    lines = [ln for ln in (out or "").splitlines()
+             if not ln.startswith(("W0000", "I0000", "[Gloo]"))]
+    return "\n".join(lines[-n:])
+
+
+def _reports(results, scenario):
+    """The JSON report each worker printed last."""
+    reports = []
+    for i, (rc, out) in enumerate(results):
+        lines = [ln[len("REPORT "):] for ln in out.splitlines() if ln.startswith("REPORT ")]
+        assert lines, f"{scenario}: process {i} (rc {rc}) printed no report:\n{_tail(out)}"
+        reports.append((rc, json.loads(lines[-1]), out))
+    return reports
+
+
+def test_parity_two_processes():
+    before = _shm_names()
+    reports = _reports(_launch("parity", timeout=150), "parity")
+    for i, (rc, rep, out) in enumerate(reports):
+        assert rep["ok"], f"process {i}:\n{_tail(out)}"
+        # The workers kill themselves once done: a process that dies leaves nothing behind.
+        # (A worker may also be aborted by JAX, which notices that the coordinator died.)
+        assert rc in (-signal.SIGKILL, -signal.SIGABRT), f"process {i} rc {rc}:\n{_tail(out)}"
+        assert rep["checked"] > 100, rep
+        assert rep["shm_after_setup"] == [], rep
+    tokens = {rep["token"] for _, rep, _ in reports}
+    assert len(tokens) == 1, tokens
+    assert not {n for n in _shm_names() - before if tokens.pop() in n}
+    assert _shm_names() <= before
+
+
+def test_errors_two_processes():
+    before = _shm_names()
+    reports = _reports(_launch("errors", timeout=90, env_extra={"JAX_GIN_TIMEOUT_S": "3"}),
+                       "errors")
+    for i, (rc, rep, out) in enumerate(reports):
+        assert rc == 0 and rep["ok"], f"process {i} rc {rc}:\n{_tail(out)}"
+    (_, r0, _), (_, r1, _) = reports
+    # Unreachable key-value store: says so.
+    for r in (r0, r1):
+        assert r["unreachable"].startswith("KeyValueStoreError"), r
+        assert "key-value store" in r["unreachable"] and "unreachable" in r["unreachable"], r
+    # Missing peer: a timeout that names the group and the missing ranks, in either direction
+    # (process 0 creates the segments, process 1 maps them).
+    assert r0["missing"].startswith("BootstrapTimeoutError"), r0
+    assert "timed out after 3 s" in r0["missing"], r0
+    assert "group 0 is missing ranks 4, 5, 6, 7 (process 1)" in r0["missing"], r0
+    assert "JAX_GIN_TIMEOUT_S" in r0["missing"], r0
+    assert r1["missing"].startswith("BootstrapTimeoutError"), r1
+    assert ("group 0 is missing ranks 0, 1 (process 0); group 1 is missing ranks 0, 1 "
+            "(process 0)") in r1["missing"], r1
+    # A peer that comes after the others gave up is told so at once.
+    for r, other in ((r0, 1), (r1, 0)):
+        assert "after the other processes" in r["late"] and f"({other})" in r["late"], r
+        assert r["late_s"] < 2.5, r
+    # A peer that set up the communicator but never runs the program: the data path times out.
+    assert re.search(r"jax_gin psum \(\w+\) on CPU: rank [0-3] of group 0 \(8 ranks\) "
+                     r"(timed out after 3 s|gave up).* waiting for peer [4-7]", r0["never_runs"]), r0
+    assert r0["shm_at_end"] == [] and r1["shm_at_end"] == [], (r0, r1)
+    assert _shm_names() <= before
+
+
+def test_multiprocess_job_without_initialize(monkeypatch):
+    """jax_gin in a process of a multi-process job before jax.distributed.initialize()."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    import jax_gin
+    from conftest import mesh_1d, ndev
+    from helpers import exact_input, smap
+
+    x = exact_input((4,), ndev(), "float32")
+    f = smap(lambda v: jax_gin.psum(v, "i"), mesh_1d(), P("i"))
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:12345")
+    try:
+        f.lower(x)
+    except RuntimeError as e:
+        msg = str(e)
+    else:
+        raise AssertionError("no error")
+    assert "jax.distributed.initialize()" in msg and "JAX_COORDINATOR_ADDRESS" in msg, msg
+    assert "before any other JAX call" in msg, msg
+    monkeypatch.setenv("JAX_GIN_SINGLE_PROCESS", "1")  # independent processes: allowed
+    jax.block_until_ready(f(x))
+
+
+# ---------------------------------------------------------------------------------------
+# The worker: one process of the job (run as `python test_multiprocess.py SCENARIO ID PORT`).
+
+
+def _worker(scenario: str, pid: int, port: int) -> None:
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=NPROC, process_id=pid,
+                               coordinator_bind_address=f"127.0.0.1:{port}",
+                               initialization_timeout=60)
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    import jax_gin
+    from jax_gin import _distributed
+
+    assert jax.process_count() == NPROC and len(jax.devices()) == NPROC * WORKER_DEVICES
+    report = {"ok": False, "checked": 0}
+    devices = np.array(jax.devices())
+    mesh1 = Mesh(devices, ("i",))
+    mesh1_rev = Mesh(devices[::-1].copy(), ("i",))  # rank 0 in process 1: it creates
+    mesh2 = Mesh(devices.reshape(4, 2), ("x", "y"))
+
+    def global_input(mesh, spec, per_device, dtype, seed):
+        n = mesh.size * per_device
+        vals = np.random.default_rng(seed).integers(-7, 8, size=n).astype(np.float64)
+        full = np.asarray(jnp.asarray(vals).astype(dtype))  # exact small integers
+        arr = jax.make_array_from_callback((n,), NamedSharding(mesh, spec),
+                                           lambda idx: full[idx])
+        return arr
+
+    def local(a):
+        """This process's shards of a global array, in device order."""
+        shards = sorted(a.addressable_shards, key=lambda s: s.device.id)
+        return [np.asarray(s.data) for s in shards]
+
+    def same_bits(a, b, what):
+        for s, (u, v) in enumerate(zip(local(a), local(b))):
+            assert u.dtype == v.dtype and u.shape == v.shape, (what, u.dtype, v.dtype)
+            if not np.array_equal(u.view(np.uint8), v.view(np.uint8)):
+                bad = np.flatnonzero(u != v)[:5]
+                raise AssertionError(f"{what}: shard {s} differs at {bad}: {u[bad]} vs {v[bad]}")
+        report["checked"] += 1
+
+    def shm_of_job():
+        token = report.get("token")
+        return sorted(n for n in os.listdir("/dev/shm") if token and token in n)
+
+    algos = ("auto",) + tuple(jax_gin.ALGORITHMS)
+    ops = (("psum", jax_gin.psum, lax.psum), ("pmax", jax_gin.pmax, lax.pmax),
+           ("pmin", jax_gin.pmin, lax.pmin))
+
+    def parity(mesh, axes, dtype, per_device, seed):
+        """Every algorithm x op of jax_gin against lax's, over `axes`, bit for bit."""
+        spec = P(tuple(mesh.axis_names))
+        x = global_input(mesh, spec, per_device, dtype, seed)
+        cases = [(a, j) for a in algos for j in range(len(ops))]
+        # One program for all cases when the buffers are small; else one program per case.
+        # (XLA:CPU runs the independent operations of a program concurrently once it has more
+        # than 8 of them and one buffer exceeds 512 bytes; jax_gin's calls on one communicator
+        # must not run concurrently -- they fail loudly if they do.)
+        small = per_device * np.dtype(dtype).itemsize <= 512
+        for batch in ([cases] if small else [[c] for c in cases]):
+            def body(v, batch=batch):
+                outs = [ops[j][1](v, axes, algorithm=a) for a, j in batch]
+                return tuple(outs) + tuple(ops[j][2](v, axes) for _, j in batch)
+            f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,),
+                                      out_specs=(spec,) * (2 * len(batch))))
+            outs = f(x)
+            for k, (a, j) in enumerate(batch):
+                same_bits(outs[k], outs[len(batch) + k],
+                          f"{ops[j][0]} {a} {dtype} x{per_device} over {axes} of {mesh.shape}")
+
+    if scenario == "parity":
+        big = (1 << 20) // 2 + 4099  # > the 1 MiB workspace per device, even in bfloat16
+        parity(mesh1, "i", "float32", 37, 0)
+        report["token"] = next(iter(_distributed._job_tokens.values()))
+        # Every process has mapped the segments: their names are gone already.
+        report["shm_after_setup"] = shm_of_job()
+        parity(mesh1, "i", "bfloat16", 37, 1)
+        parity(mesh1, "i", "float32", big, 2)
+        parity(mesh1, "i", "bfloat16", big, 3)
+        parity(mesh1_rev, "i", "int32", 101, 4)
+        parity(mesh2, "x", "float32", 37, 5)         # 2 groups of 4, each across processes
+        parity(mesh2, "y", "float32", 37, 6)         # 4 groups of 2, each inside a process
+        parity(mesh2, ("x", "y"), "float32", 37, 7)  # 1 group of 8
+        parity(mesh2, ("y", "x"), "int32", big, 8)
+
+        # grad, with check_vma on and off (small integers: every value is exact)
+        for check_vma in (True, False):
+            def loss(red):
+                def body(v):
+                    return red(v * v, "i")
+                g = jax.shard_map(body, mesh=mesh1, in_specs=P("i"), out_specs=P(),
+                                  check_vma=check_vma)
+                return jax.jit(jax.grad(lambda v: jnp.sum(g(v) ** 2)))
+            x = global_input(mesh1, P("i"), 64, "float32", 9)
+            same_bits(loss(jax_gin.psum)(x), loss(lax.psum)(x), f"grad check_vma={check_vma}")
+
+        # repeated calls of one compiled program reuse one communicator
+        f = jax.jit(jax.shard_map(lambda v: (jax_gin.psum(v, "i"), lax.psum(v, "i")),
+                                  mesh=mesh1, in_specs=P("i"), out_specs=P("i")))
+        x = global_input(mesh1, P("i"), 333, "float32", 10)
+        f(x)
+        ncomm = jax_gin.runtime.num_communicators()
+        for k in range(40):
+            a, b = f(x + k)
+            same_bits(a, b, f"repeated call {k}")
+        assert jax_gin.runtime.num_communicators() == ncomm
+        assert shm_of_job() == [], shm_of_job()
+        report["ok"] = True
+        print("REPORT " + json.dumps(report), flush=True)
+        # Die without any clean-up (no atexit, no jax.distributed shutdown), both together:
+        # the test then checks that nothing is left in /dev/shm.
+        _distributed.distributed_client().wait_at_barrier("test/done", 60_000)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    elif scenario == "errors":
+        from jax._src.lib import _jax
+
+        def error_of(fn):
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001
+                return f"{type(e).__name__}: {e}"
+            return "no error"
+
+        def program(mesh, axes, timeout_tag):
+            spec = P(tuple(mesh.axis_names))
+            # A distinct timeout gives each case its own communicator key.
+            jax_gin.runtime.settings.timeout_s = 3 + timeout_tag * 1e-6
+            f = jax.jit(jax.shard_map(lambda v: jax_gin.psum(v, axes), mesh=mesh,
+                                      in_specs=(spec,), out_specs=spec))
+            return f, global_input(mesh, spec, 16, "float32", 0)
+
+        # An unreachable key-value store (a client of a coordinator that is not there).
+        real = _distributed.distributed_client()
+        from jax._src import distributed as jd
+        jd.global_state.client = _jax.get_distributed_runtime_client(
+            f"127.0.0.1:{_free_port()}", pid, init_timeout=1)
+        try:
+            f, x = program(mesh1, "i", 1)
+            report["unreachable"] = error_of(lambda: f.lower(x))
+        finally:
+            jd.global_state.client = real
+
+        # A missing peer: each process sets up a communicator the other never comes to.
+        fa, xa = program(mesh1, "i", 2)
+        fb, xb = program(mesh2, "x", 3)
+        mine, theirs = ((fa, xa), (fb, xb)) if pid == 0 else ((fb, xb), (fa, xa))
+        report["missing"] = error_of(lambda: mine[0].lower(mine[1]))
+        # ... and then comes to the other's, after the other gave up.
+        real.wait_at_barrier("test/both_timed_out", 60_000)
+        t = time.monotonic()
+        report["late"] = error_of(lambda: theirs[0].lower(theirs[1]))
+        report["late_s"] = time.monotonic() - t
+
+        # A peer that set up the communicator but never runs the program.
+        fc, xc = program(mesh1, "i", 4)
+        compiled = fc.lower(xc).compile()
+        if pid == 0:
+            report["never_runs"] = error_of(lambda: jax.block_until_ready(compiled(xc)))
+        report["token"] = next(iter(_distributed._job_tokens.values()))
+        report["shm_at_end"] = shm_of_job()
+        report["ok"] = True
+        print("REPORT " + json.dumps(report), flush=True)
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
