@@ -154,6 +154,21 @@ def test_matmul_dtypes(dtype):
     assert_bitwise(got, jnp.matmul(x, w))
 
 
+def test_matmul_preferred_element_type_and_precision():
+    mesh = mesh_1d()
+    x, w = ints((8, 16)).astype(jnp.bfloat16), ints((16, 8), seed=1).astype(jnp.bfloat16)
+    kw = dict(preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+    xs, ws = put(x, mesh, P(None, "i")), put(w, mesh, P("i", None))
+
+    def f(mm):
+        loss = lambda a, b: jnp.sum(mm(a, b, **kw) ** 2)  # noqa: E731
+        return jax.jit(lambda a, b: (mm(a, b, **kw), jax.grad(loss, argnums=(0, 1))(a, b)))
+
+    got, want = f(jax_gin.matmul)(xs, ws), f(jnp.matmul)(xs, ws)
+    assert got[0].dtype == np.float32 and got[1][0].dtype == jnp.bfloat16
+    assert_all_bitwise(got, want)
+
+
 # ---------------------------------------------------------------------------------------
 # sum, mean, max, min
 
