@@ -6,9 +6,12 @@ rank's window, flags and round counter -- in one shared-memory segment. Per comm
 spans processes, every process involved does this (all of them lower the same programs in
 the same order, so they all get here):
 
-1. arrive: a key per process, then a barrier of the processes involved. A process that never
-   comes makes the others fail with the group and the ranks that are missing. Nothing exists
-   in /dev/shm yet, so a process that dies while the others wait leaves nothing behind.
+1. arrive: a key per process (its host and IPC namespace), then a barrier of the processes
+   involved. A process that never comes makes the others fail with the group and the ranks
+   that are missing; processes that cannot share memory (other hosts, another /dev/shm) fail
+   with a clear error.
+   Nothing exists in /dev/shm yet, so a process that dies while the others wait leaves
+   nothing behind.
 2. create: the process that runs a group's rank 0 creates its segment
    /jax_gin.<job>.<communicator>.g<group> (O_EXCL) and publishes the name under a key.
 3. attach: the other processes read the name and map the segment.
@@ -29,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import socket
 import time
 
 from . import _native
@@ -183,6 +187,21 @@ def segment_name(token: str, tag: str, group: int) -> str:
 # Workspaces of one communicator
 
 
+def _host_identity() -> str:
+    """Processes with the same identity see the same /dev/shm: one machine (boot) and one
+    tmpfs instance there (containers may each have their own)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()[:8]
+    except OSError:  # pragma: no cover - not Linux
+        boot = "?"
+    try:
+        shm = f"{os.stat('/dev/shm').st_dev:x}"
+    except OSError:  # pragma: no cover
+        shm = "?"
+    return f"{socket.gethostname()} (boot {boot}, /dev/shm {shm})"
+
+
 def _ranks_text(ranks) -> str:
     return ", ".join(str(r) for r in ranks)
 
@@ -236,16 +255,28 @@ def group_workspaces(layout, procs: list, me: int, lane_bytes: int, key, generat
             f"same order; a peer may have failed, or may be slower: set JAX_GIN_TIMEOUT_S to "
             f"wait longer. (communicator {tag}, job {token})")
 
-    # 1. arrive
+    # 1. arrive, saying which /dev/shm this process sees
     doing = f"setting up {what}"
+
+    def arrived():
+        return {int(k.rsplit("/", 1)[1]): v
+                for k, v in _kv(doing, client.key_value_dir_get, f"{prefix}/arrived/")}
+
     try:
-        _kv(doing, client.key_value_set, f"{prefix}/arrived/{me}", "1")
+        _kv(doing, client.key_value_set, f"{prefix}/arrived/{me}", _host_identity())
         _kv(doing, client.wait_at_barrier, f"{prefix}/arrived", _ms(deadline), participants)
     except _Deadline:
-        arrived = {int(k.rsplit("/", 1)[1])
-                   for k, _ in _kv(doing, client.key_value_dir_get, f"{prefix}/arrived/")}
-        missing = [p for p in participants if p not in arrived]
+        missing = [p for p in participants if p not in arrived()]
         raise missing_error(missing, late=not missing) from None
+    hosts = arrived()
+    for g in mine:
+        where = {p: hosts.get(p) for p in sorted(set(proc_of[g]))}
+        if len(set(where.values())) > 1:
+            raise RuntimeError(
+                f"jax_gin: group {g} of {what} spans processes that do not share POSIX shared "
+                f"memory (on other hosts, or with another /dev/shm: "
+                f"{', '.join(f'process {p} on {h}' for p, h in where.items())}). On CPU, "
+                f"jax_gin supports several processes of one host only")
 
     shared: dict = {}
     try:

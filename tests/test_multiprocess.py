@@ -108,6 +108,11 @@ def test_errors_two_processes():
     for r in (r0, r1):
         assert r["unreachable"].startswith("KeyValueStoreError"), r
         assert "key-value store" in r["unreachable"] and "unreachable" in r["unreachable"], r
+    # Processes on other hosts: said so, before anything is created.
+    for r in (r0, r1):
+        assert "spans processes that do not share POSIX shared memory" in r["other_host"], r
+        assert "process 1 on another-host" in r["other_host"], r
+        assert "several processes of one host only" in r["other_host"], r
     # Missing peer: a timeout that names the group and the missing ranks, in either direction
     # (process 0 creates the segments, process 1 maps them).
     assert r0["missing"].startswith("BootstrapTimeoutError"), r0
@@ -299,6 +304,14 @@ def _worker(scenario: str, pid: int, port: int) -> None:
             report["unreachable"] = error_of(lambda: f.lower(x))
         finally:
             jd.global_state.client = real
+
+        # Processes that cannot share memory (as if process 1 ran on another host).
+        own_identity = _distributed._host_identity
+        if pid == 1:
+            _distributed._host_identity = lambda: "another-host (boot 0, /dev/shm 1)"
+        fd, xd = program(mesh1, "i", 5)
+        report["other_host"] = error_of(lambda: fd.lower(xd))
+        _distributed._host_identity = own_identity
 
         # A missing peer: each process sets up a communicator the other never comes to.
         fa, xa = program(mesh1, "i", 2)
