@@ -306,6 +306,7 @@ def _worker(scenario: str, pid: int, port: int) -> None:
             jd.global_state.client = real
 
         # Processes that cannot share memory (as if process 1 ran on another host).
+        real.wait_at_barrier("test/start", 60_000)
         own_identity = _distributed._host_identity
         if pid == 1:
             _distributed._host_identity = lambda: "another-host (boot 0, /dev/shm 1)"
