@@ -13,8 +13,11 @@ namespace jax_gin {
 namespace {
 
 ffi::Error CpuAllReduceImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition_id,
-                            ffi::Result<ffi::AnyBuffer> out, int64_t comm, int32_t op,
+                            ffi::Buffer<ffi::U32> order_in, ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::Buffer<ffi::U32>> order_out, int64_t comm, int32_t op,
                             int32_t algorithm) {
+  (void)order_in;
+  order_out->typed_data()[0] = 0;
   DType dtype;
   if (ffi::Error err = to_dtype(x.element_type(), &dtype); err.failure()) return err;
   if (ffi::Error err = check_enums(op, algorithm); err.failure()) return err;
@@ -39,7 +42,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAllReduce, jax_gin::CpuAllReduceImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()          // x: this device's block
                                   .Arg<ffi::Buffer<ffi::U32>>()   // partition id (logical id)
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // order token of the previous call
                                   .Ret<ffi::AnyBuffer>()          // the reduced block
+                                  .Ret<ffi::Buffer<ffi::U32>>()   // order token for the next call
                                   .Attr<int64_t>("comm")          // communicator id (runtime)
                                   .Attr<int32_t>("op")            // RedOp
                                   .Attr<int32_t>("algorithm"));   // Algorithm

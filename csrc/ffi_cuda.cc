@@ -15,9 +15,15 @@ namespace jax_gin {
 namespace {
 
 ffi::Error CudaAllReduceImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                             ffi::Buffer<ffi::U32> partition_id, ffi::Result<ffi::AnyBuffer> out,
-                             int64_t comm, int32_t op, int32_t algorithm) {
+                             ffi::Buffer<ffi::U32> partition_id, ffi::Buffer<ffi::U32> order_in,
+                             ffi::Result<ffi::AnyBuffer> out,
+                             ffi::Result<ffi::Buffer<ffi::U32>> order_out, int64_t comm, int32_t op,
+                             int32_t algorithm) {
   (void)partition_id;  // the rank comes from the device ordinal's cached state
+  // The order tokens only make XLA run jax_gin calls in program order (see _primitive.py);
+  // their values are never read, and on the GPU one stream orders the calls anyway.
+  (void)order_in;
+  (void)order_out;
   DType dtype;
   if (ffi::Error err = to_dtype(x.element_type(), &dtype); err.failure()) return err;
   if (ffi::Error err = check_enums(op, algorithm); err.failure()) return err;
@@ -48,7 +54,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCudaAllReduce, jax_gin::CudaAllReduceImpl,
                                   .Ctx<ffi::DeviceOrdinal>()      // local CUDA ordinal
                                   .Arg<ffi::AnyBuffer>()          // x: this device's block
                                   .Arg<ffi::Buffer<ffi::U32>>()   // partition id (unused on GPU)
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // order token of the previous call
                                   .Ret<ffi::AnyBuffer>()          // the reduced block
+                                  .Ret<ffi::Buffer<ffi::U32>>()   // order token for the next call
                                   .Attr<int64_t>("comm")          // communicator id (runtime)
                                   .Attr<int32_t>("op")            // RedOp
                                   .Attr<int32_t>("algorithm"),    // Algorithm

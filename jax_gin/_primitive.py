@@ -210,11 +210,44 @@ def _lowering(ctx, x, *, axes, op, algorithm, invariant, platform):
             f"CUDA support ({_native.CUDA_IMPORT_ERROR or '_jax_gin_cuda is missing'})")
     comm = _runtime.communicator(platform, mesh, axes)
     target = _native.CPU_TARGET if platform == "cpu" else _native.CUDA_TARGET
-    pid_aval = jax.core.ShapedArray((), np.uint32)
+    tok_aval = jax.core.ShapedArray((), np.uint32)
     rule = jax.ffi.ffi_lowering(target)
-    return rule(ctx.replace(avals_in=[aval, pid_aval]), x, hlo.partition_id(),
-                comm=np.int64(comm), op=np.int32(OP_CODES[op]),
-                algorithm=np.int32(ALGORITHM_CODES[algorithm]))
+    out, tok = rule(ctx.replace(avals_in=[aval, tok_aval, tok_aval],
+                                avals_out=[ctx.avals_out[0], tok_aval]),
+                    x, hlo.partition_id(), _chain_token(ctx),
+                    comm=np.int64(comm), op=np.int32(OP_CODES[op]),
+                    algorithm=np.int32(ALGORITHM_CODES[algorithm]))
+    _set_chain_token(ctx, tok)
+    return [out]
+
+
+# Ordering. All jax_gin calls of one communicator must run in the same order on every rank,
+# but XLA orders a custom call only by the buffers it reads and writes: the CPU runtime runs
+# independent operations concurrently (and has_side_effect does not serialize them). So each
+# call takes the previous call's (dummy) token result in the same block as an operand, which
+# chains the calls of a block in program order. Calls in different blocks are ordered by their
+# enclosing control-flow ops only; the CPU backend reports any overlap as an error.
+_chains: dict = {}
+
+
+def _chain_token(ctx):
+    from jax._src.lib.mlir import ir
+    block = ir.InsertionPoint.current.block
+    for b, tok in _chains.get(id(ctx.module_context), ()):
+        if b == block:
+            return tok
+    return mlir.ir_constant(np.uint32(0))
+
+
+def _set_chain_token(ctx, tok):
+    from jax._src.lib.mlir import ir
+    block = ir.InsertionPoint.current.block
+    key = id(ctx.module_context)
+    chain = [(b, t) for b, t in _chains.get(key, ()) if b != block]
+    chain.append((block, tok))
+    # keep only the newest module's state: modules are lowered one at a time
+    _chains.clear()
+    _chains[key] = chain
 
 
 # ---------------------------------------------------------------------------------------

@@ -229,3 +229,15 @@ def test_tune_builds_a_table_from_benchmark_json(tmp_path):
     t = json.loads(out.read_text())
     assert t["nranks"] == ndev() and t["entries"]
     assert all(e["algorithm"] in jax_gin.ALGORITHMS for e in t["entries"])
+
+
+def test_many_independent_calls_are_ordered():
+    # XLA's CPU runtime runs independent ops concurrently (more than 8 ops, buffers over 512
+    # bytes); jax_gin chains its calls so that every rank runs them in the same order.
+    mesh = mesh_1d()
+    grads = {f"w{k}": exact_input((1024 + k,), ndev(), "float32", seed=k) for k in range(12)}
+    f = smap(lambda g: (jax_gin.psum(g, "i"), lax.psum(g, "i")), mesh, P("i"),
+             out_spec=(P("i"), P("i")))
+    for _ in range(5):
+        got, want = f(grads)
+        jax.tree.map(assert_bitwise, got, want)
