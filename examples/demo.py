@@ -11,18 +11,10 @@ import os
 import sys
 import time
 
-if "JAX_PLATFORMS" not in os.environ and not os.environ.get("JAX_GIN_DEMO_GPU"):
-    # Default: 8 CPU devices, so the demo runs anywhere. Set JAX_PLATFORMS=cuda for GPUs.
-    try:
-        import jax_gin._native as _n  # noqa: F401
-        has_gpu = _n.has_cuda() and os.path.exists("/dev/nvidia0")
-    except Exception:
-        has_gpu = False
-    if not has_gpu:
-        os.environ["JAX_PLATFORMS"] = "cpu"
-if os.environ.get("JAX_PLATFORMS", "") == "cpu" and "device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _devices import default_to_cpu_devices  # noqa: E402
+
+default_to_cpu_devices()  # 8 CPU devices unless a GPU and the CUDA build are present
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

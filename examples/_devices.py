@@ -1,0 +1,18 @@
+"""Shared by the examples: run on the GPUs when jax_gin has its CUDA build and a GPU is
+present, otherwise on 8 CPU devices. Must run before JAX initializes its backends."""
+import os
+
+
+def default_to_cpu_devices(count: int = 8) -> None:
+    if "JAX_PLATFORMS" not in os.environ and not os.environ.get("JAX_GIN_DEMO_GPU"):
+        try:
+            import jax_gin._native as _n
+            has_gpu = _n.has_cuda() and os.path.exists("/dev/nvidia0")
+        except Exception:
+            has_gpu = False
+        if not has_gpu:
+            os.environ["JAX_PLATFORMS"] = "cpu"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if os.environ.get("JAX_PLATFORMS", "") == "cpu" and "device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (findings.md)
