@@ -31,6 +31,33 @@ NB_MODULE(_jax_gin_cuda, m) {
         },
         nb::arg("groups"), nb::arg("workspace_bytes"), nb::arg("timeout_s"),
         nb::arg("fault_rank") = -1);
+  m.def("unique_id", []() {
+          std::string id = gpu::unique_id();
+          return nb::bytes(id.data(), id.size());
+        },
+        "A fresh ncclUniqueId, as bytes (this process hosts NCCL's bootstrap root for it).");
+  m.def("comm_create_ranks",
+        [](nb::list groups, size_t workspace_bytes, double timeout_s, int fault_rank) {
+          // groups: [(group, nranks, unique_id bytes, [ranks here], [local CUDA ordinals])]
+          std::vector<gpu::GroupSpec> specs;
+          for (nb::handle h : groups) {
+            nb::tuple t = nb::cast<nb::tuple>(h);
+            if (t.size() != 5) throw nb::value_error("comm_create_ranks: each group is a 5-tuple");
+            gpu::GroupSpec s;
+            s.group = nb::cast<int>(t[0]);
+            s.nranks = nb::cast<int>(t[1]);
+            nb::bytes id = nb::cast<nb::bytes>(t[2]);
+            s.unique_id.assign(id.c_str(), id.size());
+            s.ranks = nb::cast<std::vector<int>>(t[3]);
+            s.devices = nb::cast<std::vector<int>>(t[4]);
+            specs.push_back(std::move(s));
+          }
+          nb::gil_scoped_release release;
+          return gpu::comm_create_ranks(specs, workspace_bytes, timeout_s, fault_rank);
+        },
+        nb::arg("groups"), nb::arg("workspace_bytes"), nb::arg("timeout_s"),
+        nb::arg("fault_rank") = -1,
+        "Several processes: this process's ranks of each group, joined by ncclCommInitRank.");
   m.def("comm_destroy", [](int64_t id) {
     nb::gil_scoped_release release;
     gpu::comm_destroy(id);

@@ -92,6 +92,96 @@ std::string check_nccl_version() {
   return os.str();
 }
 
+namespace {
+
+// Kernels of earlier programs may still spin on `device`: let them finish before allocating
+// (cudaMalloc while a peer kernel spins can deadlock), and load every kernel there now.
+void quiesce_device(int device) {
+  JG_CUDA(cudaSetDevice(device));
+  JG_CUDA(cudaDeviceSynchronize());
+  JG_CUDA(preload_kernels());
+}
+
+// Sets up this process's ranks of group `g` (of `n` ranks), whose NCCL communicators exist:
+// rank ranks[i] runs on local device devices[i] with communicator comms[i]. Allocates each
+// rank's window, registers the windows and creates the device communicators (each phase in
+// one NCCL group for all local ranks), and fills the launch configurations. Appends the ranks
+// to comm.ranks.
+void setup_ranks(Comm& comm, int g, int n, const std::vector<int>& ranks,
+                 const std::vector<int>& devices, const std::vector<ncclComm_t>& comms,
+                 size_t lane_bytes, double timeout_s, int fault_rank) {
+  const int k = int(ranks.size());
+  const size_t base = comm.ranks.size();
+  comm.ranks.resize(base + k);
+  const size_t wbytes = window_bytes(n, lane_bytes);
+  for (int i = 0; i < k; ++i) {
+    RankState& s = comm.ranks[base + i];
+    s.device = devices[i];
+    s.group = g;
+    s.rank = ranks[i];
+    s.nranks = n;
+    s.comm = comms[i];
+    JG_CUDA(cudaSetDevice(s.device));
+    JG_NCCL(ncclMemAlloc(&s.window_ptr, wbytes));
+    JG_CUDA(cudaMemset(s.window_ptr, 0, wbytes));
+    JG_CUDA(cudaMalloc(&s.rounds, 2 * kMaxLanes * sizeof(uint64_t)));
+    JG_CUDA(cudaMemset(s.rounds, 0, 2 * kMaxLanes * sizeof(uint64_t)));
+    JG_CUDA(cudaHostAlloc(&s.diag_host, sizeof(Diagnostic), cudaHostAllocMapped | cudaHostAllocPortable));
+    std::memset(s.diag_host, 0, sizeof(Diagnostic));
+    JG_CUDA(cudaDeviceSynchronize());
+  }
+  // Registration and device-communicator creation are collective: one group for all
+  // local ranks, or the first call waits forever for the others.
+  JG_NCCL(ncclGroupStart());
+  for (int i = 0; i < k; ++i) {
+    RankState& s = comm.ranks[base + i];
+    JG_CUDA(cudaSetDevice(s.device));
+    JG_NCCL(ncclCommWindowRegister(s.comm, s.window_ptr, wbytes, &s.win, NCCL_WIN_COLL_SYMMETRIC));
+  }
+  JG_NCCL(ncclGroupEnd());
+  const ncclDevCommRequirements reqs = lsa_requirements();
+  JG_NCCL(ncclGroupStart());
+  for (int i = 0; i < k; ++i) {
+    RankState& s = comm.ranks[base + i];
+    JG_CUDA(cudaSetDevice(s.device));
+    JG_NCCL(ncclDevCommCreate(s.comm, &reqs, &s.devcomm));
+  }
+  JG_NCCL(ncclGroupEnd());
+  for (int i = 0; i < k; ++i) {
+    RankState& s = comm.ranks[base + i];
+    s.has_devcomm = true;
+    if (s.win == nullptr)
+      throw std::runtime_error("jax_gin: NCCL gave no symmetric window (device API unsupported here?)");
+    if (s.device < 0 || s.device >= 256 || comm.by_device[s.device] >= 0)
+      throw std::runtime_error("jax_gin: a device appears twice in one communicator");
+    comm.by_device[s.device] = int(base + i);
+    Diagnostic* diag_dev = nullptr;
+    JG_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&diag_dev), s.diag_host, 0));
+    LaunchConfig& c = s.cfg;
+    c.rank = ranks[i];
+    c.nranks = n;
+    c.group = g;
+    set_window_layout(c, n, lane_bytes);
+    c.rounds = s.rounds;
+    c.diag = diag_dev;
+    c.timeout_ns = uint64_t(timeout_s * 1e9);
+    c.fault_rank = fault_rank;
+    if (const char* v = std::getenv("JAX_GIN_MAX_LANES")) c.max_lanes = std::atoi(v);
+    if (const char* v = std::getenv("JAX_GIN_LL_MAX_BYTES"))
+      c.ll_max_bytes = std::min<size_t>(c.ll_max_bytes, std::strtoull(v, nullptr, 10));
+  }
+}
+
+int64_t register_comm(std::unique_ptr<Comm> comm) {
+  std::unique_lock<std::shared_mutex> lock(g_mu);
+  comm->id = g_next++;
+  const int64_t id = comm->id;
+  g_comms[id] = std::move(comm);
+  return id;
+}
+
+}  // namespace
+
 int64_t comm_create(const std::vector<std::vector<int>>& groups, size_t workspace_bytes,
                     double timeout_s, int fault_rank) {
   if (std::string why = check_nccl_version(); !why.empty()) throw std::runtime_error(why);
@@ -102,84 +192,177 @@ int64_t comm_create(const std::vector<std::vector<int>>& groups, size_t workspac
   try {
     for (size_t g = 0; g < groups.size(); ++g) {
       const int n = int(groups[g].size());
-      const size_t base = comm->ranks.size();
-      comm->ranks.resize(base + n);
-      // Kernels of earlier programs may still spin on these devices: let them finish before
-      // allocating (cudaMalloc while a peer kernel spins can deadlock).
-      for (int r = 0; r < n; ++r) {
-        JG_CUDA(cudaSetDevice(groups[g][r]));
-        JG_CUDA(cudaDeviceSynchronize());
-        JG_CUDA(preload_kernels());
-      }
+      for (int r = 0; r < n; ++r) quiesce_device(groups[g][r]);
       std::vector<ncclComm_t> comms(n);
       JG_NCCL(ncclCommInitAll(comms.data(), n, groups[g].data()));
-      const size_t wbytes = window_bytes(n, lane_bytes);
-      for (int r = 0; r < n; ++r) {
-        RankState& s = comm->ranks[base + r];
-        s.device = groups[g][r];
-        s.group = int(g);
-        s.rank = r;
-        s.nranks = n;
-        s.comm = comms[r];
-        JG_CUDA(cudaSetDevice(s.device));
-        JG_NCCL(ncclMemAlloc(&s.window_ptr, wbytes));
-        JG_CUDA(cudaMemset(s.window_ptr, 0, wbytes));
-        JG_CUDA(cudaMalloc(&s.rounds, 2 * kMaxLanes * sizeof(uint64_t)));
-        JG_CUDA(cudaMemset(s.rounds, 0, 2 * kMaxLanes * sizeof(uint64_t)));
-        JG_CUDA(cudaHostAlloc(&s.diag_host, sizeof(Diagnostic), cudaHostAllocMapped | cudaHostAllocPortable));
-        std::memset(s.diag_host, 0, sizeof(Diagnostic));
-        JG_CUDA(cudaDeviceSynchronize());
-      }
-      // Registration and device-communicator creation are collective: one group for all
-      // local ranks, or the first call waits forever for the others.
-      JG_NCCL(ncclGroupStart());
-      for (int r = 0; r < n; ++r) {
-        RankState& s = comm->ranks[base + r];
-        JG_CUDA(cudaSetDevice(s.device));
-        JG_NCCL(ncclCommWindowRegister(s.comm, s.window_ptr, wbytes, &s.win, NCCL_WIN_COLL_SYMMETRIC));
-      }
-      JG_NCCL(ncclGroupEnd());
-      const ncclDevCommRequirements reqs = lsa_requirements();
-      JG_NCCL(ncclGroupStart());
-      for (int r = 0; r < n; ++r) {
-        RankState& s = comm->ranks[base + r];
-        JG_CUDA(cudaSetDevice(s.device));
-        JG_NCCL(ncclDevCommCreate(s.comm, &reqs, &s.devcomm));
-      }
-      JG_NCCL(ncclGroupEnd());
-      for (int r = 0; r < n; ++r) {
-        RankState& s = comm->ranks[base + r];
-        s.has_devcomm = true;
-        if (s.win == nullptr)
-          throw std::runtime_error("jax_gin: NCCL gave no symmetric window (device API unsupported here?)");
-        if (s.device < 0 || s.device >= 256 || comm->by_device[s.device] >= 0)
-          throw std::runtime_error("jax_gin: a device appears twice in one communicator");
-        comm->by_device[s.device] = int(base + r);
-        Diagnostic* diag_dev = nullptr;
-        JG_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&diag_dev), s.diag_host, 0));
-        LaunchConfig& c = s.cfg;
-        c.rank = r;
-        c.nranks = n;
-        c.group = int(g);
-        set_window_layout(c, n, lane_bytes);
-        c.rounds = s.rounds;
-        c.diag = diag_dev;
-        c.timeout_ns = uint64_t(timeout_s * 1e9);
-        c.fault_rank = fault_rank;
-        if (const char* v = std::getenv("JAX_GIN_MAX_LANES")) c.max_lanes = std::atoi(v);
-        if (const char* v = std::getenv("JAX_GIN_LL_MAX_BYTES"))
-          c.ll_max_bytes = std::min<size_t>(c.ll_max_bytes, std::strtoull(v, nullptr, 10));
-      }
+      std::vector<int> ranks(n);
+      for (int r = 0; r < n; ++r) ranks[r] = r;
+      setup_ranks(*comm, int(g), n, ranks, groups[g], comms, lane_bytes, timeout_s, fault_rank);
     }
   } catch (...) {
     destroy_ranks(comm->ranks);
     throw;
   }
-  std::unique_lock<std::shared_mutex> lock(g_mu);
-  comm->id = g_next++;
-  const int64_t id = comm->id;
-  g_comms[id] = std::move(comm);
-  return id;
+  return register_comm(std::move(comm));
+}
+
+// ---- Several processes: ncclCommInitRank from a unique id bootstrapped by the caller --------
+
+std::string unique_id() {
+  ncclUniqueId id;
+  JG_NCCL(ncclGetUniqueId(&id));
+  return std::string(reinterpret_cast<const char*>(&id), sizeof id);
+}
+
+namespace {
+
+// The requirements a device communicator of a group that spans nodes asks for: LSA as in one
+// node, plus GIN (GPU-initiated networking) between nodes. Only requested for such groups.
+ncclDevCommRequirements gin_requirements() {
+  ncclDevCommRequirements r = lsa_requirements();
+  r.ginForceEnable = true;
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 7)
+  r.ginConnectionType = NCCL_GIN_CONNECTION_FULL;
+#endif
+  r.ginContextCount = 1;  // a hint: NCCL may give more or fewer
+  r.ginSignalCount = kMaxLanes;
+  return r;
+}
+
+std::string ranks_text(const std::vector<int>& v) {
+  std::ostringstream os;
+  for (size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
+  return os.str();
+}
+
+// A group spans nodes: NCCL's LSA team (ranks that reach each other's memory by load/store)
+// is smaller than the group. Asks NCCL for a device communicator with GIN (collective over
+// the group, like every other step here), then throws: either NCCL has no GIN here, or it has
+// but jax_gin's inter-node (GIN) schedule is not implemented yet. Never returns.
+[[noreturn]] void refuse_spanning_group(const GroupSpec& spec, const std::vector<ncclComm_t>& comms,
+                                        int lsa_size) {
+  const ncclDevCommRequirements reqs = gin_requirements();
+  std::vector<ncclDevComm> dcs(comms.size());
+  ncclResult_t r = ncclGroupStart();
+  for (size_t i = 0; i < comms.size() && r == ncclSuccess; ++i) {
+    cudaSetDevice(spec.devices[i]);
+    r = ncclDevCommCreate(comms[i], &reqs, &dcs[i]);
+  }
+  const ncclResult_t end = ncclGroupEnd();
+  if (r == ncclSuccess) r = end;
+  int contexts = 0, type = -1;
+  if (r == ncclSuccess) {
+    contexts = int(dcs[0].ginContextCount);
+#if NCCL_VERSION_CODE < NCCL_VERSION(2, 29, 0)
+    if (contexts > 0) type = int(dcs[0].ginTypes[0]);  // 2 = proxy, 3 = GDAKI
+#endif
+    for (size_t i = 0; i < comms.size(); ++i) {
+      cudaSetDevice(spec.devices[i]);
+      ncclDevCommDestroy(comms[i], &dcs[i]);
+    }
+  }
+  std::ostringstream os;
+  os << "jax_gin: group " << spec.group << " (" << spec.nranks << " ranks; ranks "
+     << ranks_text(spec.ranks) << " in this process) spans nodes: NCCL's LSA team, the ranks "
+     << "that reach each other's memory over NVLink, has only " << lsa_size << " of them. "
+     << "Between nodes jax_gin needs NCCL's GPU-initiated networking (GIN). ";
+  if (r != ncclSuccess || contexts == 0) {
+    os << "NCCL reports no GIN support here ("
+       << (r != ncclSuccess ? std::string("ncclDevCommCreate with GIN: ") + ncclGetErrorString(r)
+                            : std::string("the device communicator has 0 GIN contexts"))
+       << "; NCCL " << nccl_runtime_version() << "). To check: an InfiniBand or RoCE NIC with "
+       << "GPUDirect RDMA on every node (ibv_devinfo; nvidia-smi topo -m; the nvidia-peermem "
+       << "module or DMA-BUF); NCCL >= 2.28.7 with GIN (NCCL_GIN_ENABLE not 0; NCCL_GIN_TYPE "
+       << "unset, 2 = proxy or 3 = GDAKI); NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET prints "
+       << "why NCCL found no GIN device; on NCCL >= 2.29, ncclCommQueryProperties reports "
+       << "ginType. See docs/multi-node.md.";
+  } else {
+    os << "NCCL offers GIN here (" << contexts << " contexts";
+    if (type >= 0) os << ", type " << type;
+    os << "), but "
+       << "jax_gin's inter-node schedule (LSA reduce-scatter, GIN ring, LSA all-gather) is "
+       << "designed only, not implemented yet (docs/multi-node.md). Reduce over mesh axes "
+       << "whose devices share a node.";
+  }
+  throw std::runtime_error(os.str());
+}
+
+void destroy_comms(std::vector<ncclComm_t>& comms) {
+  for (ncclComm_t& c : comms) {
+    if (c) ncclCommDestroy(c);
+    c = nullptr;
+  }
+}
+
+}  // namespace
+
+int64_t comm_create_ranks(const std::vector<GroupSpec>& groups, size_t workspace_bytes,
+                          double timeout_s, int fault_rank) {
+  if (std::string why = check_nccl_version(); !why.empty()) throw std::runtime_error(why);
+  auto comm = std::make_unique<Comm>();
+  for (int& d : comm->by_device) d = -1;
+  const size_t lane_bytes = lane_bytes_for_workspace(workspace_bytes);
+  if (lane_bytes == 0) throw std::runtime_error("jax_gin: GPU workspace too small");
+  std::vector<ncclComm_t> pending;  // initialized, not yet handed to setup_ranks
+  try {
+    for (const GroupSpec& spec : groups) {
+      const int n = spec.nranks, k = int(spec.ranks.size());
+      if (spec.unique_id.size() != sizeof(ncclUniqueId))
+        throw std::runtime_error("jax_gin: an NCCL unique id has " +
+                                 std::to_string(spec.unique_id.size()) + " bytes, expected " +
+                                 std::to_string(sizeof(ncclUniqueId)));
+      if (k == 0 || k != int(spec.devices.size()))
+        throw std::runtime_error("jax_gin: comm_create_ranks: ranks and devices differ in length");
+      for (int r : spec.ranks)
+        if (r < 0 || r >= n) throw std::runtime_error("jax_gin: comm_create_ranks: rank out of range");
+      for (int d : spec.devices) quiesce_device(d);
+      ncclUniqueId id;
+      std::memcpy(&id, spec.unique_id.data(), sizeof id);
+      pending.assign(k, nullptr);
+      // One process may run several ranks of the group: their inits form one NCCL group, or
+      // the first would wait forever for the others.
+      if (k > 1) JG_NCCL(ncclGroupStart());
+      ncclResult_t r = ncclSuccess;
+      cudaError_t ce = cudaSuccess;
+      for (int i = 0; i < k && r == ncclSuccess && ce == cudaSuccess; ++i) {
+        ce = cudaSetDevice(spec.devices[i]);
+        if (ce == cudaSuccess) r = ncclCommInitRank(&pending[i], n, id, spec.ranks[i]);
+      }
+      if (k > 1) {  // close the group even on failure
+        const ncclResult_t end = ncclGroupEnd();
+        if (r == ncclSuccess) r = end;
+      }
+      JG_CUDA(ce);
+      if (r != ncclSuccess)
+        throw std::runtime_error(std::string("jax_gin: ncclCommInitRank (group ") +
+                                 std::to_string(spec.group) + ", ranks " + ranks_text(spec.ranks) +
+                                 " of " + std::to_string(n) + "): " + ncclGetErrorString(r));
+      // The kernels address peers by LSA rank and use the group rank for it: valid only when
+      // the whole group is one LSA team (one node, or one NVLink domain).
+      const int lsa = ncclTeamLsa(pending[0]).nRanks;
+      if (lsa > 0 && lsa < n) refuse_spanning_group(spec, pending, lsa);
+      std::vector<ncclComm_t> comms = pending;
+      pending.clear();  // from here on, comm->ranks owns them (as in comm_create)
+      const size_t base = comm->ranks.size();
+      setup_ranks(*comm, spec.group, n, spec.ranks, spec.devices, comms, lane_bytes, timeout_s,
+                  fault_rank);
+      for (int i = 0; i < k; ++i) {
+        const ncclDevComm& dc = comm->ranks[base + i].devcomm;
+        if (dc.nRanks != n || dc.rank != spec.ranks[i] || dc.lsaSize != n || dc.lsaRank != dc.rank)
+          throw std::runtime_error(
+              "jax_gin: NCCL's device communicator of group " + std::to_string(spec.group) +
+              " has rank " + std::to_string(dc.rank) + " of " + std::to_string(dc.nRanks) +
+              " and LSA rank " + std::to_string(dc.lsaRank) + " of " + std::to_string(dc.lsaSize) +
+              ", expected rank " + std::to_string(spec.ranks[i]) + " of " + std::to_string(n) +
+              " in one LSA team");
+      }
+    }
+  } catch (...) {
+    destroy_comms(pending);
+    destroy_ranks(comm->ranks);
+    throw;
+  }
+  return register_comm(std::move(comm));
 }
 
 void comm_destroy(int64_t id) {

@@ -32,6 +32,24 @@ struct RankState {
 // group g. Throws std::runtime_error with NCCL's or CUDA's message on failure.
 int64_t comm_create(const std::vector<std::vector<int>>& groups, size_t workspace_bytes,
                     double timeout_s, int fault_rank);
+// Several processes: this process's ranks of some groups, each group with an NCCL unique id
+// that the caller shared among the processes (the process of rank 0 made it with unique_id()).
+struct GroupSpec {
+  int group = 0;            // index of the group in its communicator (diagnostics)
+  int nranks = 1;           // ranks in the whole group, over every process
+  std::string unique_id;    // sizeof(ncclUniqueId) bytes
+  std::vector<int> ranks;   // this process's ranks of the group ...
+  std::vector<int> devices; // ... and their local CUDA ordinals
+};
+// A fresh ncclUniqueId (ncclGetUniqueId) as bytes. The calling process hosts NCCL's bootstrap
+// root for the group until its ranks have joined.
+std::string unique_id();
+// Like comm_create, for groups whose ranks live in several processes: ncclCommInitRank for
+// each local rank (one NCCL group when a process has several), then the same windows and
+// device communicators as comm_create. Collective: every process of every group must call it
+// with its own ranks, groups in the same order. Throws (naming GIN) if a group spans nodes.
+int64_t comm_create_ranks(const std::vector<GroupSpec>& groups, size_t workspace_bytes,
+                          double timeout_s, int fault_rank);
 void comm_destroy(int64_t id);
 // The state of the rank that runs on `device`, or nullptr.
 const RankState* find_rank(int64_t id, int device);

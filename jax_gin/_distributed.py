@@ -206,6 +206,48 @@ def _ranks_text(ranks) -> str:
     return ", ".join(str(r) for r in ranks)
 
 
+def _missing_error(what, spanning, proc_of, nranks, participants, me, timeout_s, tag, token,
+                   missing_procs, late=False) -> BootstrapTimeoutError:
+    """The error for processes that did not come to set up a communicator: the groups and
+    their missing ranks, or (late) that this process came after the others gave up."""
+    parts = []
+    for g in spanning:
+        ranks = [r for r in range(nranks) if proc_of[g][r] in missing_procs]
+        if ranks:
+            procs_txt = ", ".join(str(p) for p in sorted({proc_of[g][r] for r in ranks}))
+            parts.append(f"group {g} is missing ranks {_ranks_text(ranks)} (process "
+                         f"{procs_txt})")
+    if late:
+        others = ", ".join(str(p) for p in participants if p != me)
+        head = (f"jax_gin: process {me} came to set up {what} after the other processes "
+                f"({others}) had stopped waiting for it (JAX_GIN_TIMEOUT_S={timeout_s:g})")
+    else:
+        head = (f"jax_gin: timed out after {timeout_s:g} s setting up {what}: "
+                f"{'; '.join(parts)}")
+    return BootstrapTimeoutError(
+        f"{head}. Every process of the job must lower the same jax_gin programs in the "
+        f"same order; a peer may have failed, or may be slower: set JAX_GIN_TIMEOUT_S to "
+        f"wait longer. (communicator {tag}, job {token})")
+
+
+def _arrive(client, prefix: str, me: int, participants: list, deadline: float, doing: str,
+            value: str, missing_error) -> dict:
+    """Step 1 of every set-up: a key per process (with `value`), then a barrier of the
+    participants. Returns {process: value}; a process that does not come raises
+    missing_error(missing processes, late=...)."""
+    def arrived():
+        return {int(k.rsplit("/", 1)[1]): v
+                for k, v in _kv(doing, client.key_value_dir_get, f"{prefix}/arrived/")}
+
+    try:
+        _kv(doing, client.key_value_set, f"{prefix}/arrived/{me}", value)
+        _kv(doing, client.wait_at_barrier, f"{prefix}/arrived", _ms(deadline), participants)
+    except _Deadline:
+        missing = [p for p in participants if p not in arrived()]
+        raise missing_error(missing, late=not missing) from None
+    return arrived()
+
+
 def group_workspaces(layout, procs: list, me: int, lane_bytes: int, key, generation: int,
                      timeout_s: float, what: str) -> list:
     """One Workspace per group of `layout` (None where no rank runs in this process).
@@ -236,39 +278,14 @@ def group_workspaces(layout, procs: list, me: int, lane_bytes: int, key, generat
     prefix = f"{KV_PREFIX}/{token}/{tag}"
 
     def missing_error(missing_procs, late=False):
-        parts = []
-        for g in spanning:
-            ranks = [r for r in range(nranks) if proc_of[g][r] in missing_procs]
-            if ranks:
-                procs_txt = ", ".join(str(p) for p in sorted({proc_of[g][r] for r in ranks}))
-                parts.append(f"group {g} is missing ranks {_ranks_text(ranks)} (process "
-                             f"{procs_txt})")
-        if late:
-            others = ", ".join(str(p) for p in participants if p != me)
-            head = (f"jax_gin: process {me} came to set up {what} after the other processes "
-                    f"({others}) had stopped waiting for it (JAX_GIN_TIMEOUT_S={timeout_s:g})")
-        else:
-            head = (f"jax_gin: timed out after {timeout_s:g} s setting up {what}: "
-                    f"{'; '.join(parts)}")
-        return BootstrapTimeoutError(
-            f"{head}. Every process of the job must lower the same jax_gin programs in the "
-            f"same order; a peer may have failed, or may be slower: set JAX_GIN_TIMEOUT_S to "
-            f"wait longer. (communicator {tag}, job {token})")
+        return _missing_error(what, spanning, proc_of, nranks, participants, me, timeout_s,
+                              tag, token, missing_procs, late)
 
     # 1. arrive, saying which /dev/shm this process sees
     doing = f"setting up {what}"
 
-    def arrived():
-        return {int(k.rsplit("/", 1)[1]): v
-                for k, v in _kv(doing, client.key_value_dir_get, f"{prefix}/arrived/")}
-
-    try:
-        _kv(doing, client.key_value_set, f"{prefix}/arrived/{me}", _host_identity())
-        _kv(doing, client.wait_at_barrier, f"{prefix}/arrived", _ms(deadline), participants)
-    except _Deadline:
-        missing = [p for p in participants if p not in arrived()]
-        raise missing_error(missing, late=not missing) from None
-    hosts = arrived()
+    hosts = _arrive(client, prefix, me, participants, deadline, doing, _host_identity(),
+                    missing_error)
     for g in mine:
         where = {p: hosts.get(p) for p in sorted(set(proc_of[g]))}
         if len(set(where.values())) > 1:
@@ -316,4 +333,60 @@ def group_workspaces(layout, procs: list, me: int, lane_bytes: int, key, generat
             w.unlink()
     for g in mine:
         out[g] = shared[g]
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Several processes on GPU: NCCL unique ids
+
+
+def gpu_unique_ids(layout, procs: list, me: int, key, generation: int, timeout_s: float,
+                   what: str, new_id) -> dict:
+    """{group: ncclUniqueId bytes} for every group of `layout` with a rank in this process.
+
+    procs[logical id] is the process that runs that device; `me` is this process; new_id()
+    makes a fresh id (ncclGetUniqueId). A group inside this process gets a local id. For
+    groups that span processes, every process involved arrives (a key and a barrier: a
+    process that does not come within `timeout_s` fails the others with the group and its
+    missing ranks), then the process that runs a group's rank 0 makes its id and publishes it
+    under a key unique to the job, the communicator and its generation, and the others read
+    it. After this the caller runs ncclCommInitRank (NCCL's own bootstrap).
+    """
+    ngroups, nranks = layout.ngroups, layout.nranks
+    proc_of = [[-1] * nranks for _ in range(ngroups)]  # [group][rank] -> process
+    for logical, p in enumerate(procs):
+        proc_of[layout.group_of[logical]][layout.rank_of[logical]] = int(p)
+    spanning = [g for g in range(ngroups) if len(set(proc_of[g])) > 1]
+    mine = [g for g in range(ngroups) if me in proc_of[g]]
+    out = {g: bytes(new_id()) for g in mine if g not in spanning}
+    if not any(g in spanning for g in mine):
+        return out
+    participants = sorted({p for g in spanning for p in proc_of[g]})
+    client = distributed_client()
+    if client is None:
+        check_initialized(len(participants))
+    deadline = time.monotonic() + timeout_s
+    token = job_token(client, deadline)
+    tag = communicator_tag(key, generation)
+    prefix = f"{KV_PREFIX}/{token}/{tag}"
+
+    def missing_error(missing_procs, late=False):
+        return _missing_error(what, spanning, proc_of, nranks, participants, me, timeout_s,
+                              tag, token, missing_procs, late)
+
+    doing = f"setting up {what}"
+    _arrive(client, prefix, me, participants, deadline, doing, socket.gethostname(),
+            missing_error)
+    for g in mine:  # ascending, in every process
+        if g not in spanning:
+            continue
+        k = f"{prefix}/nccl_id/g{g}"
+        if proc_of[g][0] == me:
+            out[g] = bytes(new_id())
+            _kv(doing, client.key_value_set_bytes, k, out[g])
+        else:
+            try:
+                out[g] = bytes(_kv(doing, client.blocking_key_value_get_bytes, k, _ms(deadline)))
+            except _Deadline:
+                raise missing_error({proc_of[g][0]}) from None
     return out

@@ -8,7 +8,9 @@ names it by an integer attribute; the handler only looks it up.
 
 In a multi-process job (jax.distributed) on CPU, a group whose devices live in several
 processes keeps its workspace in POSIX shared memory, set up by all of them together when they
-lower the program (_distributed.py). Every process must therefore lower the same jax_gin
+lower the program (_distributed.py). On GPU, such groups get NCCL communicators through
+ncclCommInitRank, with unique ids shared through the same key-value store (compiled, not yet
+run on GPUs). Every process must therefore lower the same jax_gin
 programs in the same order, as SPMD programs do anyway.
 """
 from __future__ import annotations
@@ -142,7 +144,7 @@ def communicator(platform: str, mesh, axes: tuple) -> int:
         if platform == "cpu":
             comm = _create_cpu_comm(mesh, devices, layout, ws, key)
         else:
-            comm = _create_cuda_comm(mesh, layout, ws)
+            comm = _create_cuda_comm(mesh, layout, ws, key)
         _cache[key] = comm
         return comm
 
@@ -163,7 +165,7 @@ def _create_cpu_comm(mesh, devices, layout: GroupLayout, ws: int, key) -> int:
         settings.fault_rank, workspaces)
 
 
-def _create_cuda_comm(mesh, layout: GroupLayout, ws: int) -> int:
+def _create_cuda_comm(mesh, layout: GroupLayout, ws: int, key=None) -> int:
     if _native.cuda is None:
         raise RuntimeError(
             "jax_gin was not compiled with CUDA support "
@@ -171,12 +173,37 @@ def _create_cuda_comm(mesh, layout: GroupLayout, ws: int) -> int:
             "rebuild with nvcc and the nvidia-nccl-cu13 wheel installed (JAX_GIN_CUDA=ON)")
     devices = list(np.asarray(mesh.devices).flat)
     if any(d.process_index != devices[0].process_index for d in devices):
-        raise NotImplementedError(
-            "jax_gin: meshes that span several processes are not supported on GPU yet")
+        return _create_cuda_comm_processes(mesh, devices, layout, ws, key)
     groups = [[None] * layout.nranks for _ in range(layout.ngroups)]
     for logical, d in enumerate(devices):
         groups[layout.group_of[logical]][layout.rank_of[logical]] = int(d.local_hardware_id)
     return _native.cuda.comm_create(groups, ws, settings.timeout_s, settings.fault_rank)
+
+
+def _create_cuda_comm_processes(mesh, devices, layout: GroupLayout, ws: int, key) -> int:
+    """A GPU communicator whose groups span processes (jax.distributed): one NCCL unique id
+    per group, shared through the key-value store, then ncclCommInitRank in every process for
+    its own devices (_distributed.gpu_unique_ids, comm_create_ranks). Compiled, not yet run on
+    GPUs: see docs/multi-node.md."""
+    procs = [int(d.process_index) for d in devices]
+    me = jax.process_index()
+    generation = _generations.get(key, 0)
+    _generations[key] = generation + 1
+    shape = ", ".join(f"{n!r}: {mesh.shape[n]}" for n in mesh.axis_names)
+    what = (f"the GPU communicator for axes {key[4]} of the mesh {{{shape}}} "
+            f"({len(set(procs))} processes)")
+    ids = _distributed.gpu_unique_ids(layout, procs, me, key, generation, settings.timeout_s,
+                                      what, _native.cuda.unique_id)
+    local: dict = {}  # group -> [(rank, local CUDA ordinal)]
+    for logical, d in enumerate(devices):
+        if procs[logical] == me:
+            local.setdefault(layout.group_of[logical], []).append(
+                (layout.rank_of[logical], int(d.local_hardware_id)))
+    specs = []
+    for g in sorted(local):
+        pairs = sorted(local[g])
+        specs.append((g, layout.nranks, ids[g], [r for r, _ in pairs], [d for _, d in pairs]))
+    return _native.cuda.comm_create_ranks(specs, ws, settings.timeout_s, settings.fault_rank)
 
 
 def num_communicators() -> int:

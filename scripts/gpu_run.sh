@@ -3,7 +3,8 @@
 # Logs and results go under $OUT (default ./gpu_out). Uses the machine's own python3, nvcc,
 # cmake and NCCL wheel; installs nothing.
 #
-#   scripts/gpu_run.sh [quick|full|bench|tests]   (default: full)
+#   scripts/gpu_run.sh [quick|full|bench|tests|multiproc]   (default: full)
+#   multiproc: 2 processes x 1 GPU on localhost (jax.distributed), tests/test_gpu_multiprocess.py
 set -uo pipefail
 MODE=${1:-full}
 OUT=${OUT:-$PWD/gpu_out}
@@ -92,6 +93,17 @@ graphs() {
   done
 }
 
+# Several processes: 2 processes with one GPU each, joined by jax.distributed on 127.0.0.1
+# (ncclCommInitRank bootstrap). The pytest process itself stays on CPU; its workers take a GPU
+# each. jax_gin.bench runs in one process only, so there is no 2-process benchmark yet.
+multiproc() {
+  log "pytest tests/test_gpu_multiprocess.py (2 processes x 1 GPU)"
+  JAX_PLATFORMS=cpu timeout ${PYTEST_TIMEOUT:-600} $PY -m pytest -q -p no:cacheprovider -rs \
+    tests/test_gpu_multiprocess.py > "$OUT/pytest_multiproc.log" 2>&1
+  log "pytest multiproc rc=$? $(tail -1 "$OUT/pytest_multiproc.log")"
+  grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/pytest_multiproc.log" | head -10
+}
+
 case "$MODE" in
   quick) harness; PYTEST_K="parity_1d and float32" tests; BENCH_MAX=64M bench ;;
   latency) latency ;;
@@ -108,6 +120,7 @@ case "$MODE" in
   bench) bench ;;
   full) harness; sanitizer; tests; bench; graphs ;;
   graphs) graphs ;;
+  multiproc) multiproc ;;
   pytest) tests ;;
   record) tests; bench; graphs ;;
 esac

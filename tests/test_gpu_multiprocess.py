@@ -1,0 +1,364 @@
+"""Several processes on GPU: the ncclCommInitRank bootstrap through jax.distributed.
+
+Two kinds of tests, each launching this file as a script in 2 processes (the worker is at the
+bottom), joined by jax.distributed on 127.0.0.1:
+- test_bootstrap_*: run everywhere, on CPU. The workers ask jax_gin's runtime for GPU
+  communicators of meshes that span both processes, with the CUDA module replaced by a fake
+  that records what it is given. They check the real bootstrap through the key-value store:
+  both processes get the same NCCL unique id for every group that spans them, each process
+  passes its own ranks and local devices, the process of a group's rank 0 makes the id; a
+  missing peer gives a timeout that names the group and the missing ranks.
+- test_gpu_*: 2 processes with one GPU each (CUDA_VISIBLE_DEVICES), on a machine with >= 2
+  GPUs and the CUDA extension; skipped elsewhere (as in CI). Parity with lax bit for bit over
+  every algorithm, op and three dtypes, on 1-D and 1x2 meshes, grad, repeated calls, and a
+  clean reset in both processes. NOT YET RUN ON GPUs: written for the 2 x H200 machine
+  (`bash scripts/gpu_run.sh multiproc`).
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+NPROC = 2
+CPU_DEVICES = 4  # per process, in the bootstrap tests
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gpu_count() -> int:
+    """GPUs on this machine, without initializing JAX's CUDA backend in this process."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        r = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for ln in r.stdout.splitlines() if ln.startswith("GPU "))
+
+
+def _has_cuda_extension() -> bool:
+    import jax_gin
+    return jax_gin.has_cuda()
+
+
+def _launch(scenario: str, timeout: float, gpu: bool, env_extra=None):
+    """Runs the worker as NPROC processes; returns [(returncode, output)]."""
+    port = _free_port()
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("JAX_", "XLA_", "SLURM_", "OMPI_", "PMI_", "CUDA_VISIBLE"))}
+    base.update(PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0")
+    if not gpu:
+        base.update(JAX_PLATFORMS="cpu",
+                    XLA_FLAGS=f"--xla_force_host_platform_device_count={CPU_DEVICES}")
+    base.update(env_extra or {})
+    procs = []
+    for i in range(NPROC):
+        env = dict(base)
+        if gpu:  # one GPU per process; never preallocate (the parent may hold GPU memory)
+            env.update(JAX_PLATFORMS="cuda", CUDA_VISIBLE_DEVICES=str(i),
+                       XLA_PYTHON_CLIENT_PREALLOCATE="false")
+        procs.append(subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), scenario, str(i), str(port)], env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append((p.returncode, out))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        outs = [p.communicate()[0] for p in procs]
+        raise AssertionError(f"{scenario}: workers still running after {timeout} s:\n" +
+                             "\n".join(f"--- process {i}\n{_tail(o)}" for i, o in enumerate(outs)))
+    return results
+
+
+def _tail(out: str, n: int = 60) -> str:
+    lines = [ln for ln in (out or "").splitlines() if not ln.startswith(("W0000", "I0000"))]
+    return "\n".join(lines[-n:])
+
+
+def _reports(results, scenario):
+    reports = []
+    for i, (rc, out) in enumerate(results):
+        lines = [ln[len("REPORT "):] for ln in out.splitlines() if ln.startswith("REPORT ")]
+        assert lines, f"{scenario}: process {i} (rc {rc}) printed no report:\n{_tail(out)}"
+        reports.append((rc, json.loads(lines[-1]), out))
+    return reports
+
+
+# ---------------------------------------------------------------------------------------
+# Bootstrap (CPU, everywhere)
+
+
+def test_bootstrap_two_processes():
+    reports = _reports(_launch("bootstrap", timeout=120, gpu=False,
+                               env_extra={"JAX_GIN_TIMEOUT_S": "3"}), "bootstrap")
+    for i, (rc, rep, out) in enumerate(reports):
+        assert rc == 0 and rep["ok"], f"process {i} rc {rc}:\n{_tail(out)}"
+    (_, r0, _), (_, r1, _) = reports
+    # cases: name -> [[group, nranks, id hex, ranks, devices], ...] as passed to the native call
+    for name in ("1d", "1d_rev", "2d_x", "2d_y", "2d_xy"):
+        c0, c1 = r0["cases"][name], r1["cases"][name]
+        g0 = {s[0]: s for s in c0}
+        g1 = {s[0]: s for s in c1}
+        for g in set(g0) & set(g1):  # groups that span both processes: one id for both
+            assert g0[g][2] == g1[g][2], (name, g)
+            assert sorted(g0[g][3] + g1[g][3]) == list(range(g0[g][1])), (name, g0[g], g1[g])
+        for spec in c0 + c1:
+            assert len(bytes.fromhex(spec[2])) == 128, spec
+            assert len(spec[3]) == len(spec[4]) and spec[3] == sorted(spec[3]), spec
+            assert all(0 <= d < CPU_DEVICES for d in spec[4]), spec
+    # 1-D mesh of 8: one group, ranks 0-3 in process 0 (which makes the id), 4-7 in process 1.
+    assert [s[3] for s in r0["cases"]["1d"]] == [[0, 1, 2, 3]]
+    assert [s[3] for s in r1["cases"]["1d"]] == [[4, 5, 6, 7]]
+    assert r0["made"]["1d"] == 1 and r1["made"]["1d"] == 0
+    # Reversed: rank 0 is in process 1, which makes the id.
+    assert r0["made"]["1d_rev"] == 0 and r1["made"]["1d_rev"] == 1
+    # 4x2 mesh over "y": 4 groups of 2, each inside one process (local ids, no key-value store).
+    assert len(r0["cases"]["2d_y"]) == 2 and len(r1["cases"]["2d_y"]) == 2
+    assert r0["made"]["2d_y"] == 2 and r1["made"]["2d_y"] == 2
+    # Over "x": 2 groups of 4, each across both processes.
+    assert [s[0] for s in r0["cases"]["2d_x"]] == [0, 1] == [s[0] for s in r1["cases"]["2d_x"]]
+    # A second communicator of the same key (after reset) gets fresh ids.
+    assert r0["cases"]["1d_again"][0][2] == r1["cases"]["1d_again"][0][2]
+    assert r0["cases"]["1d_again"][0][2] != r0["cases"]["1d"][0][2]
+    # A missing peer: a timeout that names the group and the missing ranks.
+    assert r0["missing"].startswith("BootstrapTimeoutError"), r0
+    assert "timed out after 3 s setting up the GPU communicator" in r0["missing"], r0
+    assert "group 0 is missing ranks 4, 5, 6, 7 (process 1)" in r0["missing"], r0
+    # An unreachable key-value store says so.
+    for r in (r0, r1):
+        assert r["unreachable"].startswith("KeyValueStoreError"), r
+        assert "key-value store" in r["unreachable"] and "unreachable" in r["unreachable"], r
+
+
+# ---------------------------------------------------------------------------------------
+# GPU: 2 processes x 1 GPU (skipped without GPUs)
+
+_GPU_SKIP = None
+if _gpu_count() < NPROC:
+    _GPU_SKIP = f"needs >= {NPROC} GPUs (nvidia-smi -L)"
+elif not _has_cuda_extension():
+    _GPU_SKIP = "needs jax_gin's CUDA extension"
+needs_gpus = pytest.mark.skipif(_GPU_SKIP is not None, reason=_GPU_SKIP or "")
+
+
+@needs_gpus
+def test_gpu_two_processes_one_gpu_each():
+    reports = _reports(_launch("gpu", timeout=540, gpu=True), "gpu")
+    for i, (rc, rep, out) in enumerate(reports):
+        assert rep["ok"], f"process {i} rc {rc}:\n{_tail(out)}"
+        assert rep["checked"] > 100, rep
+        assert rep["reset"], f"process {i}: reset did not finish:\n{_tail(out)}"
+        assert rc == 0, f"process {i} rc {rc}:\n{_tail(out)}"
+
+
+# ---------------------------------------------------------------------------------------
+# The worker: one process of the job (run as `python test_gpu_multiprocess.py SCENARIO ID PORT`)
+
+
+def _worker(scenario: str, pid: int, port: int) -> None:
+    import jax
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=NPROC, process_id=pid,
+                               coordinator_bind_address=f"127.0.0.1:{port}",
+                               initialization_timeout=120)
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import jax_gin
+    from jax_gin import _distributed, _native, _runtime
+
+    report = {"ok": False, "checked": 0}
+    devices = np.array(jax.devices())
+    if scenario == "bootstrap":
+        assert len(devices) == NPROC * CPU_DEVICES
+        _bootstrap_worker(pid, devices, report, _distributed, _native, _runtime)
+        print("REPORT " + json.dumps(report), flush=True)
+        return
+    if scenario != "gpu":
+        raise SystemExit(f"unknown scenario {scenario}")
+    assert jax.default_backend() == "gpu" and len(devices) == NPROC, devices
+    _gpu_worker(pid, devices, report, jax_gin, _distributed)
+    client = _distributed.distributed_client()
+    print("REPORT " + json.dumps(report), flush=True)
+    # Both processes free their communicators together, then leave.
+    client.wait_at_barrier("test/reset", 120_000)
+    jax_gin.runtime.reset()
+    client.wait_at_barrier("test/reset_done", 120_000)
+    report["reset"] = True
+    print("REPORT " + json.dumps(report), flush=True)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _bootstrap_worker(pid, devices, report, _distributed, _native, _runtime):
+    """GPU communicators of CPU meshes, through a fake CUDA module: the key-value bootstrap
+    and what reaches the native call, without a GPU."""
+    from jax.sharding import Mesh
+
+    class FakeCuda:
+        def __init__(self):
+            self.made = 0
+            self.specs = None
+            self.next = 100
+
+        def unique_id(self):
+            self.made += 1
+            return os.urandom(128)
+
+        def comm_create_ranks(self, specs, ws, timeout_s, fault_rank):
+            self.specs = [[g, n, bytes(uid).hex(), list(r), list(d)] for g, n, uid, r, d in specs]
+            self.next += 1
+            return self.next
+
+        def comm_destroy(self, comm):
+            pass
+
+    fake = FakeCuda()
+    _native.cuda = fake
+    report["cases"], report["made"] = {}, {}
+
+    def case(name, mesh, axes):
+        fake.made, fake.specs = 0, None
+        _runtime.communicator("cuda", mesh, axes)
+        report["cases"][name] = fake.specs
+        report["made"][name] = fake.made
+
+    mesh1 = Mesh(devices, ("i",))
+    mesh1_rev = Mesh(devices[::-1].copy(), ("i",))
+    mesh2 = Mesh(devices.reshape(4, 2), ("x", "y"))
+    case("1d", mesh1, ("i",))
+    case("1d_rev", mesh1_rev, ("i",))
+    case("2d_x", mesh2, ("x",))
+    case("2d_y", mesh2, ("y",))
+    case("2d_xy", mesh2, ("x", "y"))
+    _runtime.reset()
+    case("1d_again", mesh1, ("i",))
+
+    def error_of(fn):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    # A missing peer: process 0 sets up a communicator that process 1 never comes to.
+    client = _distributed.distributed_client()
+    client.wait_at_barrier("test/start_missing", 60_000)
+    if pid == 0:
+        _runtime.settings.timeout_s = 3.0 + 2e-6  # a communicator key not used above
+        report["missing"] = error_of(lambda: _runtime.communicator("cuda", mesh2, ("x", "y")))
+    client.wait_at_barrier("test/end_missing", 60_000)
+
+    # An unreachable key-value store.
+    from jax._src import distributed as jd
+    from jax._src.lib import _jax
+    real = jd.global_state.client
+    jd.global_state.client = _jax.get_distributed_runtime_client(
+        f"127.0.0.1:{_free_port()}", pid, init_timeout=1)
+    try:
+        _runtime.settings.timeout_s = 3.0 + 1e-6  # a new communicator key
+        report["unreachable"] = error_of(lambda: _runtime.communicator("cuda", mesh1, ("i",)))
+    finally:
+        jd.global_state.client = real
+    report["ok"] = True
+
+
+def _gpu_worker(pid, devices, report, jax_gin, _distributed):
+    import jax.numpy as jnp
+    import numpy as np
+    import jax
+    from jax import lax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh1 = Mesh(devices, ("i",))
+    mesh1_rev = Mesh(devices[::-1].copy(), ("i",))  # rank 0 in process 1: it makes the id
+    mesh2 = Mesh(devices.reshape(1, 2), ("x", "y"))
+
+    def global_input(mesh, spec, per_device, dtype, seed):
+        n = mesh.size * per_device
+        vals = np.random.default_rng(seed).integers(-7, 8, size=n).astype(np.float64)
+        full = np.asarray(jnp.asarray(vals).astype(dtype))  # exact small integers
+        return jax.make_array_from_callback((n,), NamedSharding(mesh, spec),
+                                            lambda idx: full[idx])
+
+    def local(a):
+        return [np.asarray(s.data) for s in sorted(a.addressable_shards, key=lambda s: s.device.id)]
+
+    def same_bits(a, b, what):
+        for s, (u, v) in enumerate(zip(local(a), local(b))):
+            assert u.dtype == v.dtype and u.shape == v.shape, (what, u.dtype, v.dtype)
+            if not np.array_equal(u.view(np.uint8), v.view(np.uint8)):
+                bad = np.flatnonzero(u != v)[:5]
+                raise AssertionError(f"{what}: shard {s} differs at {bad}: {u[bad]} vs {v[bad]}")
+        report["checked"] += 1
+
+    algos = ("auto",) + tuple(jax_gin.ALGORITHMS)
+    ops = (("psum", jax_gin.psum, lax.psum), ("pmax", jax_gin.pmax, lax.pmax),
+           ("pmin", jax_gin.pmin, lax.pmin))
+
+    def parity(mesh, axes, dtype, per_device, seed):
+        spec = P(tuple(mesh.axis_names))
+        x = global_input(mesh, spec, per_device, dtype, seed)
+        cases = [(a, j) for a in algos for j in range(len(ops))]
+
+        def body(v):
+            return (tuple(ops[j][1](v, axes, algorithm=a) for a, j in cases) +
+                    tuple(ops[j][2](v, axes) for _, j in cases))
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,),
+                                  out_specs=(spec,) * (2 * len(cases))))
+        outs = f(x)
+        for k, (a, j) in enumerate(cases):
+            same_bits(outs[k], outs[len(cases) + k],
+                      f"{ops[j][0]} {a} {dtype} x{per_device} over {axes} of {mesh.shape}")
+
+    for dtype in ("float32", "bfloat16", "int32"):
+        for per_device in (1, 37, 4099, (1 << 20) + 3):
+            parity(mesh1, "i", dtype, per_device, per_device)
+    parity(mesh1, "i", "float32", (16 << 20) + 5, 1)    # > one round of the 64 MiB workspace
+    parity(mesh1_rev, "i", "float32", 4099, 2)
+    parity(mesh2, "y", "float32", 4099, 3)              # 1x2 mesh: one group of 2
+    parity(mesh2, ("x", "y"), "bfloat16", 4099, 4)
+    parity(mesh2, ("y", "x"), "int32", 4099, 5)
+
+    for check_vma in (True, False):
+        def loss(red):
+            g = jax.shard_map(lambda v: red(v * v, "i"), mesh=mesh1, in_specs=P("i"),
+                              out_specs=P(), check_vma=check_vma)
+            return jax.jit(jax.grad(lambda v: jnp.sum(g(v) ** 2)))
+        x = global_input(mesh1, P("i"), 64, "float32", 9)
+        same_bits(loss(jax_gin.psum)(x), loss(lax.psum)(x), f"grad check_vma={check_vma}")
+
+    # Repeated calls: one communicator, a scan of 200 dependent all-reduces, 20 times.
+    def scanned(v):
+        def step(c, _):
+            return c + (jax_gin.psum(c, "i") - lax.psum(c, "i")), None
+        c, _ = lax.scan(step, v, None, length=200)
+        return c, jax_gin.psum(v, "i"), lax.psum(v, "i")
+    f = jax.jit(jax.shard_map(scanned, mesh=mesh1, in_specs=P("i"), out_specs=(P("i"),) * 3))
+    x = global_input(mesh1, P("i"), 4099, "float32", 10)
+    f(x)
+    ncomm = jax_gin.runtime.num_communicators()
+    for k in range(20):
+        c, a, b = f(x + k)
+        same_bits(c, x + k, f"scan of 200, call {k}")
+        same_bits(a, b, f"repeated call {k}")
+    assert jax_gin.runtime.num_communicators() == ncomm
+    report["ok"] = True
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
