@@ -107,6 +107,9 @@ multiproc() {
 case "$MODE" in
   quick) harness; PYTEST_K="parity_1d and float32" tests; BENCH_MAX=64M bench ;;
   latency) latency ;;
+  mlp)  # issue 4: many small all-reduces in one jit, command buffers off and on, both libraries
+    JAX_PLATFORMS=cuda $PY -m jax_gin.bench_mlp --cmdbuf both --json "$OUT/bench_mlp.json" \
+      > "$OUT/bench_mlp.txt" 2>> "$OUT/build.log"; log "bench_mlp rc=$?"; cat "$OUT/bench_mlp.txt" ;;
   llsweep)  # where does the LL protocol stop paying? (JAX_GIN_LL_MAX_BYTES)
     $H --ranks 2,4 --counts 16384,40000,65536 --dtypes f32,bf16 --algos one_shot --ll-max-bytes 262144 --iters 3 \
       > "$OUT/harness.log" 2>&1; log "harness LL<=256K: $(tail -1 "$OUT/harness.log")"
