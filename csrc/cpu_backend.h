@@ -31,6 +31,7 @@ struct CommConfig {
   size_t lane_bytes = 1 << 20;    // window bytes per rank (one lane on the CPU)
   double timeout_s = 30.0;        // every wait gives up after this long
   int fault_rank = -1;            // testing only: this rank's signals are dropped
+  int ranks_per_node = 0;         // hierarchical only: ranks of a group per "node" (0: all)
 };
 
 // The first bytes of a workspace. Attaching processes check it against what they expect.

@@ -42,20 +42,30 @@ DType dtype_of(const A& a) {
 
 // Runs one all-reduce among `inputs.shape[0]` ranks, each on its own std::thread, through a
 // fresh CPU communicator: a harness for schedules and group sizes that no JAX mesh here has.
+// `ranks_per_node` (hierarchical only; 0: one node) makes ranks node*L .. node*L+L-1 a node.
 nb::ndarray<nb::numpy> threads_allreduce(nb::ndarray<nb::c_contig, nb::device::cpu> inputs,
                                          int op, int algorithm, size_t lane_bytes, int repeats,
-                                         double timeout_s, int fault_rank) {
+                                         double timeout_s, int fault_rank, int ranks_per_node) {
   if (inputs.ndim() != 2) throw nb::value_error("inputs must have shape (nranks, count)");
   const int nranks = int(inputs.shape(0));
   const size_t count = inputs.shape(1);
   const DType dt = dtype_of(inputs);
   const size_t row = count * dtype_size(dt);
+  if (nranks < 1 || nranks > kMaxRanks)
+    throw nb::value_error(("threads_allreduce: 1 to " + std::to_string(kMaxRanks) + " ranks").c_str());
+  if (op < 0 || op > 2) throw nb::value_error("threads_allreduce: unknown op");
+  if (algorithm < 0 || algorithm >= kNumInternalAlgorithms)
+    throw nb::value_error("threads_allreduce: unknown algorithm id");
+  if (!schedule::hier_valid(nranks, ranks_per_node))
+    throw nb::value_error(("threads_allreduce: ranks_per_node must be 0 (one node) or divide " +
+                           std::to_string(nranks) + ", got " + std::to_string(ranks_per_node)).c_str());
   cpu::CommConfig cfg;
   cfg.nranks = nranks;
   for (int r = 0; r < nranks; ++r) { cfg.group_of.push_back(0); cfg.rank_of.push_back(r); }
   cfg.lane_bytes = lane_bytes;
   cfg.timeout_s = timeout_s;
   cfg.fault_rank = fault_rank;
+  cfg.ranks_per_node = ranks_per_node;
   const int64_t id = cpu::create_comm(cfg);
   auto comm = cpu::find_comm(id);
   char* out = new char[row * nranks + 1];
@@ -162,7 +172,9 @@ NB_MODULE(_jax_gin, m) {
   m.def("cpu_num_comms", &cpu::num_comms);
   m.def("threads_allreduce", &threads_allreduce, nb::arg("inputs"), nb::arg("op"),
         nb::arg("algorithm"), nb::arg("lane_bytes"), nb::arg("repeats") = 1,
-        nb::arg("timeout_s") = 30.0, nb::arg("fault_rank") = -1);
+        nb::arg("timeout_s") = 30.0, nb::arg("fault_rank") = -1, nb::arg("ranks_per_node") = 0);
+  // Internal algorithm ids (not in jax_gin.ALGORITHMS), for tests through threads_allreduce.
+  m.attr("ALGORITHM_HIERARCHICAL") = int(Algorithm::kHierarchical);
 
   // Schedules (include/jax_gin/schedule.h), exposed for unit tests.
   nb::module_ s = m.def_submodule("schedule", "the shared schedule header, for tests");
@@ -180,11 +192,39 @@ NB_MODULE(_jax_gin, m) {
   s.def("tree_parent", &schedule::tree_parent);
   s.def("tree_child", &schedule::tree_child);
   s.def("tree_child_index", &schedule::tree_child_index);
-  s.def("num_slots", [](int a, int n) { return schedule::num_slots(Algorithm(a), n); });
-  s.def("slot_elems", [](int a, int n, size_t lane_bytes, size_t esize) {
-    return schedule::slot_elems(Algorithm(a), n, lane_bytes, esize);
+  s.def("num_slots", [](int a, int n, int rpn) { return schedule::num_slots(Algorithm(a), n, rpn); },
+        nb::arg("a"), nb::arg("n"), nb::arg("ranks_per_node") = 0);
+  s.def("slot_elems", [](int a, int n, size_t lane_bytes, size_t esize, int rpn) {
+    return schedule::slot_elems(Algorithm(a), n, lane_bytes, esize, rpn);
+  }, nb::arg("a"), nb::arg("n"), nb::arg("lane_bytes"), nb::arg("esize"), nb::arg("ranks_per_node") = 0);
+  s.def("round_capacity", [](int a, int n, size_t lane_bytes, size_t esize, int rpn) {
+    return schedule::round_capacity(Algorithm(a), n, lane_bytes, esize, rpn);
+  }, nb::arg("a"), nb::arg("n"), nb::arg("lane_bytes"), nb::arg("esize"), nb::arg("ranks_per_node") = 0);
+  s.def("hier_local_size", &schedule::hier_local_size);
+  s.def("hier_valid", &schedule::hier_valid);
+  s.def("hier_nodes", &schedule::hier_nodes);
+  s.def("hier_node", &schedule::hier_node);
+  s.def("hier_local", &schedule::hier_local);
+  s.def("hier_rank", &schedule::hier_rank);
+  s.def("hier_rail_next", &schedule::hier_rail_next);
+  s.def("hier_rail_prev", &schedule::hier_rail_prev);
+  s.def("hier_segment", [](size_t n, int L, int l, size_t align) {
+    auto r = schedule::hier_segment(n, L, l, align);
+    return std::make_pair(r.offset, r.count);
   });
-  s.def("round_capacity", [](int a, int n, size_t lane_bytes, size_t esize) {
-    return schedule::round_capacity(Algorithm(a), n, lane_bytes, esize);
+  s.def("hier_subpiece", [](size_t n, int L, int M, int l, int j, size_t align) {
+    auto r = schedule::hier_subpiece(n, L, M, l, j, align);
+    return std::make_pair(r.offset, r.count);
   });
+  s.attr("HIER_SCATTER_STEP") = schedule::kHierScatterStep;
+  s.def("hier_ring_step", &schedule::hier_ring_step);
+  s.def("hier_gather_step", &schedule::hier_gather_step);
+  s.def("hier_steps", &schedule::hier_steps);
+  s.def("hier_scatter_slot", &schedule::hier_scatter_slot);
+  s.def("hier_gather_slot", &schedule::hier_gather_slot);
+  s.def("hier_segment_slots", &schedule::hier_segment_slots);
+  s.def("hier_ring_slots", &schedule::hier_ring_slots);
+  s.def("hier_ring_slot_elems", &schedule::hier_ring_slot_elems);
+  s.def("hier_window_elems", &schedule::hier_window_elems);
+  s.def("hier_slot_fit", &schedule::hier_slot_fit);
 }

@@ -72,6 +72,8 @@ int choose_lanes(Algorithm algo, size_t bytes, int nranks, int max_lanes) {
 cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, DType dtype,
                              RedOp op, Algorithm algo, const void* in, void* out, size_t count,
                              cudaStream_t stream) {
+  // Only the public algorithms run on GPUs: kHierarchical needs a GIN transport (not yet).
+  if (int(algo) < 0 || int(algo) >= kNumAlgorithms) return cudaErrorInvalidValue;
   LaneParams p;
   p.rank = cfg.rank;
   p.nranks = cfg.nranks;

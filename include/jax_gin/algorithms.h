@@ -199,6 +199,94 @@ JG_HD bool tree_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, uint64
 }
 
 // ---------------------------------------------------------------------------------------
+// hierarchical (internal; schedule in schedule.h). Purpose: groups that span nodes, where
+// only ranks of one node reach each other by load/store and the inter-node links are the
+// scarce resource: each rank sends only 2(M-1)/(L*M) of the data across nodes, to one peer.
+// Intra-node reduce-scatter (two_shot's first half over the L local ranks), a ring over the
+// M ranks of the rail on the owned segment, then intra-node all-gather. Here every peer is
+// reached through the same transport; a GPU version would reach rail peers through GIN.
+// `ranks_per_node` = L (0: one node); it must divide N.
+template <class T, class Op, class Tp>
+JG_HD bool hierarchical_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, uint64_t round,
+                              int ranks_per_node) {
+  const int r = tp.rank(), N = tp.nranks();
+  const int L = schedule::hier_local_size(N, ranks_per_node), M = schedule::hier_nodes(N, L);
+  const int node = schedule::hier_node(r, L), l = schedule::hier_local(r, L);
+  const size_t al = schedule::align_elems(sizeof(T));
+  const schedule::Range mine = schedule::hier_segment(n, L, l, al);
+  // 1. intra-node reduce-scatter: segment q of my input into scatter slot l of local rank q,
+  //    then reduce my segment from scatter slots 0..L-1 in local-rank order
+  if (L > 1) {
+    const uint64_t tag = data_tag(round, schedule::kHierScatterStep);
+    for (int k = 1; k < L; ++k) {
+      const int q = schedule::mod(l + k, L), p = schedule::hier_rank(node, q, L);
+      const schedule::Range seg = schedule::hier_segment(n, L, q, al);
+      if (!await_credit(tp, p, round)) return false;
+      tp.copy(tp.template slot<T>(p, schedule::hier_scatter_slot(l)), in + seg.offset, seg.count);
+      tp.signal(p, kData, tag);
+    }
+    for (int q = 0; q < L; ++q)
+      if (q != l && !tp.wait(schedule::hier_rank(node, q, L), kData, tag, schedule::kHierScatterStep))
+        return false;
+    SlotSources<T> src{tp.template slot<T>(r, schedule::hier_scatter_slot(0)), slot, l,
+                       in + mine.offset, L};
+    tp.template reduce<T, Op>(out + mine.offset, src, mine.count);
+  }
+  // 2. ring over the rail on my segment: its input is the node's partial (in my output; my
+  //    raw input when L = 1), reduced in place. Sub-piece offsets are relative to `mine`.
+  if (M > 1) {
+    const T* rin = (L > 1 ? out : in) + mine.offset;
+    T* rout = out + mine.offset;
+    const int next = schedule::hier_rail_next(r, L, M), prev = schedule::hier_rail_prev(r, L, M);
+    const int ring0 = schedule::hier_segment_slots(L);
+    const size_t rslot = schedule::hier_ring_slot_elems(slot, M, al);
+    T* to_next = tp.template slot<T>(next, ring0);
+    const T* mine_ring = tp.template slot<T>(r, ring0);
+    if (!await_credit(tp, next, round)) return false;
+    for (int s = 0; s < M - 1; ++s) {  // reduce-scatter
+      const int step = schedule::hier_ring_step(s);
+      const schedule::Range snd = schedule::piece(mine.count, M, schedule::ring_rs_send(node, s, M), al);
+      const schedule::Range rcv = schedule::piece(mine.count, M, schedule::ring_rs_recv(node, s, M), al);
+      tp.copy(to_next + size_t(s) * rslot, (s == 0 ? rin : rout) + snd.offset, snd.count);
+      tp.signal(next, kData, data_tag(round, step));
+      if (!tp.wait(prev, kData, data_tag(round, step), step)) return false;
+      ListSources<T, 2> srcs;
+      srcs.add(mine_ring + size_t(s) * rslot);  // partial from upstream
+      srcs.add(rin + rcv.offset);               // this node's partial
+      tp.template reduce<T, Op>(rout + rcv.offset, srcs, rcv.count);
+    }
+    for (int s = 0; s < M - 1; ++s) {  // all-gather
+      const int k = M - 1 + s, step = schedule::hier_ring_step(k);
+      const schedule::Range snd = schedule::piece(mine.count, M, schedule::ring_ag_send(node, s, M), al);
+      const schedule::Range rcv = schedule::piece(mine.count, M, schedule::ring_ag_recv(node, s, M), al);
+      tp.copy(to_next + size_t(k) * rslot, rout + snd.offset, snd.count);
+      tp.signal(next, kData, data_tag(round, step));
+      if (!tp.wait(prev, kData, data_tag(round, step), step)) return false;
+      tp.copy(rout + rcv.offset, mine_ring + size_t(k) * rslot, rcv.count);
+    }
+  }
+  // 3. intra-node all-gather: my final segment into gather slot L + l of every local peer
+  //    (their credits were awaited in step 1 of this round)
+  if (L > 1) {
+    const int step = schedule::hier_gather_step(M);
+    const uint64_t tag = data_tag(round, step);
+    for (int k = 1; k < L; ++k) {
+      const int p = schedule::hier_rank(node, schedule::mod(l + k, L), L);
+      tp.copy(tp.template slot<T>(p, schedule::hier_gather_slot(l, L)), out + mine.offset, mine.count);
+      tp.signal(p, kData, tag);
+    }
+    for (int k = 1; k < L; ++k) {
+      const int q = schedule::mod(l + k, L);
+      if (!tp.wait(schedule::hier_rank(node, q, L), kData, tag, step)) return false;
+      const schedule::Range seg = schedule::hier_segment(n, L, q, al);
+      tp.copy(out + seg.offset, tp.template slot<T>(r, schedule::hier_gather_slot(q, L)), seg.count);
+    }
+  }
+  give_credit(tp, round);
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------
 // One lane's whole message: rounds of at most `capacity` elements through the lane's window.
 // `round` is the lane's persistent round counter; it advances by the number of rounds run.
 template <class T, class Op, class Tp>
@@ -219,8 +307,29 @@ JG_HD bool run_lane(Tp& tp, Algorithm algo, const T* in, T* out, size_t count, s
       case Algorithm::kTwoShot: ok = two_shot_round<T, Op>(tp, in + off, out + off, n, slot, rd); break;
       case Algorithm::kRing: ok = ring_round<T, Op>(tp, in + off, out + off, n, slot, rd); break;
       case Algorithm::kTree: ok = tree_round<T, Op>(tp, in + off, out + off, n, slot, rd); break;
+      case Algorithm::kHierarchical: break;  // needs ranks_per_node: run_lane_hierarchical()
     }
     if (!ok) return false;
+  }
+  return true;
+}
+
+// run_lane for the hierarchical schedule, which also needs the node size. Kept apart from
+// run_lane so that the GPU kernels (which call run_lane) do not compile it.
+template <class T, class Op, class Tp>
+JG_HD bool run_lane_hierarchical(Tp& tp, const T* in, T* out, size_t count, size_t lane_bytes,
+                                 int ranks_per_node, uint64_t& round) {
+  if (tp.nranks() == 1) {
+    tp.copy(out, in, count);
+    return true;
+  }
+  const Algorithm algo = Algorithm::kHierarchical;
+  const size_t slot = schedule::slot_elems(algo, tp.nranks(), lane_bytes, sizeof(T), ranks_per_node);
+  const size_t cap = schedule::round_capacity(algo, tp.nranks(), lane_bytes, sizeof(T), ranks_per_node);
+  for (size_t off = 0; off < count; off += cap) {
+    const size_t n = schedule::min_sz(cap, count - off);
+    if (!hierarchical_round<T, Op>(tp, in + off, out + off, n, slot, ++round, ranks_per_node))
+      return false;
   }
   return true;
 }

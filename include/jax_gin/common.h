@@ -16,9 +16,16 @@
 
 namespace jax_gin {
 
-// Algorithm ids: the same names and order as jax_gin.ALGORITHMS in Python.
-enum class Algorithm : int32_t { kRing = 0, kTree = 1, kOneShot = 2, kTwoShot = 3 };
-constexpr int kNumAlgorithms = 4;
+// Algorithm ids. The first kNumAlgorithms are the public ones: the same names and order as
+// jax_gin.ALGORITHMS in Python, the only ids the FFI handlers accept (check_enums).
+// kHierarchical (nodes of `ranks_per_node` ranks: intra-node reduce-scatter, inter-node ring,
+// intra-node all-gather) is internal: only the CPU backend runs it (tests, through the
+// threads harness); the GPU launcher refuses it until the GIN transport exists.
+enum class Algorithm : int32_t {
+  kRing = 0, kTree = 1, kOneShot = 2, kTwoShot = 3, kHierarchical = 4,
+};
+constexpr int kNumAlgorithms = 4;          // public algorithms
+constexpr int kNumInternalAlgorithms = 5;  // public ones plus kHierarchical
 
 // Reduction ops: the same order as jax_gin/_ops.py.
 enum class RedOp : int32_t { kSum = 0, kMax = 1, kMin = 2 };
@@ -42,6 +49,7 @@ JG_HD const char* algorithm_name(Algorithm a) {
     case Algorithm::kTree: return "tree";
     case Algorithm::kOneShot: return "one_shot";
     case Algorithm::kTwoShot: return "two_shot";
+    case Algorithm::kHierarchical: return "hierarchical";
   }
   return "?";
 }

@@ -78,31 +78,129 @@ constexpr int kTwoShotScatterStep = 0;
 constexpr int kTwoShotGatherStep = 1;
 
 // ---------------------------------------------------------------------------------------
-// Window layout for one lane: `slots(algo, n)` slots of `slot_elems` elements each.
-JG_HD int num_slots(Algorithm a, int n) {
+// hierarchical (internal: not in jax_gin.ALGORITHMS; the CPU backend runs it, GPU kernels do
+// not yet). The N ranks form M nodes of L ranks: rank r is local rank l = r % L of node
+// m = r / L. `ranks_per_node` = L; 0 (or N) means one node, M = 1. A round is cut into L
+// segments (piece(n, L, l)); segment l belongs to local rank l of every node.
+//   1. intra-node reduce-scatter (step 0), as two_shot within the node: local rank l puts
+//      segment q of its input into scatter slot l of local rank q; q reduces slots 0..L-1
+//      in local-rank order into its output. Result: the node's partial of segment q.
+//   2. inter-node all-reduce of segment l over the rail (the M ranks with local rank l), as
+//      ring over node indices: the segment is cut into M sub-pieces (piece(seg, M, j)),
+//      2(M-1) steps numbered 1 .. 2(M-1), ring step s landing in ring slot s of the next
+//      node's rank. Each final element is computed once (by its owner) and then copied.
+//   3. intra-node all-gather (step 2M-1): local rank l puts its final segment into gather
+//      slot L + l of every local peer, which copies it into its output.
+// Every element of every rank's output is a copy of the one value its rail owner computed,
+// with the same reduction order (local ranks left to right, then nodes in ring order), so
+// all ranks hold the same bits.
+JG_HD int hier_local_size(int n, int ranks_per_node) {
+  return ranks_per_node <= 0 || ranks_per_node > n ? n : ranks_per_node;
+}
+JG_HD bool hier_valid(int n, int ranks_per_node) {
+  return n >= 1 && ranks_per_node >= 0 && ranks_per_node <= n &&
+         n % hier_local_size(n, ranks_per_node) == 0;
+}
+JG_HD int hier_nodes(int n, int local_size) { return n / local_size; }
+JG_HD int hier_node(int r, int local_size) { return r / local_size; }
+JG_HD int hier_local(int r, int local_size) { return r % local_size; }
+JG_HD int hier_rank(int node, int local, int local_size) { return node * local_size + local; }
+// Neighbours in the rail ring (same local rank, next / previous node).
+JG_HD int hier_rail_next(int r, int local_size, int nodes) {
+  return hier_rank(ring_next(hier_node(r, local_size), nodes), hier_local(r, local_size), local_size);
+}
+JG_HD int hier_rail_prev(int r, int local_size, int nodes) {
+  return hier_rank(ring_prev(hier_node(r, local_size), nodes), hier_local(r, local_size), local_size);
+}
+// Segment of a round of n elements owned by local rank l.
+JG_HD Range hier_segment(size_t n, int local_size, int l, size_t align) {
+  return piece(n, size_t(local_size), size_t(l), align);
+}
+// Sub-piece j of segment l (absolute offsets in the round), the unit of the rail ring.
+JG_HD Range hier_subpiece(size_t n, int local_size, int nodes, int l, int j, size_t align) {
+  Range seg = hier_segment(n, local_size, l, align);
+  Range sub = piece(seg.count, size_t(nodes), size_t(j), align);
+  return Range{seg.offset + sub.offset, sub.count};
+}
+// Steps (data tags) of one round. Phases use disjoint (sender, receiver) pairs: steps 0 and
+// 2M-1 are intra-node pairs, ring steps are rail pairs.
+constexpr int kHierScatterStep = 0;
+JG_HD int hier_ring_step(int s) { return 1 + s; }        // s = 0 .. 2(M-1)-1
+JG_HD int hier_gather_step(int nodes) { return 2 * nodes - 1; }
+JG_HD int hier_steps(int nodes) { return 2 * nodes; }
+// Window of one lane: first the segment slots (2L slots of `slot` elements, none if L = 1):
+// scatter slot q (from local rank q), gather slot L + q; then 2(M-1) ring slots of
+// hier_ring_slot_elems(slot, M) elements, ring step s in ring slot s.
+JG_HD int hier_scatter_slot(int q) { return q; }
+JG_HD int hier_gather_slot(int q, int local_size) { return local_size + q; }
+JG_HD int hier_segment_slots(int local_size) { return local_size > 1 ? 2 * local_size : 0; }
+JG_HD int hier_ring_slots(int nodes) { return nodes > 1 ? ring_steps(nodes) : 0; }
+// A segment of at most `slot` elements has sub-pieces of at most this many elements.
+JG_HD size_t hier_ring_slot_elems(size_t slot, int nodes, size_t align) {
+  return piece_size(slot, size_t(nodes), align);
+}
+// Elements of the window used with segment slots of `slot` elements.
+JG_HD size_t hier_window_elems(size_t slot, int local_size, int nodes, size_t align) {
+  return size_t(hier_segment_slots(local_size)) * slot +
+         size_t(hier_ring_slots(nodes)) * hier_ring_slot_elems(slot, nodes, align);
+}
+// Largest segment slot (a multiple of `align`) whose whole layout fits `w` elements. A ring
+// slot of R elements takes segments of up to M*R elements, so the best slot is M*R for the
+// largest R with 2L*M*R + 2(M-1)*R <= w, or the largest slot that fits with R one step up.
+JG_HD size_t hier_slot_fit(size_t w, int local_size, int nodes, size_t align) {
+  const size_t seg = size_t(hier_segment_slots(local_size)), ring = size_t(hier_ring_slots(nodes));
+  if (ring == 0) return seg == 0 ? w / align * align : w / seg / align * align;
+  const size_t m = size_t(nodes);
+  const size_t r0 = w / (seg * m + ring) / align * align;
+  size_t best = r0 * m;
+  const size_t r1 = r0 + align;
+  if (seg > 0 && ring * r1 <= w) {
+    const size_t s1 = (w - ring * r1) / seg / align * align;
+    if (s1 > best) best = s1;
+  }
+  return best;
+}
+
+// ---------------------------------------------------------------------------------------
+// Window layout for one lane: `slots(algo, n)` slots of `slot_elems` elements each (for
+// hierarchical: the slot count of its layout above, whose ring slots are smaller).
+// `ranks_per_node` matters only for hierarchical (0: one node).
+JG_HD int num_slots(Algorithm a, int n, int ranks_per_node = 0) {
   switch (a) {
     case Algorithm::kRing: return n > 1 ? 2 * (n - 1) : 1;
     case Algorithm::kTree: return 3;
     case Algorithm::kOneShot: return n;
     case Algorithm::kTwoShot: return 2 * n;
+    case Algorithm::kHierarchical: {
+      const int L = hier_local_size(n, ranks_per_node);
+      const int k = hier_segment_slots(L) + hier_ring_slots(hier_nodes(n, L));
+      return k > 0 ? k : 1;
+    }
   }
   return 1;
 }
-// Do slots hold one segment (1/N of a round) or a whole round?
+// Do slots hold one segment (1/N of a round) or a whole round? (hierarchical: 1/L.)
 JG_HD bool slots_hold_segments(Algorithm a) {
   return a == Algorithm::kRing || a == Algorithm::kTwoShot;
 }
 
 // Slot size (elements, a multiple of `align`) that fits the lane's window.
-JG_HD size_t slot_elems(Algorithm a, int n, size_t lane_bytes, size_t elem_size) {
+JG_HD size_t slot_elems(Algorithm a, int n, size_t lane_bytes, size_t elem_size,
+                        int ranks_per_node = 0) {
   size_t al = align_elems(elem_size);
+  if (a == Algorithm::kHierarchical) {
+    const int L = hier_local_size(n, ranks_per_node);
+    return hier_slot_fit(lane_bytes / elem_size, L, hier_nodes(n, L), al);
+  }
   size_t per = lane_bytes / elem_size / size_t(num_slots(a, n));
   return per / al * al;
 }
 
 // Largest number of elements one round of `a` can carry through a lane's window.
-JG_HD size_t round_capacity(Algorithm a, int n, size_t lane_bytes, size_t elem_size) {
-  size_t s = slot_elems(a, n, lane_bytes, elem_size);
+JG_HD size_t round_capacity(Algorithm a, int n, size_t lane_bytes, size_t elem_size,
+                            int ranks_per_node = 0) {
+  size_t s = slot_elems(a, n, lane_bytes, elem_size, ranks_per_node);
+  if (a == Algorithm::kHierarchical) return s * size_t(hier_local_size(n, ranks_per_node));
   return slots_hold_segments(a) ? s * size_t(n) : s;
 }
 
