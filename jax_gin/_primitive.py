@@ -227,13 +227,16 @@ def _lowering(ctx, x, *, axes, op, algorithm, invariant, platform):
 # call takes the previous call's (dummy) token result in the same block as an operand, which
 # chains the calls of a block in program order. Calls in different blocks are ordered by their
 # enclosing control-flow ops only; the CPU backend reports any overlap as an error.
-_chains: dict = {}
+def _chain(ctx) -> list:
+    """The (block, token) pairs of the module being lowered. They are kept in a dict of its
+    ModuleContext (which has __slots__), under a key of ours, so that they die with it."""
+    return ctx.module_context.cached_primitive_lowerings.setdefault(("jax_gin", "order_chain"), [])
 
 
 def _chain_token(ctx):
     from jax._src.lib.mlir import ir
     block = ir.InsertionPoint.current.block
-    for b, tok in _chains.get(id(ctx.module_context), ()):
+    for b, tok in _chain(ctx):
         if b == block:
             return tok
     return mlir.ir_constant(np.uint32(0))
@@ -242,12 +245,9 @@ def _chain_token(ctx):
 def _set_chain_token(ctx, tok):
     from jax._src.lib.mlir import ir
     block = ir.InsertionPoint.current.block
-    key = id(ctx.module_context)
-    chain = [(b, t) for b, t in _chains.get(key, ()) if b != block]
+    chain = _chain(ctx)
+    chain[:] = [(b, t) for b, t in chain if b != block]
     chain.append((block, tok))
-    # keep only the newest module's state: modules are lowered one at a time
-    _chains.clear()
-    _chains[key] = chain
 
 
 # ---------------------------------------------------------------------------------------
