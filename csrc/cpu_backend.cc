@@ -95,8 +95,11 @@ class HostTransport {
   void signal(int peer, int kind, uint64_t value) {
     if (rank_ == cfg_.fault_rank) return;  // injected fault: this rank's signals are lost
     std::atomic<uint64_t>& f = ws_.flags(peer)[flag_index(0, rank_, kind, nranks())];
-    f.store(value, std::memory_order_release);
-    futex_wake(&f);
+    // seq_cst store, then seq_cst load of the peer's sleeper count; the waiter does the
+    // mirror image (count up, then read the flag), so either it sees the flag or we see it
+    // asleep and wake it.
+    f.store(value, std::memory_order_seq_cst);
+    if (ws_.control(peer).sleepers.load(std::memory_order_seq_cst) != 0) futex_wake(&f);
   }
 
   // Spin briefly, then sleep on a futex until the peer's signal wakes us: 8 device threads
@@ -116,7 +119,10 @@ class HostTransport {
     for (;;) {
       // Sleep until the flag word changes, at most 1 ms at a time, so that the timeout and
       // a failed peer are noticed.
-      futex_wait(&f, seen, 1000000);
+      std::atomic<uint32_t>& sleepers = ws_.control(rank_).sleepers;
+      sleepers.fetch_add(1, std::memory_order_seq_cst);
+      if ((seen = f.load(std::memory_order_seq_cst)) < value) futex_wait(&f, seen, 1000000);
+      sleepers.fetch_sub(1, std::memory_order_seq_cst);
       if ((seen = f.load(std::memory_order_acquire)) >= value) return true;
       // A peer that already failed (in this process or another) will never signal: give up
       // now instead of waiting out the whole timeout.

@@ -50,6 +50,8 @@ struct alignas(64) RankControl {
   std::atomic<uint64_t> joined;  // 1 once the process that runs this rank has mapped it
   std::atomic<uint64_t> busy;    // 1 while a call of this rank runs
   uint64_t round;                // rounds run so far; touched only by this rank's thread
+  std::atomic<uint32_t> sleepers;  // waits of this rank asleep on a futex: signals skip the
+                                   // wake-up syscall when there are none
 };
 
 // One group's symmetric workspace: all ranks' windows, flags and round counters.
