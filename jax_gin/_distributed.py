@@ -248,6 +248,38 @@ def _arrive(client, prefix: str, me: int, participants: list, deadline: float, d
     return arrived()
 
 
+def _process_map(layout, procs: list) -> tuple:
+    """proc_of[group][rank] (the process running each rank) and the groups that span
+    processes."""
+    proc_of = [[-1] * layout.nranks for _ in range(layout.ngroups)]
+    for logical, p in enumerate(procs):
+        proc_of[layout.group_of[logical]][layout.rank_of[logical]] = int(p)
+    spanning = [g for g in range(layout.ngroups) if len(set(proc_of[g])) > 1]
+    return proc_of, spanning
+
+
+class _Bootstrap:
+    """What the processes that share spanning groups agree on before setting them up: the
+    participants, the deadline, the key-value prefix unique to the job and communicator, and
+    how to say who is missing."""
+
+    def __init__(self, layout, proc_of, spanning, me, key, generation, timeout_s, what):
+        self.participants = sorted({p for g in spanning for p in proc_of[g]})
+        self.client = distributed_client()
+        if self.client is None:
+            check_initialized(len(self.participants))
+        self.deadline = time.monotonic() + timeout_s
+        self.token = job_token(self.client, self.deadline)
+        self.tag = communicator_tag(key, generation)
+        self.prefix = f"{KV_PREFIX}/{self.token}/{self.tag}"
+        self.doing = f"setting up {what}"
+
+        def missing_error(missing_procs, late=False):
+            return _missing_error(what, spanning, proc_of, layout.nranks, self.participants, me,
+                                  timeout_s, self.tag, self.token, missing_procs, late)
+        self.missing_error = missing_error
+
+
 def group_workspaces(layout, procs: list, me: int, lane_bytes: int, key, generation: int,
                      timeout_s: float, what: str) -> list:
     """One Workspace per group of `layout` (None where no rank runs in this process).
@@ -257,10 +289,7 @@ def group_workspaces(layout, procs: list, me: int, lane_bytes: int, key, generat
     segment, set up collectively with the other processes of those groups.
     """
     ngroups, nranks = layout.ngroups, layout.nranks
-    proc_of = [[-1] * nranks for _ in range(ngroups)]  # [group][rank] -> process
-    for logical, p in enumerate(procs):
-        proc_of[layout.group_of[logical]][layout.rank_of[logical]] = int(p)
-    spanning = [g for g in range(ngroups) if len(set(proc_of[g])) > 1]
+    proc_of, spanning = _process_map(layout, procs)
     out: list = [None] * ngroups
     for g in range(ngroups):
         if g not in spanning and proc_of[g][0] == me:
@@ -268,21 +297,12 @@ def group_workspaces(layout, procs: list, me: int, lane_bytes: int, key, generat
     mine = [g for g in spanning if me in proc_of[g]]
     if not mine:
         return out
-    participants = sorted({p for g in spanning for p in proc_of[g]})
-    client = distributed_client()
-    if client is None:
-        check_initialized(len(participants))
-    deadline = time.monotonic() + timeout_s
-    token = job_token(client, deadline)
-    tag = communicator_tag(key, generation)
-    prefix = f"{KV_PREFIX}/{token}/{tag}"
-
-    def missing_error(missing_procs, late=False):
-        return _missing_error(what, spanning, proc_of, nranks, participants, me, timeout_s,
-                              tag, token, missing_procs, late)
+    boot = _Bootstrap(layout, proc_of, spanning, me, key, generation, timeout_s, what)
+    client, deadline, token, tag = boot.client, boot.deadline, boot.token, boot.tag
+    prefix, participants, missing_error = boot.prefix, boot.participants, boot.missing_error
 
     # 1. arrive, saying which /dev/shm this process sees
-    doing = f"setting up {what}"
+    doing = boot.doing
 
     hosts = _arrive(client, prefix, me, participants, deadline, doing, _host_identity(),
                     missing_error)
@@ -352,29 +372,14 @@ def gpu_unique_ids(layout, procs: list, me: int, key, generation: int, timeout_s
     under a key unique to the job, the communicator and its generation, and the others read
     it. After this the caller runs ncclCommInitRank (NCCL's own bootstrap).
     """
-    ngroups, nranks = layout.ngroups, layout.nranks
-    proc_of = [[-1] * nranks for _ in range(ngroups)]  # [group][rank] -> process
-    for logical, p in enumerate(procs):
-        proc_of[layout.group_of[logical]][layout.rank_of[logical]] = int(p)
-    spanning = [g for g in range(ngroups) if len(set(proc_of[g])) > 1]
-    mine = [g for g in range(ngroups) if me in proc_of[g]]
+    proc_of, spanning = _process_map(layout, procs)
+    mine = [g for g in range(layout.ngroups) if me in proc_of[g]]
     out = {g: bytes(new_id()) for g in mine if g not in spanning}
     if not any(g in spanning for g in mine):
         return out
-    participants = sorted({p for g in spanning for p in proc_of[g]})
-    client = distributed_client()
-    if client is None:
-        check_initialized(len(participants))
-    deadline = time.monotonic() + timeout_s
-    token = job_token(client, deadline)
-    tag = communicator_tag(key, generation)
-    prefix = f"{KV_PREFIX}/{token}/{tag}"
-
-    def missing_error(missing_procs, late=False):
-        return _missing_error(what, spanning, proc_of, nranks, participants, me, timeout_s,
-                              tag, token, missing_procs, late)
-
-    doing = f"setting up {what}"
+    boot = _Bootstrap(layout, proc_of, spanning, me, key, generation, timeout_s, what)
+    client, deadline, doing = boot.client, boot.deadline, boot.doing
+    prefix, participants, missing_error = boot.prefix, boot.participants, boot.missing_error
     _arrive(client, prefix, me, participants, deadline, doing, socket.gethostname(),
             missing_error)
     for g in mine:  # ascending, in every process

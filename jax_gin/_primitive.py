@@ -16,7 +16,7 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
-from jax import lax, tree_util
+from jax import tree_util
 from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 from jax._src.lib.mlir.dialects import hlo  # noqa: F401  (partition_id)

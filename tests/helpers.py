@@ -2,7 +2,6 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 SMALL_INT_DTYPES = ("int32", "int64", "uint32")
 

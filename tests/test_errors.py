@@ -1,7 +1,5 @@
 """Bad input gets a clear error that names the problem, at trace time."""
-import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_gin
 from conftest import mesh_1d, ndev
-from helpers import assert_bitwise, smap
+from helpers import smap
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "gpu" or not jax_gin.has_cuda() or len(jax.devices()) < 2,

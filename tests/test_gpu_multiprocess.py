@@ -176,7 +176,6 @@ def _worker(scenario: str, pid: int, port: int) -> None:
                                coordinator_bind_address=f"127.0.0.1:{port}",
                                initialization_timeout=120)
     import numpy as np
-    from jax.sharding import Mesh
 
     import jax_gin
     from jax_gin import _distributed, _native, _runtime
