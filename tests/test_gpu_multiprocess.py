@@ -19,19 +19,13 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 
+from multiproc import clean_env, free_port as _free_port, launch, reports as _reports, tail as _tail
+
 NPROC = 2
 CPU_DEVICES = 4  # per process, in the bootstrap tests
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _gpu_count() -> int:
@@ -52,51 +46,16 @@ def _has_cuda_extension() -> bool:
 
 
 def _launch(scenario: str, timeout: float, gpu: bool, env_extra=None):
-    """Runs the worker as NPROC processes; returns [(returncode, output)]."""
-    port = _free_port()
-    base = {k: v for k, v in os.environ.items()
-            if not k.startswith(("JAX_", "XLA_", "SLURM_", "OMPI_", "PMI_", "CUDA_VISIBLE"))}
-    base.update(PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0")
-    if not gpu:
-        base.update(JAX_PLATFORMS="cpu",
-                    XLA_FLAGS=f"--xla_force_host_platform_device_count={CPU_DEVICES}")
-    base.update(env_extra or {})
-    procs = []
-    for i in range(NPROC):
-        env = dict(base)
-        if gpu:  # one GPU per process; never preallocate (the parent may hold GPU memory)
-            env.update(JAX_PLATFORMS="cuda", CUDA_VISIBLE_DEVICES=str(i),
-                       XLA_PYTHON_CLIENT_PREALLOCATE="false")
-        procs.append(subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), scenario, str(i), str(port)], env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    deadline = time.monotonic() + timeout
-    results = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            results.append((p.returncode, out))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        outs = [p.communicate()[0] for p in procs]
-        raise AssertionError(f"{scenario}: workers still running after {timeout} s:\n" +
-                             "\n".join(f"--- process {i}\n{_tail(o)}" for i, o in enumerate(outs)))
-    return results
-
-
-def _tail(out: str, n: int = 60) -> str:
-    lines = [ln for ln in (out or "").splitlines() if not ln.startswith(("W0000", "I0000"))]
-    return "\n".join(lines[-n:])
-
-
-def _reports(results, scenario):
-    reports = []
-    for i, (rc, out) in enumerate(results):
-        lines = [ln[len("REPORT "):] for ln in out.splitlines() if ln.startswith("REPORT ")]
-        assert lines, f"{scenario}: process {i} (rc {rc}) printed no report:\n{_tail(out)}"
-        reports.append((rc, json.loads(lines[-1]), out))
-    return reports
+    """Runs the worker as NPROC processes: one GPU each, or CPU_DEVICES CPU devices each."""
+    if gpu:  # one GPU per process; never preallocate (the parent may hold GPU memory)
+        envs = [clean_env(JAX_PLATFORMS="cuda", CUDA_VISIBLE_DEVICES=str(i),
+                          XLA_PYTHON_CLIENT_PREALLOCATE="false", **(env_extra or {}))
+                for i in range(NPROC)]
+    else:
+        envs = [clean_env(JAX_PLATFORMS="cpu",
+                          XLA_FLAGS=f"--xla_force_host_platform_device_count={CPU_DEVICES}",
+                          **(env_extra or {}))] * NPROC
+    return launch(__file__, scenario, envs, timeout)
 
 
 # ---------------------------------------------------------------------------------------

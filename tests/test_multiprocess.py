@@ -17,19 +17,13 @@ import json
 import os
 import re
 import signal
-import socket
-import subprocess
 import sys
 import time
 
+from multiproc import clean_env, free_port as _free_port, launch, reports as _reports, tail as _tail
+
 WORKER_DEVICES = 4
 NPROC = 2
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _shm_names() -> set:
@@ -40,45 +34,11 @@ def _shm_names() -> set:
 
 
 def _launch(scenario: str, timeout: float, env_extra=None):
-    """Runs the worker as NPROC processes; returns [(returncode, output)]."""
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("JAX_", "XLA_", "SLURM_", "OMPI_", "PMI_"))}
-    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={WORKER_DEVICES}")
-    env.update(env_extra or {})
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), scenario, str(i),
-                               str(port)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(NPROC)]
-    deadline = time.monotonic() + timeout
-    results = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            results.append((p.returncode, out))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        outs = [p.communicate()[0] for p in procs]
-        raise AssertionError(f"{scenario}: workers still running after {timeout} s:\n" +
-                             "\n".join(f"--- process {i}\n{_tail(o)}" for i, o in enumerate(outs)))
-    return results
-
-
-def _tail(out: str, n: int = 60) -> str:
-    lines = [ln for ln in (out or "").splitlines()
-             if not ln.startswith(("W0000", "I0000", "[Gloo]"))]
-    return "\n".join(lines[-n:])
-
-
-def _reports(results, scenario):
-    """The JSON report each worker printed last."""
-    reports = []
-    for i, (rc, out) in enumerate(results):
-        lines = [ln[len("REPORT "):] for ln in out.splitlines() if ln.startswith("REPORT ")]
-        assert lines, f"{scenario}: process {i} (rc {rc}) printed no report:\n{_tail(out)}"
-        reports.append((rc, json.loads(lines[-1]), out))
-    return reports
+    """Runs the worker as NPROC processes of WORKER_DEVICES CPU devices each."""
+    env = clean_env(JAX_PLATFORMS="cpu",
+                    XLA_FLAGS=f"--xla_force_host_platform_device_count={WORKER_DEVICES}",
+                    **(env_extra or {}))
+    return launch(__file__, scenario, [env] * NPROC, timeout)
 
 
 def test_parity_two_processes():

@@ -1,0 +1,64 @@
+"""Shared by the multi-process tests: launch a test file as N worker processes on 127.0.0.1,
+bounded by a timeout, and read the JSON report each worker prints last."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+# Variables a launcher or an outer JAX run may have set, which must not leak into workers.
+_INHERITED_PREFIXES = ("JAX_", "XLA_", "SLURM_", "OMPI_", "PMI_", "CUDA_VISIBLE")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_INHERITED_PREFIXES)}
+    env.update(PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0")
+    env.update(extra)
+    return env
+
+
+def launch(script: str, scenario: str, envs: list, timeout: float) -> list:
+    """Runs `script scenario <process id> <port>` once per env in `envs`, concurrently;
+    returns [(returncode, output)]. Kills them all and fails if they outlive `timeout`."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(script), scenario, str(i),
+                               str(port)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+             for i, env in enumerate(envs)]
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append((p.returncode, out))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        outs = [p.communicate()[0] for p in procs]
+        raise AssertionError(f"{scenario}: workers still running after {timeout} s:\n" +
+                             "\n".join(f"--- process {i}\n{tail(o)}" for i, o in enumerate(outs)))
+    return results
+
+
+def tail(out: str, n: int = 60) -> str:
+    """The last lines of a worker's output, without XLA's and gloo's log noise."""
+    lines = [ln for ln in (out or "").splitlines()
+             if not ln.startswith(("W0000", "I0000", "[Gloo]"))]
+    return "\n".join(lines[-n:])
+
+
+def reports(results, scenario) -> list:
+    """[(returncode, the JSON report the worker printed last, output)]."""
+    found = []
+    for i, (rc, out) in enumerate(results):
+        lines = [ln[len("REPORT "):] for ln in out.splitlines() if ln.startswith("REPORT ")]
+        assert lines, f"{scenario}: process {i} (rc {rc}) printed no report:\n{tail(out)}"
+        found.append((rc, json.loads(lines[-1]), out))
+    return found
