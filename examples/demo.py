@@ -9,10 +9,9 @@ parameters are bitwise equal, and the time per step of each.
 """
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _devices import default_to_cpu_devices  # noqa: E402
+from _common import default_to_cpu_devices, median_us  # noqa: E402
 
 default_to_cpu_devices()  # 8 CPU devices unless a GPU and the CUDA build are present
 
@@ -56,16 +55,6 @@ def make_step(mesh, allreduce, n):
                                  out_specs=(spec_p, spec_p)))
 
 
-def timeit(f, *args, iters=20):
-    jax.block_until_ready(f(*args))
-    t = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        t.append(time.perf_counter() - t0)
-    return float(np.median(t)) * 1e6
-
-
 def main():
     devices = jax.devices()
     n = len(devices)
@@ -86,7 +75,7 @@ def main():
             p, loss = step(p, x, y)
             losses.append(float(loss))
         results[name] = p
-        rows.append((name, losses[0], losses[-1], timeit(step, params, x, y)))
+        rows.append((name, losses[0], losses[-1], median_us(step, params, x, y)))
 
     same = all(bool(jnp.all(a == b)) for a, b in zip(jax.tree.leaves(results["jax_gin.psum"]),
                                                       jax.tree.leaves(results["lax.psum"])))

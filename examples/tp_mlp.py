@@ -22,10 +22,9 @@ the collectives in the compiled steps and times both.
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _devices import default_to_cpu_devices  # noqa: E402
+from _common import default_to_cpu_devices, median_us  # noqa: E402
 
 default_to_cpu_devices()  # 8 CPU devices unless a GPU and the CUDA build are present
 
@@ -90,16 +89,6 @@ def collectives(step, *args):
     return ours, xla
 
 
-def timeit(step, *args, iters=20):
-    jax.block_until_ready(step(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(step(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)) * 1e6
-
-
 def run(mesh=None, batch=32, d_model=64, hidden=256, steps=5, iters=20):
     """Train `steps` steps with each version. Returns a dict of results per version, and
     the maximum relative difference of the losses and of the gradients at every step."""
@@ -115,7 +104,7 @@ def run(mesh=None, batch=32, d_model=64, hidden=256, steps=5, iters=20):
             grads.append([np.asarray(a) for a in g])
         results[name] = dict(losses=losses, grads=grads, params=[np.asarray(p) for p in params],
                              collectives=collectives(step, params0, x, y),
-                             us=timeit(step, params0, x, y, iters=iters) if iters else float("nan"))
+                             us=median_us(step, params0, x, y, iters=iters) if iters else float("nan"))
 
     def rel(a, b):
         return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
