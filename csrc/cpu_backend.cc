@@ -138,7 +138,6 @@ class HostTransport {
   }
 
   const std::string& error() const { return error_; }
-  uint64_t current_round = 0;
 
  private:
   void record(int peer, int step, uint64_t expected, uint64_t seen, const char* why) {
@@ -150,8 +149,9 @@ class HostTransport {
     } else {
       os << "timed out after " << cfg_.timeout_s << " s waiting for peer " << peer;
     }
-    if (step < 0) os << " to release its window (credit) before round " << current_round;
-    else os << " at step " << step << " of round " << current_round;
+    const uint64_t round = round_of_wait(expected, step);
+    if (step < 0) os << " to release its window (credit) before round " << round;
+    else os << " at step " << step << " of round " << round;
     os << " (flag " << seen << ", expected " << expected << ")."
        << (why ? "" : " Set JAX_GIN_TIMEOUT_S to wait longer.");
     error_ = os.str();
@@ -169,32 +169,13 @@ class HostTransport {
 };
 
 // One lane's rounds; hierarchical also needs the node size.
+// The whole message, in as many rounds as the window needs.
 template <class T, class Op>
-bool run_chunk(HostTransport& tp, Algorithm algo, const T* in, T* out, size_t count,
+bool run_all(HostTransport& tp, Algorithm algo, const T* in, T* out, size_t count,
                size_t lane_bytes, int ranks_per_node, uint64_t& round) {
   if (algo == Algorithm::kHierarchical)
     return run_lane_hierarchical<T, Op>(tp, in, out, count, lane_bytes, ranks_per_node, round);
   return run_lane<T, Op>(tp, algo, in, out, count, lane_bytes, round);
-}
-
-// Keeps the rank's round counter in the transport so that error messages can name it.
-template <class T, class Op>
-bool run(HostTransport& tp, Algorithm algo, const T* in, T* out, size_t count, size_t lane_bytes,
-         int ranks_per_node, uint64_t& round) {
-  // run_lane advances `round`; mirror it for diagnostics by running round by round.
-  const size_t cap =
-      schedule::round_capacity(algo, tp.nranks(), lane_bytes, sizeof(T), ranks_per_node);
-  if (tp.nranks() == 1 || count <= cap) {
-    tp.current_round = round + 1;
-    return run_chunk<T, Op>(tp, algo, in, out, count, lane_bytes, ranks_per_node, round);
-  }
-  for (size_t off = 0; off < count; off += cap) {
-    tp.current_round = round + 1;
-    if (!run_chunk<T, Op>(tp, algo, in + off, out + off, schedule::min_sz(cap, count - off),
-                          lane_bytes, ranks_per_node, round))
-      return false;
-  }
-  return true;
 }
 
 template <class T>
@@ -203,9 +184,9 @@ bool dispatch_op(HostTransport& tp, RedOp op, Algorithm algo, const void* in, vo
   const T* i = static_cast<const T*>(in);
   T* o = static_cast<T*>(out);
   switch (op) {
-    case RedOp::kSum: return run<T, HostSum>(tp, algo, i, o, count, lane_bytes, ranks_per_node, round);
-    case RedOp::kMax: return run<T, HostMax>(tp, algo, i, o, count, lane_bytes, ranks_per_node, round);
-    case RedOp::kMin: return run<T, HostMin>(tp, algo, i, o, count, lane_bytes, ranks_per_node, round);
+    case RedOp::kSum: return run_all<T, HostSum>(tp, algo, i, o, count, lane_bytes, ranks_per_node, round);
+    case RedOp::kMax: return run_all<T, HostMax>(tp, algo, i, o, count, lane_bytes, ranks_per_node, round);
+    case RedOp::kMin: return run_all<T, HostMin>(tp, algo, i, o, count, lane_bytes, ranks_per_node, round);
   }
   return false;
 }

@@ -224,8 +224,7 @@ class GpuTransport {
 
  private:
   __device__ void report(int peer, int step, uint64_t expected, uint64_t seen) const {
-    const uint64_t round = step < 0 ? expected + 1 : (expected - 1) / 256;  // inverse of data_tag()
-    record_timeout(p_, lane_, peer, step, round, expected, seen);
+    record_timeout(p_, lane_, peer, step, round_of_wait(expected, step), expected, seen);
   }
 
   Peers peers_;

@@ -77,6 +77,11 @@ constexpr size_t kAlignBytes = 16;
 enum FlagKind : int { kData = 0, kCredit = 1, kNumFlagKinds = 2 };
 
 JG_HD uint64_t data_tag(uint64_t round, int step) { return round * 256u + uint64_t(step) + 1u; }
+// The round a wait belongs to, from the flag value it waits for: the inverse of data_tag()
+// for data (step >= 0), and credit (step < 0) for round e is awaited as e - 1.
+JG_HD uint64_t round_of_wait(uint64_t expected, int step) {
+  return step < 0 ? expected + 1 : (expected - 1) / 256u;
+}
 
 // Offset (in uint64 words) of a flag inside one rank's flag area.
 JG_HD size_t flag_index(int lane, int sender, int kind, int nranks) {
