@@ -92,16 +92,12 @@ def _allreduce(x, axis_name, op: str, algorithm: str):
             return leaf
         if invariant:
             manual = _compat.manual_mesh_axes()
-            vma = _compat.varying_axes(_compat_typeof(leaf))
+            vma = _compat.varying_axes(jax.typeof(leaf))
             missing = tuple(a for a in axes if a in manual and a not in vma)
             leaf = _compat.pcast_varying(leaf, missing)
         return allreduce_p.bind(leaf, axes=axes, op=op, algorithm=algorithm, invariant=invariant)
 
     return tree_util.tree_map(one, x)
-
-
-def _compat_typeof(x):
-    return jax.typeof(x)
 
 
 def _bind_like(x, params, **override):
