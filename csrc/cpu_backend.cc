@@ -78,6 +78,21 @@ class HostTransport {
     if (n) std::memcpy(dst, src, n * sizeof(T));
   }
 
+  size_t chunk_bytes() const { return cfg_.chunk_bytes; }
+
+  template <class T, class D>
+  void copy_to(const D& dsts, const T* src, size_t n) {
+    for (int q = 0; q < dsts.count(); ++q) copy(dsts.get(q), src, n);
+  }
+
+  // Reduce into the first destination (cache-hot), then copy it to the others.
+  template <class T, class Op, class Src, class D>
+  void reduce_to(const D& dsts, const Src& srcs, size_t n) {
+    if (dsts.count() == 0) return;
+    reduce<T, Op>(dsts.get(0), srcs, n);
+    for (int q = 1; q < dsts.count(); ++q) copy(dsts.get(q), dsts.get(0), n);
+  }
+
   // dst = srcs[0] op srcs[1] op ... op srcs[k-1], in that order, pairwise.
   template <class T, class Op, class Src>
   void reduce(T* dst, const Src& srcs, size_t n) {
@@ -199,7 +214,7 @@ bool dispatch_op(HostTransport& tp, RedOp op, Algorithm algo, const void* in, vo
 namespace {
 
 constexpr uint64_t kWorkspaceMagic = 0x314e49475f58414aull;  // "JAX_GIN1", little-endian
-constexpr uint32_t kWorkspaceVersion = 1;
+constexpr uint32_t kWorkspaceVersion = 2;  // 2: three flag kinds per (lane, sender)
 constexpr size_t kHeaderBytes = 4096;
 constexpr size_t kPageBytes = 4096;
 

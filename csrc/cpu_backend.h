@@ -29,6 +29,9 @@ struct CommConfig {
   std::vector<int32_t> group_of;  // indexed by logical device id (XLA partition id)
   std::vector<int32_t> rank_of;   // indexed by logical device id
   size_t lane_bytes = 1 << 20;    // window bytes per rank (one lane on the CPU)
+  // Pipelining granularity of ring, tree and two_shot (schedule::chunks_for). Small, so that
+  // the tests' messages are cut into several chunks; the same in every process of a group.
+  size_t chunk_bytes = 16 << 10;
   double timeout_s = 30.0;        // every wait gives up after this long
   int fault_rank = -1;            // testing only: this rank's signals are dropped
   int ranks_per_node = 0;         // hierarchical only: ranks of a group per "node" (0: all)

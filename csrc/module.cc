@@ -45,7 +45,8 @@ DType dtype_of(const A& a) {
 // `ranks_per_node` (hierarchical only; 0: one node) makes ranks node*L .. node*L+L-1 a node.
 nb::ndarray<nb::numpy> threads_allreduce(nb::ndarray<nb::c_contig, nb::device::cpu> inputs,
                                          int op, int algorithm, size_t lane_bytes, int repeats,
-                                         double timeout_s, int fault_rank, int ranks_per_node) {
+                                         double timeout_s, int fault_rank, int ranks_per_node,
+                                         size_t chunk_bytes) {
   if (inputs.ndim() != 2) throw nb::value_error("inputs must have shape (nranks, count)");
   const int nranks = int(inputs.shape(0));
   const size_t count = inputs.shape(1);
@@ -66,6 +67,7 @@ nb::ndarray<nb::numpy> threads_allreduce(nb::ndarray<nb::c_contig, nb::device::c
   cfg.timeout_s = timeout_s;
   cfg.fault_rank = fault_rank;
   cfg.ranks_per_node = ranks_per_node;
+  cfg.chunk_bytes = chunk_bytes;
   const int64_t id = cpu::create_comm(cfg);
   auto comm = cpu::find_comm(id);
   char* out = new char[row * nranks + 1];
@@ -172,7 +174,8 @@ NB_MODULE(_jax_gin, m) {
   m.def("cpu_num_comms", &cpu::num_comms);
   m.def("threads_allreduce", &threads_allreduce, nb::arg("inputs"), nb::arg("op"),
         nb::arg("algorithm"), nb::arg("lane_bytes"), nb::arg("repeats") = 1,
-        nb::arg("timeout_s") = 30.0, nb::arg("fault_rank") = -1, nb::arg("ranks_per_node") = 0);
+        nb::arg("timeout_s") = 30.0, nb::arg("fault_rank") = -1, nb::arg("ranks_per_node") = 0,
+        nb::arg("chunk_bytes") = cpu::CommConfig().chunk_bytes);
   // Internal algorithm ids (not in jax_gin.ALGORITHMS), for tests through threads_allreduce.
   m.attr("ALGORITHM_HIERARCHICAL") = int(Algorithm::kHierarchical);
 
@@ -189,9 +192,22 @@ NB_MODULE(_jax_gin, m) {
   s.def("ring_owned", &schedule::ring_owned);
   s.def("ring_ag_send", &schedule::ring_ag_send);
   s.def("ring_ag_recv", &schedule::ring_ag_recv);
-  s.def("tree_parent", &schedule::tree_parent);
-  s.def("tree_child", &schedule::tree_child);
-  s.def("tree_child_index", &schedule::tree_child_index);
+  s.def("tree_parent", [](int r, int n, int t) { return schedule::tree_parent(r, n, t); },
+        nb::arg("r"), nb::arg("n"), nb::arg("t") = 0);
+  s.def("tree_child", [](int r, int k, int n, int t) { return schedule::tree_child(r, k, n, t); },
+        nb::arg("r"), nb::arg("k"), nb::arg("n"), nb::arg("t") = 0);
+  s.def("tree_child_index", [](int r, int n, int t) { return schedule::tree_child_index(r, n, t); },
+        nb::arg("r"), nb::arg("n"), nb::arg("t") = 0);
+  s.def("tree_half", [](size_t n, int t, size_t align) {
+    auto r = schedule::tree_half(n, t, align);
+    return std::make_pair(r.offset, r.count);
+  });
+  s.def("chunks_for", &schedule::chunks_for);
+  s.def("chunk", [](size_t off, size_t count, int chunks, int c, size_t align) {
+    auto r = schedule::chunk(schedule::Range{off, count}, chunks, c, align);
+    return std::make_pair(r.offset, r.count);
+  });
+  s.attr("MAX_CHUNKS") = kMaxChunks;
   s.def("num_slots", [](int a, int n, int rpn) { return schedule::num_slots(Algorithm(a), n, rpn); },
         nb::arg("a"), nb::arg("n"), nb::arg("ranks_per_node") = 0);
   s.def("slot_elems", [](int a, int n, size_t lane_bytes, size_t esize, int rpn) {

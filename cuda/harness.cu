@@ -6,7 +6,7 @@
 //
 //   jax_gin_cuda_harness [--ranks 2,3,4,8] [--counts 1,1000,...] [--algos all|ring,...]
 //                        [--dtypes f32,bf16,f16,i32,f64] [--ops sum,max,min] [--iters K]
-//                        [--lane-bytes B] [--timeout-s T] [--fault-rank R]
+//                        [--lane-bytes B] [--chunk-bytes B] [--timeout-s T] [--fault-rank R]
 // Exit code: 0 all correct, 1 mismatch or CUDA error, 3 a wait timed out (diagnostic printed).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -82,6 +82,7 @@ int main(int argc, char** argv) {
   int iters = 3, fault_rank = -1, time_iters = 0;
   size_t lane_bytes = 256 << 10;
   size_t ll_max_bytes = 64 << 10;
+  size_t chunk_bytes = gpu::LaunchConfig().chunk_bytes;
   double timeout_s = 20.0;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
@@ -96,6 +97,7 @@ int main(int argc, char** argv) {
     else if (k == "--fault-rank") fault_rank = std::atoi(v.c_str());
     else if (k == "--time-iters") time_iters = std::atoi(v.c_str());
     else if (k == "--ll-max-bytes") ll_max_bytes = std::strtoull(v.c_str(), nullptr, 10);
+    else if (k == "--chunk-bytes") chunk_bytes = std::strtoull(v.c_str(), nullptr, 10);
     else { std::fprintf(stderr, "unknown flag %s\n", k.c_str()); return 2; }
   }
   int ngpu = 0;
@@ -182,6 +184,7 @@ int main(int argc, char** argv) {
                 cfg.nranks = N;
                 gpu::set_window_layout(cfg, N, lane_bytes);
                 cfg.ll_max_bytes = std::min(cfg.ll_max_bytes, ll_max_bytes);
+                cfg.chunk_bytes = chunk_bytes;
                 cfg.rounds = R.rounds;
                 cfg.diag = R.diag_dev;
                 cfg.timeout_ns = uint64_t(timeout_s * 1e9);

@@ -88,6 +88,7 @@ cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, D
   p.op = int32_t(op);
   p.algorithm = int32_t(algo);
   p.ll_offset = cfg.ll_offset;
+  p.chunk_bytes = cfg.chunk_bytes;
   const size_t bytes = count * dtype_size(dtype);
   // Small one_shot messages take the LL protocol: no separate signal, fence or credit.
   p.ll = algo == Algorithm::kOneShot && bytes <= cfg.ll_max_bytes &&

@@ -28,6 +28,10 @@ struct LaunchConfig {
   size_t ll_offset = 0;      // bytes, inside each window: the LL area
   size_t ll_max_bytes = 64 << 10;  // one_shot uses the LL protocol up to this size (JAX_GIN_LL_MAX_BYTES)
   size_t lane_bytes = 0;     // data bytes per lane
+  // Pipelining chunk of ring, tree and two_shot (JAX_GIN_CHUNK_BYTES; the same on every rank
+  // of a group). Each chunk costs one system-scope release (NVLink acknowledgements), so it
+  // is large; not yet tuned on 2 GPUs.
+  size_t chunk_bytes = 128 << 10;
   uint64_t* rounds = nullptr;   // device: 2 * kMaxLanes round counters (simple, then LL)
   Diagnostic* diag = nullptr;   // host-mapped (device pointer of it)
   uint64_t timeout_ns = 30ull * 1000 * 1000 * 1000;

@@ -169,6 +169,7 @@ void setup_ranks(Comm& comm, int g, int n, const std::vector<int>& ranks,
     if (const char* v = std::getenv("JAX_GIN_MAX_LANES")) c.max_lanes = std::atoi(v);
     if (const char* v = std::getenv("JAX_GIN_LL_MAX_BYTES"))
       c.ll_max_bytes = std::min<size_t>(c.ll_max_bytes, std::strtoull(v, nullptr, 10));
+    if (const char* v = std::getenv("JAX_GIN_CHUNK_BYTES")) c.chunk_bytes = std::strtoull(v, nullptr, 10);
   }
 }
 

@@ -82,6 +82,7 @@ struct LaneParams {
   int32_t op, algorithm;
   size_t ll_offset;      // byte offset of the LL (low-latency) area inside each window
   int ll;                // 1: this launch uses the LL one-shot kernel
+  size_t chunk_bytes;    // pipelining granularity within a lane (schedule::chunks_for)
 };
 
 // ---- LL protocol (one_shot for small messages) ----------------------------------------
@@ -154,23 +155,50 @@ class GpuTransport {
                                 size_t(k) * slot_bytes_);
   }
 
+  __device__ size_t chunk_bytes() const { return p_.chunk_bytes; }
+
   // Copy by the whole CTA in 16-byte vectors (all segment boundaries are 16-byte aligned).
   template <class T>
   __device__ void copy(T* dst, const T* src, size_t n) const {
+    Dests<T, 1> d;
+    d.add(dst);
+    copy_to(d, src, n);
+  }
+
+  // One read of src, one store to every destination. Thread i always handles the same
+  // vectors of a range, in copy, copy_to, reduce and reduce_to alike, so a thread may read
+  // back what it stored a moment before without a barrier.
+  template <class T, class D>
+  __device__ void copy_to(const D& dsts, const T* src, size_t n) const {
     constexpr size_t V = 16 / sizeof(T);
     const size_t nv = n / V;
+    const int nd = dsts.count();
     const uint4* s = reinterpret_cast<const uint4*>(src);
-    uint4* d = reinterpret_cast<uint4*>(dst);
-    for (size_t i = threadIdx.x; i < nv; i += blockDim.x) d[i] = s[i];
-    for (size_t i = nv * V + threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+    for (size_t i = threadIdx.x; i < nv; i += blockDim.x) {
+      const uint4 v = s[i];
+      for (int q = 0; q < nd; ++q) reinterpret_cast<uint4*>(dsts.get(q))[i] = v;
+    }
+    for (size_t i = nv * V + threadIdx.x; i < n; i += blockDim.x) {
+      const T v = src[i];
+      for (int q = 0; q < nd; ++q) dsts.get(q)[i] = v;
+    }
   }
 
   // dst = srcs[0] op srcs[1] op ... in source order, 16 bytes at a time.
   template <class T, class Op, class Src>
   __device__ void reduce(T* dst, const Src& srcs, size_t n) const {
+    Dests<T, 1> d;
+    d.add(dst);
+    reduce_to<T, Op>(d, srcs, n);
+  }
+
+  // reduce, storing the result to every destination in the same pass (NCCL's fused
+  // "receive, reduce, copy, send").
+  template <class T, class Op, class Src, class D>
+  __device__ void reduce_to(const D& dsts, const Src& srcs, size_t n) const {
     constexpr size_t V = 16 / sizeof(T);
     const size_t nv = n / V;
-    const int k = srcs.count();
+    const int k = srcs.count(), nd = dsts.count();
     for (size_t i = threadIdx.x; i < nv; i += blockDim.x) {
       union { uint4 u; T e[V]; } acc, x;
       acc.u = reinterpret_cast<const uint4*>(srcs.get(0))[i];
@@ -179,12 +207,12 @@ class GpuTransport {
 #pragma unroll
         for (size_t j = 0; j < V; ++j) acc.e[j] = Op::apply(acc.e[j], x.e[j]);
       }
-      reinterpret_cast<uint4*>(dst)[i] = acc.u;
+      for (int q = 0; q < nd; ++q) reinterpret_cast<uint4*>(dsts.get(q))[i] = acc.u;
     }
     for (size_t i = nv * V + threadIdx.x; i < n; i += blockDim.x) {
       T acc = srcs.get(0)[i];
       for (int q = 1; q < k; ++q) acc = Op::apply(acc, srcs.get(q)[i]);
-      dst[i] = acc;
+      for (int q = 0; q < nd; ++q) dsts.get(q)[i] = acc;
     }
   }
 

@@ -44,19 +44,57 @@ def test_ring_schedule(n):
 
 
 @pytest.mark.parametrize("n", range(1, 12))
-def test_tree_schedule(n):
-    for r in range(1, n):
-        p = S.tree_parent(r)
-        assert 0 <= p < r
-        assert S.tree_child(p, S.tree_child_index(r), n) == r
-    assert S.tree_parent(0) == -1
-    # every rank reaches the root
+@pytest.mark.parametrize("t", [0, 1])
+def test_tree_schedule(n, t):
+    root = 0 if t == 0 else n - 1
+    assert S.tree_parent(root, n, t) == -1
     for r in range(n):
+        if r == root:
+            continue
+        p = S.tree_parent(r, n, t)
+        assert 0 <= p < n and p != r
+        assert S.tree_child(p, S.tree_child_index(r, n, t), n, t) == r
+        # every rank reaches the root
         seen = 0
-        while r != 0:
-            r = S.tree_parent(r)
+        while r != root:
+            r = S.tree_parent(r, n, t)
             seen += 1
             assert seen <= n
+    # children are distinct and point back
+    kids = [c for r in range(n) for k in (0, 1) if (c := S.tree_child(r, k, n, t)) >= 0]
+    assert sorted(kids) == sorted(set(range(n)) - {root})
+
+
+@pytest.mark.parametrize("n", [2, 4, 6, 8, 16])
+def test_double_tree_interiors_are_disjoint(n):
+    """For even N every rank forwards (has children) in at most one of the two trees."""
+    def interior(t):
+        return {r for r in range(n) if S.tree_child(r, 0, n, t) >= 0}
+    assert not interior(0) & interior(1)
+    assert len(interior(0)) == len(interior(1)) == n // 2
+
+
+@pytest.mark.parametrize("n", [0, 1, 4, 17, 1000, 4099])
+def test_tree_halves_and_chunks_cover(n):
+    align = 4
+    covered = []
+    for t in (0, 1):
+        off, cnt = S.tree_half(n, t, align)
+        chunks = S.chunks_for(S.piece(n, 2, 0, align)[1], 4, 64)
+        assert 1 <= chunks <= S.MAX_CHUNKS
+        for c in range(chunks):
+            o, k = S.chunk(off, cnt, chunks, c, align)
+            assert o % align == 0 or k == 0
+            covered.extend(range(o, o + k))
+    assert covered == list(range(n))
+
+
+def test_chunks_for():
+    assert S.chunks_for(0, 4, 1024) == 1
+    assert S.chunks_for(256, 4, 1024) == 1
+    assert S.chunks_for(257, 4, 1024) == 2
+    assert S.chunks_for(1 << 30, 4, 1024) == S.MAX_CHUNKS
+    assert S.chunks_for(1 << 20, 4, 0) == 1  # 0: no pipelining
 
 
 @pytest.mark.parametrize("algo", jax_gin.ALGORITHMS)
@@ -85,9 +123,37 @@ def test_threads_allreduce(algo, n, count):
         np.testing.assert_array_equal(out, np.broadcast_to(ref, x.shape))
 
 
+@pytest.mark.parametrize("algo", jax_gin.ALGORITHMS)
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+@pytest.mark.parametrize("chunk_bytes", [0, 16, 48, 1 << 20])
+def test_threads_pipelined_chunks(algo, n, chunk_bytes):
+    """Pipelining cuts each step into chunks signalled one by one (16 B: as many chunks as
+    allowed, with empty ones; 0 and 1 MiB: one chunk). Same bits in every case."""
+    rng = np.random.default_rng(n)
+    x = rng.integers(-9, 10, size=(n, 4099)).astype(np.float32)
+    for lane in (1 << 14, 1 << 20):  # several rounds, and one
+        out = _native.cpu.threads_allreduce(x, 0, ALGOS[algo], lane, repeats=2,
+                                            chunk_bytes=chunk_bytes)
+        np.testing.assert_array_equal(out, np.broadcast_to(x.sum(0), x.shape))
+
+
 @pytest.mark.parametrize("dtype", [np.float64, np.int32, np.int64, np.uint32])
 def test_threads_dtypes(dtype):
     x = (np.arange(5 * 77).reshape(5, 77) % 11).astype(dtype)
     for algo in ALGOS.values():
         out = _native.cpu.threads_allreduce(x, 0, algo, 1024)
         np.testing.assert_array_equal(out, np.broadcast_to(x.sum(0), x.shape))
+
+
+@pytest.mark.parametrize("algo", jax_gin.ALGORITHMS)
+@pytest.mark.parametrize("n", [2, 3, 4, 7, 8])
+def test_threads_same_bits_on_every_rank(algo, n):
+    """Inexact float sums: whatever order an algorithm reduces in, every rank must end with
+    the same bits (the value is computed once and copied), and each element stays within
+    float32 rounding of the exact sum."""
+    rng = np.random.default_rng(7 * n)
+    x = rng.standard_normal((n, 30001)).astype(np.float32)
+    out = _native.cpu.threads_allreduce(x, 0, ALGOS[algo], 1 << 14, repeats=2, chunk_bytes=64)
+    for r in range(1, n):
+        np.testing.assert_array_equal(out[r].view(np.uint32), out[0].view(np.uint32))
+    np.testing.assert_allclose(out[0], x.astype(np.float64).sum(0), rtol=1e-5, atol=1e-5)

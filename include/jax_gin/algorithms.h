@@ -7,6 +7,10 @@
 //   T* slot<T>(peer, k)              slot k of `peer`'s window for this lane (LSA pointer)
 //   void copy<T>(dst, src, n)        by all workers of the lane; dst may be a peer's slot (a put)
 //   void reduce<T, Op>(dst, srcs, n) dst[i] = srcs[0][i] op srcs[1][i] op ... in source order
+//   void copy_to<T>(dsts, src, n)    copy to every destination of a Dests list, reading once
+//   void reduce_to<T, Op>(dsts, srcs, n)  reduce once, store to every destination: a fused
+//                                    "receive, reduce, send on" step, one pass over the data
+//   size_t chunk_bytes()             pipelining granularity (schedule::chunks_for)
 //   void signal(peer, kind, value)   release: everything this lane wrote before is visible to
 //                                    `peer` once it sees the flag
 //   bool wait(peer, kind, value, step)  acquire; false once the timeout fired (the transport
@@ -39,6 +43,16 @@ struct ListSources {
   JG_HD void add(const T* x) { p[n++] = x; }
   JG_HD int count() const { return n; }
   JG_HD const T* get(int q) const { return p[q]; }
+};
+
+// Destinations of a fused copy or reduction (my output and/or peers' slots).
+template <class T, int kMax>
+struct Dests {
+  T* p[kMax];
+  int n = 0;
+  JG_HD void add(T* x) { p[n++] = x; }
+  JG_HD int count() const { return n; }
+  JG_HD T* get(int q) const { return p[q]; }
 };
 
 // Before writing into `peer`'s window in round `round`, make sure it has read what we wrote
@@ -83,38 +97,55 @@ JG_HD bool one_shot_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, ui
 // ---------------------------------------------------------------------------------------
 // two_shot. Purpose: bandwidth at small N. Reduce-scatter (rank j reduces segment j from all
 // peers' pushes) then all-gather (the owner pushes its reduced segment to everyone).
-// Moves 2(N-1)/N * S per rank in two synchronization steps.
+// Moves 2(N-1)/N * S per rank in two synchronization steps. Pipelined: segments are cut into
+// chunks, each signalled on its own, so the owner reduces chunk c while chunk c+1 is still
+// arriving, and the reduction writes my output and every peer's gather slot in one pass.
 template <class T, class Op, class Tp>
 JG_HD bool two_shot_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, uint64_t round) {
   const int r = tp.rank(), N = tp.nranks();
   const size_t al = schedule::align_elems(sizeof(T));
-  const uint64_t scatter = data_tag(round, schedule::kTwoShotScatterStep);
-  const uint64_t gather = data_tag(round, schedule::kTwoShotGatherStep);
-  // step 0: push segment p of my input into slot r of rank p
-  for (int k = 1; k < N; ++k) {
-    int p = schedule::mod(r + k, N);
-    schedule::Range seg = schedule::piece(n, N, p, al);
-    if (!await_credit(tp, p, round)) return false;
-    tp.copy(tp.template slot<T>(p, r), in + seg.offset, seg.count);
-    tp.signal(p, kData, scatter);
+  const int C = schedule::chunks_for(schedule::piece_size(n, N, al), sizeof(T), tp.chunk_bytes());
+  const int S0 = schedule::kTwoShotScatterStep, S1 = schedule::kTwoShotGatherStep;
+  // step 0: push segment p of my input into slot r of rank p, chunk by chunk
+  for (int k = 1; k < N; ++k)
+    if (!await_credit(tp, schedule::mod(r + k, N), round)) return false;
+  for (int c = 0; c < C; ++c) {
+    for (int k = 1; k < N; ++k) {
+      const int p = schedule::mod(r + k, N);
+      const schedule::Range seg = schedule::piece(n, N, p, al);
+      const schedule::Range ch = schedule::chunk(seg, C, c, al);
+      tp.copy(tp.template slot<T>(p, r) + (ch.offset - seg.offset), in + ch.offset, ch.count);
+      tp.signal(p, kData, data_tag(round, S0 * C + c));
+    }
   }
-  for (int p = 0; p < N; ++p)
-    if (p != r && !tp.wait(p, kData, scatter, schedule::kTwoShotScatterStep)) return false;
-  // reduce my segment from slots 0..N-1 in rank order, straight into my output
-  schedule::Range mine = schedule::piece(n, N, r, al);
-  SlotSources<T> src{tp.template slot<T>(r, 0), slot, r, in + mine.offset, N};
-  tp.template reduce<T, Op>(out + mine.offset, src, mine.count);
-  // step 1: push my reduced segment into slot N + r of every peer
-  for (int k = 1; k < N; ++k) {
-    int p = schedule::mod(r + k, N);
-    tp.copy(tp.template slot<T>(p, N + r), out + mine.offset, mine.count);
-    tp.signal(p, kData, gather);
+  // reduce my segment chunk by chunk from slots 0..N-1 in rank order, straight into my output
+  // and into slot N + r of every peer (step 1)
+  const schedule::Range mine = schedule::piece(n, N, r, al);
+  constexpr int kFused = 8;  // destinations one pass writes; more peers get a copy
+  for (int c = 0; c < C; ++c) {
+    for (int p = 0; p < N; ++p)
+      if (p != r && !tp.wait(p, kData, data_tag(round, S0 * C + c), S0)) return false;
+    const schedule::Range ch = schedule::chunk(mine, C, c, al);
+    const size_t rel = ch.offset - mine.offset;
+    SlotSources<T> src{tp.template slot<T>(r, 0) + rel, slot, r, in + ch.offset, N};
+    Dests<T, kFused> dst;
+    dst.add(out + ch.offset);
+    for (int k = 1; k < N && dst.count() < kFused; ++k)
+      dst.add(tp.template slot<T>(schedule::mod(r + k, N), N + r) + rel);
+    tp.template reduce_to<T, Op>(dst, src, ch.count);
+    for (int k = kFused; k < N; ++k)
+      tp.copy(tp.template slot<T>(schedule::mod(r + k, N), N + r) + rel, out + ch.offset, ch.count);
+    for (int k = 1; k < N; ++k) tp.signal(schedule::mod(r + k, N), kData, data_tag(round, S1 * C + c));
   }
-  for (int k = 1; k < N; ++k) {
-    int p = schedule::mod(r + k, N);
-    if (!tp.wait(p, kData, gather, schedule::kTwoShotGatherStep)) return false;
-    schedule::Range seg = schedule::piece(n, N, p, al);
-    tp.copy(out + seg.offset, tp.template slot<T>(r, N + p), seg.count);
+  // receive every peer's reduced segment, chunk by chunk, into my output
+  for (int c = 0; c < C; ++c) {
+    for (int k = 1; k < N; ++k) {
+      const int p = schedule::mod(r + k, N);
+      if (!tp.wait(p, kData, data_tag(round, S1 * C + c), S1)) return false;
+      const schedule::Range seg = schedule::piece(n, N, p, al);
+      const schedule::Range ch = schedule::chunk(seg, C, c, al);
+      tp.copy(out + ch.offset, tp.template slot<T>(r, N + p) + (ch.offset - seg.offset), ch.count);
+    }
   }
   give_credit(tp, round);
   return true;
@@ -122,77 +153,142 @@ JG_HD bool two_shot_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, ui
 
 // ---------------------------------------------------------------------------------------
 // ring. Purpose: bandwidth at any N with nearest-neighbour traffic only. Reduce-scatter then
-// all-gather around the ring, 2(N-1) steps; the output buffer doubles as the partial-sum
-// buffer, so no extra scratch is needed.
+// all-gather around the ring, 2(N-1) steps. Each step is fused as in NCCL's primitives: what
+// arrives from the previous rank is reduced with my input (or, in the all-gather, copied to
+// my output) and put into the next rank's window in the same pass, and every step is cut
+// into chunks signalled one by one, so a chunk travels on while the next one arrives and
+// all links stay busy. Step s lands in slot s of the next rank's window.
 template <class T, class Op, class Tp>
 JG_HD bool ring_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, uint64_t round) {
   (void)slot;
   const int r = tp.rank(), N = tp.nranks();
   const int next = schedule::ring_next(r, N), prev = schedule::ring_prev(r, N);
   const size_t al = schedule::align_elems(sizeof(T));
+  const int C = schedule::chunks_for(schedule::piece_size(n, N, al), sizeof(T), tp.chunk_bytes());
+  const int last = 2 * (N - 1) - 1;  // the last step
+  auto tag = [&](int step, int c) { return data_tag(round, step * C + c); };
   if (!await_credit(tp, next, round)) return false;
-  // reduce-scatter
-  for (int s = 0; s < N - 1; ++s) {
-    schedule::Range snd = schedule::piece(n, N, schedule::ring_rs_send(r, s, N), al);
-    schedule::Range rcv = schedule::piece(n, N, schedule::ring_rs_recv(r, s, N), al);
-    const T* src = (s == 0 ? in : out) + snd.offset;  // step 0 sends raw input
-    tp.copy(tp.template slot<T>(next, s), src, snd.count);
-    tp.signal(next, kData, data_tag(round, s));
-    if (!tp.wait(prev, kData, data_tag(round, s), s)) return false;
-    ListSources<T, 2> srcs;
-    srcs.add(tp.template slot<T>(r, s));  // partial sum from upstream
-    srcs.add(in + rcv.offset);            // my contribution
-    tp.template reduce<T, Op>(out + rcv.offset, srcs, rcv.count);
+  // step 0: send my raw input segment
+  {
+    const schedule::Range snd = schedule::piece(n, N, schedule::ring_rs_send(r, 0, N), al);
+    for (int c = 0; c < C; ++c) {
+      const schedule::Range ch = schedule::chunk(snd, C, c, al);
+      tp.copy(tp.template slot<T>(next, 0) + (ch.offset - snd.offset), in + ch.offset, ch.count);
+      tp.signal(next, kData, tag(0, c));
+    }
   }
-  // all-gather: circulate the owned, fully reduced segments
-  for (int s = 0; s < N - 1; ++s) {
-    const int step = N - 1 + s;
-    schedule::Range snd = schedule::piece(n, N, schedule::ring_ag_send(r, s, N), al);
-    schedule::Range rcv = schedule::piece(n, N, schedule::ring_ag_recv(r, s, N), al);
-    tp.copy(tp.template slot<T>(next, step), out + snd.offset, snd.count);
-    tp.signal(next, kData, data_tag(round, step));
-    if (!tp.wait(prev, kData, data_tag(round, step), step)) return false;
-    tp.copy(out + rcv.offset, tp.template slot<T>(r, step), rcv.count);
+  // steps 1 .. 2N-3: receive step s-1 from prev, then forward it as step s; the last one
+  // only receives. Reduce-scatter steps (s <= N-1) reduce [upstream partial, my input]; step
+  // N-1 completes my owned segment, which goes to my output as well; all-gather steps copy.
+  for (int s = 1; s <= last + 1; ++s) {
+    const int rs = s - 1;  // the step whose data arrives
+    const schedule::Range rcv =
+        schedule::piece(n, N, rs < N - 1 ? schedule::ring_rs_recv(r, rs, N)
+                                         : schedule::ring_ag_recv(r, rs - (N - 1), N), al);
+    for (int c = 0; c < C; ++c) {
+      if (!tp.wait(prev, kData, tag(rs, c), rs)) return false;
+      const schedule::Range ch = schedule::chunk(rcv, C, c, al);
+      const size_t rel = ch.offset - rcv.offset;
+      const T* arrived = tp.template slot<T>(r, rs) + rel;
+      Dests<T, 2> dst;
+      if (s <= last) dst.add(tp.template slot<T>(next, s) + rel);  // forward
+      if (s >= N - 1) dst.add(out + ch.offset);                   // final value
+      if (rs < N - 1) {
+        ListSources<T, 2> srcs;
+        srcs.add(arrived);          // partial sum from upstream
+        srcs.add(in + ch.offset);   // my contribution
+        tp.template reduce_to<T, Op>(dst, srcs, ch.count);
+      } else {
+        tp.copy_to(dst, arrived, ch.count);
+      }
+      if (s <= last) tp.signal(next, kData, tag(s, c));
+    }
   }
   give_credit(tp, round);
   return true;
 }
 
 // ---------------------------------------------------------------------------------------
-// tree. Purpose: latency that grows with log2(N) rather than N. Reduce up a binary tree,
-// broadcast down it; the root alone computes the final value.
+// tree. Purpose: latency that grows with log2(N) rather than N. A double binary tree
+// (schedule.h): the first half of the round goes up and down tree 0, the second half tree 1,
+// so both directions of the links carry data and every rank forwards in one tree only (even
+// N). Pipelined in chunks: a node reduces [own, child 0, child 1] chunk by chunk straight
+// into its parent's window; the root writes each final chunk to its output and its
+// children's windows in one pass; the others forward each chunk down as it arrives. All
+// ranks first send every chunk up, then pass every chunk down: up never waits for down, so
+// no cycle of waits exists.
 template <class T, class Op, class Tp>
 JG_HD bool tree_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, uint64_t round) {
   (void)slot;
   const int r = tp.rank(), N = tp.nranks();
-  const int parent = schedule::tree_parent(r);
-  const uint64_t up = data_tag(round, schedule::kTreeUpStep);
-  const uint64_t down = data_tag(round, schedule::kTreeDownStep);
-  // step 0: reduce [own, child 0, child 1] into my output
-  ListSources<T, 3> srcs;
-  srcs.add(in);
-  for (int k = 0; k < 2; ++k) {
-    int c = schedule::tree_child(r, k, N);
-    if (c < 0) continue;
-    if (!tp.wait(c, kData, up, schedule::kTreeUpStep)) return false;
-    srcs.add(tp.template slot<T>(r, k));
+  const size_t al = schedule::align_elems(sizeof(T));
+  const int C = schedule::chunks_for(schedule::piece_size(n, 2, al), sizeof(T), tp.chunk_bytes());
+  const int kind[2] = {kData, kDataB};
+  auto up = [&](int c) { return data_tag(round, schedule::kTreeUpStep * C + c); };
+  auto down = [&](int c) { return data_tag(round, schedule::kTreeDownStep * C + c); };
+  // every peer this round writes to must have read the previous round
+  for (int t = 0; t < 2; ++t) {
+    const int parent = schedule::tree_parent(r, N, t);
+    if (parent >= 0 && !await_credit(tp, parent, round)) return false;
+    for (int k = 0; k < 2; ++k) {
+      const int ch = schedule::tree_child(r, k, N, t);
+      if (ch >= 0 && !await_credit(tp, ch, round)) return false;
+    }
   }
-  tp.template reduce<T, Op>(out, srcs, n);
-  if (parent >= 0) {
-    // push the partial sum up, then wait for the final value to come down
-    if (!await_credit(tp, parent, round)) return false;
-    tp.copy(tp.template slot<T>(parent, schedule::tree_child_index(r)), out, n);
-    tp.signal(parent, kData, up);
-    if (!tp.wait(parent, kData, down, schedule::kTreeDownStep)) return false;
-    tp.copy(out, tp.template slot<T>(r, schedule::kTreeDownSlot), n);
+  // up (and, at a tree's root, down): chunks of both halves, interleaved
+  for (int c = 0; c < C; ++c) {
+    for (int t = 0; t < 2; ++t) {
+      const schedule::Range half = schedule::tree_half(n, t, al);
+      const schedule::Range ch = schedule::chunk(half, C, c, al);
+      const int parent = schedule::tree_parent(r, N, t);
+      ListSources<T, 3> srcs;
+      srcs.add(in + ch.offset);
+      for (int k = 0; k < 2; ++k) {
+        const int child = schedule::tree_child(r, k, N, t);
+        if (child < 0) continue;
+        if (!tp.wait(child, kind[t], up(c), schedule::kTreeUpStep)) return false;
+        srcs.add(tp.template slot<T>(r, k) + ch.offset);
+      }
+      Dests<T, 3> dst;
+      if (parent >= 0) {
+        dst.add(tp.template slot<T>(parent, schedule::tree_child_index(r, N, t)) + ch.offset);
+      } else {
+        dst.add(out + ch.offset);
+        for (int k = 0; k < 2; ++k) {
+          const int child = schedule::tree_child(r, k, N, t);
+          if (child >= 0) dst.add(tp.template slot<T>(child, schedule::kTreeDownSlot) + ch.offset);
+        }
+      }
+      tp.template reduce_to<T, Op>(dst, srcs, ch.count);
+      if (parent >= 0) {
+        tp.signal(parent, kind[t], up(c));
+      } else {
+        for (int k = 0; k < 2; ++k) {
+          const int child = schedule::tree_child(r, k, N, t);
+          if (child >= 0) tp.signal(child, kind[t], down(c));
+        }
+      }
+    }
   }
-  // step 1: broadcast down
-  for (int k = 0; k < 2; ++k) {
-    int c = schedule::tree_child(r, k, N);
-    if (c < 0) continue;
-    if (!await_credit(tp, c, round)) return false;
-    tp.copy(tp.template slot<T>(c, schedule::kTreeDownSlot), out, n);
-    tp.signal(c, kData, down);
+  // down: receive each final chunk from my parent, keep it and pass it to my children
+  for (int c = 0; c < C; ++c) {
+    for (int t = 0; t < 2; ++t) {
+      const int parent = schedule::tree_parent(r, N, t);
+      if (parent < 0) continue;
+      const schedule::Range ch = schedule::chunk(schedule::tree_half(n, t, al), C, c, al);
+      if (!tp.wait(parent, kind[t], down(c), schedule::kTreeDownStep)) return false;
+      Dests<T, 3> dst;
+      dst.add(out + ch.offset);
+      for (int k = 0; k < 2; ++k) {
+        const int child = schedule::tree_child(r, k, N, t);
+        if (child >= 0) dst.add(tp.template slot<T>(child, schedule::kTreeDownSlot) + ch.offset);
+      }
+      tp.copy_to(dst, tp.template slot<T>(r, schedule::kTreeDownSlot) + ch.offset, ch.count);
+      for (int k = 0; k < 2; ++k) {
+        const int child = schedule::tree_child(r, k, N, t);
+        if (child >= 0) tp.signal(child, kind[t], down(c));
+      }
+    }
   }
   give_credit(tp, round);
   return true;

@@ -64,23 +64,34 @@ JG_HD const char* redop_name(RedOp op) {
 }
 
 // Limits shared by every backend.
-constexpr int kMaxRanks = 128;   // ring uses 2(N-1) < 255 data steps per round (see tag()).
+constexpr int kMaxRanks = 128;   // ring uses 2(N-1) steps of up to kMaxChunks tags per round.
 constexpr int kMaxLanes = 64;    // independent slices of one message (CTAs on GPU).
+constexpr int kMaxChunks = 64;   // pipelined chunks of one step of one lane (see schedule.h).
 // Segment boundaries are multiples of 16 bytes so that the GPU can move 16-byte vectors.
 constexpr size_t kAlignBytes = 16;
 
 // Flags. Each (receiver, lane, sender) pair has two monotonic 64-bit flags in the receiver's
 // memory, written only by the sender:
-//   kData:   "the data of step s of round e is in your window" = tag(e, s)
+//   kData:   "the data of step s of round e is in your window" = tag(e, s), or with
+//            pipelining, "chunks 0..c of step s" = tag(e, s * chunks + c)
 //   kCredit: "I finished round e and read everything you wrote me" = e
-// Rounds are numbered from 1 per lane and never reset, so no flag is ever cleared.
-enum FlagKind : int { kData = 0, kCredit = 1, kNumFlagKinds = 2 };
+//   kDataB:  kData for the second tree of the double binary tree: in a tree the pair
+//            (sender, receiver) may be child -> parent in one tree and parent -> child in
+//            the other, and the two directions' tags are not emitted in increasing order
+//            across trees, so each tree needs its own monotonic flag.
+// Rounds are numbered from 1 per lane and never reset, so no flag is ever cleared. A sender
+// emits a pair's tags in increasing order, and a receiver waits for flag >= tag, so seeing a
+// later tag implies the earlier data arrived too (release/acquire is cumulative).
+enum FlagKind : int { kData = 0, kCredit = 1, kDataB = 2, kNumFlagKinds = 3 };
 
-JG_HD uint64_t data_tag(uint64_t round, int step) { return round * 256u + uint64_t(step) + 1u; }
+constexpr uint64_t kTagsPerRound = 1u << 16;  // > 2 * (kMaxRanks - 1) * kMaxChunks
+JG_HD uint64_t data_tag(uint64_t round, int step) {
+  return round * kTagsPerRound + uint64_t(step) + 1u;
+}
 // The round a wait belongs to, from the flag value it waits for: the inverse of data_tag()
 // for data (step >= 0), and credit (step < 0) for round e is awaited as e - 1.
 JG_HD uint64_t round_of_wait(uint64_t expected, int step) {
-  return step < 0 ? expected + 1 : (expected - 1) / 256u;
+  return step < 0 ? expected + 1 : (expected - 1) / kTagsPerRound;
 }
 
 // Offset (in uint64 words) of a flag inside one rank's flag area.

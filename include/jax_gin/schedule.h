@@ -51,17 +51,52 @@ JG_HD int ring_ag_recv(int r, int s, int n) { return mod(r - s, n); }
 JG_HD int ring_steps(int n) { return 2 * (n - 1); }
 
 // ---------------------------------------------------------------------------------------
-// tree: binary tree rooted at rank 0 (parent (r-1)/2, children 2r+1, 2r+2). Partial sums
-// go up: a node reduces [own, child 0, child 1] in that order and puts the result into its
-// parent's window slot (its child index). The root's result is broadcast down into each
-// child's window slot 2. Only the root computes the final value, so every rank ends with
-// the same bits.
-JG_HD int tree_parent(int r) { return r == 0 ? -1 : (r - 1) / 2; }
-JG_HD int tree_child(int r, int k, int n) {
-  int c = 2 * r + 1 + k;
-  return c < n ? c : -1;
+// Pipelining within a lane. A step's piece is cut into `chunks` chunks, each signalled on its
+// own (tag step * chunks + c), so the receiver starts reducing and forwarding chunk 0 while
+// later chunks are still in flight, as NCCL's simple protocol streams slices through its
+// FIFO. Every flag store after remote writes is a system-scope release (on GPU: a wait for
+// NVLink acknowledgements), so chunks are kept large: `chunk_bytes` per chunk, at most
+// kMaxChunks. Every rank computes the same count from the same largest piece, so the tags
+// agree; chunks of a short piece may be empty and are still signalled.
+JG_HD int chunks_for(size_t elems, size_t elem_size, size_t chunk_bytes) {
+  if (chunk_bytes == 0) return 1;
+  size_t c = ceil_div(elems * elem_size, chunk_bytes);
+  if (c < 1) c = 1;
+  if (c > size_t(kMaxChunks)) c = size_t(kMaxChunks);
+  return int(c);
 }
+// Chunk c of a piece (offsets relative to the piece).
+JG_HD Range chunk(const Range& piece_range, int chunks, int c, size_t align) {
+  Range r = piece(piece_range.count, size_t(chunks), size_t(c), align);
+  return Range{piece_range.offset + r.offset, r.count};
+}
+
+// ---------------------------------------------------------------------------------------
+// tree: a double binary tree, as NCCL builds for large N. Tree 0 is the binary heap rooted at
+// rank 0 (parent (r-1)/2, children 2r+1, 2r+2); tree 1 is its mirror image (rank r sits at
+// position N-1-r), rooted at rank N-1. For even N the interior ranks of one tree are the
+// leaves of the other, so every rank forwards data in one tree only and both directions of
+// every link carry data. The first half of a round goes through tree 0, the second through
+// tree 1 (separate flags: kData and kDataB). In a tree, partial sums go up: a node reduces
+// [own, child 0, child 1] in that order and puts the result into its parent's window slot
+// (its child index); the root's result goes down into each child's window slot 2. Only the
+// root of a tree computes the final value of its half, so every rank ends with the same bits.
+JG_HD int tree_pos(int r, int n, int t) { return t == 0 ? r : n - 1 - r; }  // its own inverse
+JG_HD int tree_parent(int r, int n, int t) {
+  const int pos = tree_pos(r, n, t);
+  return pos == 0 ? -1 : tree_pos((pos - 1) / 2, n, t);
+}
+JG_HD int tree_child(int r, int k, int n, int t) {
+  const int c = 2 * tree_pos(r, n, t) + 1 + k;
+  return c < n ? tree_pos(c, n, t) : -1;
+}
+JG_HD int tree_child_index(int r, int n, int t) { return (tree_pos(r, n, t) - 1) % 2; }
+// Single-tree forms (tree 0).
+JG_HD int tree_parent(int r) { return r == 0 ? -1 : (r - 1) / 2; }
+JG_HD int tree_child(int r, int k, int n) { return tree_child(r, k, n, 0); }
 JG_HD int tree_child_index(int r) { return (r - 1) % 2; }  // which slot of the parent
+// Part of a round that tree t reduces: the first or second half (16-byte aligned).
+JG_HD Range tree_half(size_t n, int t, size_t align) { return piece(n, 2, size_t(t), align); }
 constexpr int kTreeDownSlot = 2;
 constexpr int kTreeUpStep = 0;
 constexpr int kTreeDownStep = 1;
