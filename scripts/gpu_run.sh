@@ -3,8 +3,10 @@
 # Logs and results go under $OUT (default ./gpu_out). Uses the machine's own python3, nvcc,
 # cmake and NCCL wheel; installs nothing.
 #
-#   scripts/gpu_run.sh [quick|full|bench|tests|multiproc]   (default: full)
+#   scripts/gpu_run.sh [quick|full|bench|tests|multiproc|single]   (default: full)
 #   multiproc: 2 processes x 1 GPU on localhost (jax.distributed), tests/test_gpu_multiprocess.py
+#   single: what a 1-GPU machine can check (every rank of the harness on GPU 0, the GPU tests
+#           that need one device, kernel timings of ranks sharing one GPU)
 set -uo pipefail
 MODE=${1:-full}
 OUT=${OUT:-$PWD/gpu_out}
@@ -37,6 +39,10 @@ harness() {
   $H --ranks 2,3,4,8 --dtypes f32,bf16,f16,i32,f64 --iters 3 > "$OUT/harness.log" 2>&1
   log "harness rc=$? $(tail -1 "$OUT/harness.log")"
   grep FAIL "$OUT/harness.log" | head -5
+  log "native harness: tiny pipelining chunks (many chunks per step, empty ones too)"
+  $H --ranks 2,3,4,8 --dtypes f32,bf16,f64 --ops sum,max --iters 2 --chunk-bytes 256 >> "$OUT/harness.log" 2>&1
+  log "harness chunks rc=$? $(tail -1 "$OUT/harness.log")"
+  grep FAIL "$OUT/harness.log" | head -5
   log "harness fault injection (rank 1 drops its signals, 1 s timeout)"
   $H --ranks 2 --counts 1000 --algos one_shot --dtypes f32 --ops sum --iters 1 --timeout-s 1 \
     --fault-rank 1 > "$OUT/harness_fault.log" 2>&1
@@ -58,8 +64,8 @@ sanitizer() {
   compute-sanitizer --tool memcheck --error-exitcode 9 $H --ranks 2 --counts 1,1000,4099 \
     --dtypes f32,bf16 --ops sum --iters 2 > "$OUT/memcheck.log" 2>&1
   log "memcheck rc=$? $(grep -m1 'ERROR SUMMARY' "$OUT/memcheck.log")"
-  compute-sanitizer --tool racecheck --error-exitcode 9 $H --ranks 2 --counts 1000 \
-    --dtypes f32 --ops sum --iters 1 > "$OUT/racecheck.log" 2>&1
+  compute-sanitizer --tool racecheck --error-exitcode 9 $H --ranks 2 --counts 1000,40000 \
+    --dtypes f32 --ops sum --iters 1 --chunk-bytes 4096 > "$OUT/racecheck.log" 2>&1
   log "racecheck rc=$? $(grep -m1 -i 'hazard\|ERROR SUMMARY' "$OUT/racecheck.log")"
   cat "$OUT/memcheck.log" "$OUT/racecheck.log" >> "$OUT/harness.log"; rm -f "$OUT/memcheck.log" "$OUT/racecheck.log"
 }
@@ -104,7 +110,20 @@ multiproc() {
   grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/pytest_multiproc.log" | head -10
 }
 
+# Ranks sharing one GPU: HBM-bound, not NVLink-bound, so these times say how many passes over
+# memory a kernel makes and what pipelining costs, not how fast it is between GPUs.
+single_timing() {
+  log "kernel timing, 2 and 4 ranks sharing one GPU, lane 1 MiB (as the runtime), chunk sweep"
+  for cb in 0 32768 131072 524288; do
+    $H --ranks 2,4 --counts 262144,4194304,16777216 --algos ring,tree,two_shot,one_shot --dtypes f32 --ops sum \
+      --iters 1 --time-iters 50 --lane-bytes 1048576 --chunk-bytes $cb | grep -E "^time" | sed "s/^/chunk=$cb /" \
+      >> "$OUT/timing.txt"
+  done
+  log "timing rc=$?"
+}
+
 case "$MODE" in
+  single) harness; sanitizer; PYTEST_TIMEOUT=420 tests; single_timing ;;
   quick) harness; PYTEST_K="parity_1d and float32" tests; BENCH_MAX=64M bench ;;
   latency) latency ;;
   mlp)  # issue 4: many small all-reduces in one jit, command buffers off and on, both libraries

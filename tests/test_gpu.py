@@ -96,3 +96,28 @@ def test_cuda_graphs_subprocess():
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+
+
+one_gpu = pytest.mark.skipif(
+    jax.default_backend() != "gpu" or not jax_gin.has_cuda(),
+    reason="needs a CUDA device and the CUDA extension")
+
+
+@one_gpu
+@pytest.mark.parametrize("algo", jax_gin.ALGORITHMS + ("auto",))
+def test_one_gpu_group(algo):
+    """A group of one GPU still goes through the whole CUDA path (communicator, window,
+    FFI handler, the ordering token, the kernel's copy): runs on a 1-GPU machine too. Twelve
+    independent calls in one jit, some of them larger than one round of the workspace."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("i",))
+
+    def f(*xs):
+        return tuple(jax_gin.psum(x, "i", algorithm=algo) for x in xs)
+
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P()))
+    xs = [jnp.arange(n, dtype=dt) % 13
+          for n in (1, 7, 4097, 300_001, 20 << 20) for dt in (jnp.float32, jnp.bfloat16)]
+    xs += [jnp.arange(1000, dtype=jnp.int32), jnp.arange(33, dtype=jnp.float16)]
+    for _ in range(3):
+        for x, y in zip(xs, g(*xs)):
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
