@@ -17,6 +17,15 @@ NB_MODULE(_jax_gin_cuda, m) {
   m.doc() = "jax_gin CUDA backend: NCCL device-API communicators and kernels";
   // Refuse to load against an NCCL whose device-API structs differ from our headers.
   if (std::string why = gpu::check_nccl_version(); !why.empty()) throw std::runtime_error(why);
+  // Peers that did not come to a set-up in time: Python's TimeoutError (jax_gin re-raises it
+  // as BootstrapTimeoutError, like the key-value bootstrap's).
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const gpu::TimeoutError& e) {
+      PyErr_SetString(PyExc_TimeoutError, e.what());
+    }
+  });
 
   m.def("registrations", []() {
     nb::dict d;

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -11,6 +12,7 @@
 #include <shared_mutex>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 
 namespace jax_gin {
 namespace gpu {
@@ -51,9 +53,25 @@ ncclDevCommRequirements lsa_requirements() {
   return r;
 }
 
+// A communicator with no NCCL operation in flight and no error: safe to destroy. Any other
+// (a nonblocking operation still running, e.g. set-up whose peers stopped, or a failed one)
+// must be aborted instead: ncclCommDestroy refuses such a communicator.
+bool comm_ready(ncclComm_t comm) {
+  ncclResult_t state = ncclInProgress;
+  return ncclCommGetAsyncError(comm, &state) == ncclSuccess && state == ncclSuccess;
+}
+
 void destroy_ranks(std::vector<RankState>& ranks) {
   for (auto& s : ranks) {
     if (s.device >= 0) cudaSetDevice(s.device), cudaDeviceSynchronize();
+  }
+  for (auto& s : ranks) {  // abort first: it frees the windows and device communicators too
+    if (s.device < 0 || !s.comm || comm_ready(s.comm)) continue;
+    cudaSetDevice(s.device);
+    ncclCommAbort(s.comm);
+    s.comm = nullptr;
+    s.win = nullptr;
+    s.has_devcomm = false;
   }
   for (auto& s : ranks) {
     if (s.device < 0) continue;
@@ -94,6 +112,75 @@ std::string check_nccl_version() {
 
 namespace {
 
+using Clock = std::chrono::steady_clock;
+
+// Ranks in ascending order, consecutive ones as a range: "1", "1, 3", "4-7".
+std::string rank_ranges(std::vector<int> v) {
+  std::sort(v.begin(), v.end());
+  std::ostringstream os;
+  for (size_t i = 0; i < v.size();) {
+    size_t j = i;
+    while (j + 1 < v.size() && v[j + 1] == v[j] + 1) ++j;
+    os << (i ? ", " : "") << v[i];
+    if (j > i) os << "-" << v[j];
+    i = j + 1;
+  }
+  return os.str();
+}
+
+// Finishes an NCCL call (or group) on `comms`, whose result was `r`. A nonblocking
+// communicator (ncclConfig_t.blocking = 0) returns ncclInProgress and does the work in an NCCL
+// thread: this polls ncclCommGetAsyncError on each communicator until all report ncclSuccess
+// (which also joins NCCL's thread) or one reports an error, and returns that. If `timeout_s`
+// passes first it returns ncclInProgress; the caller must then ncclCommAbort every
+// communicator (destroy_comms, destroy_ranks). A blocking communicator reports at once.
+ncclResult_t wait_comms(ncclResult_t r, const std::vector<ncclComm_t>& comms, double timeout_s) {
+  if (r != ncclSuccess && r != ncclInProgress) return r;
+  const double limit = std::min(std::max(timeout_s, 0.0), 1e7);  // no overflow below
+  const auto deadline =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(limit));
+  std::vector<char> done(comms.size(), 0);
+  auto pause = std::chrono::microseconds(100);
+  for (;;) {
+    bool all = true;
+    for (size_t i = 0; i < comms.size(); ++i) {
+      if (done[i] || comms[i] == nullptr) continue;
+      ncclResult_t state = ncclInProgress;
+      const ncclResult_t q = ncclCommGetAsyncError(comms[i], &state);
+      if (q != ncclSuccess) return q;
+      if (state == ncclSuccess) done[i] = 1;
+      else if (state == ncclInProgress) all = false;
+      else return state;
+    }
+    if (all) return ncclSuccess;
+    if (Clock::now() >= deadline) return ncclInProgress;
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(10000));
+  }
+}
+
+// The error for a collective set-up step (`call`) of group g (n ranks; `ranks` in this
+// process) that the group's other processes did not complete within timeout_s: they never
+// joined the communicator (joining), or joined and then stopped taking part.
+TimeoutError peers_did_not_come(const char* call, int g, int n, const std::vector<int>& ranks,
+                                double timeout_s, bool joining) {
+  std::vector<int> others;
+  for (int r = 0; r < n; ++r)
+    if (std::find(ranks.begin(), ranks.end(), r) == ranks.end()) others.push_back(r);
+  const auto rk = [](const std::vector<int>& v) {
+    return std::string(v.size() == 1 ? "rank " : "ranks ") + rank_ranges(v);
+  };
+  std::ostringstream os;
+  os << "jax_gin: timed out after " << timeout_s << " s in " << call << " for group " << g
+     << " (" << n << " ranks; " << rk(ranks) << " in this process): the other processes of the "
+     << "group (" << rk(others) << ") "
+     << (joining ? "did not join it" : "joined it but stopped taking part in its set-up")
+     << ". A process of the job may have died or not been started, or be running a different "
+     << "program (every process must lower the same jax_gin programs in the same order). "
+     << "Set JAX_GIN_TIMEOUT_S to wait longer.";
+  return TimeoutError(os.str());
+}
+
 // Kernels of earlier programs may still spin on `device`: let them finish before allocating
 // (cudaMalloc while a peer kernel spins can deadlock), and load every kernel there now.
 void quiesce_device(int device) {
@@ -131,14 +218,23 @@ void setup_ranks(Comm& comm, int g, int n, const std::vector<int>& ranks,
     JG_CUDA(cudaDeviceSynchronize());
   }
   // Registration and device-communicator creation are collective: one group for all
-  // local ranks, or the first call waits forever for the others.
+  // local ranks, or the first call waits forever for the others. On nonblocking
+  // communicators (comm_create_ranks) ncclGroupEnd returns ncclInProgress: wait for each
+  // phase, as long as the timeout, before the next one may use the communicators.
+  const auto end_group = [&](const char* call) {
+    const ncclResult_t r = wait_comms(ncclGroupEnd(), comms, timeout_s);
+    if (r == ncclInProgress) throw peers_did_not_come(call, g, n, ranks, timeout_s, false);
+    if (r != ncclSuccess)
+      throw std::runtime_error(std::string("jax_gin: ncclGroupEnd() (") + call +
+                               "): " + ncclGetErrorString(r));
+  };
   JG_NCCL(ncclGroupStart());
   for (int i = 0; i < k; ++i) {
     RankState& s = comm.ranks[base + i];
     JG_CUDA(cudaSetDevice(s.device));
     JG_NCCL(ncclCommWindowRegister(s.comm, s.window_ptr, wbytes, &s.win, NCCL_WIN_COLL_SYMMETRIC));
   }
-  JG_NCCL(ncclGroupEnd());
+  end_group("ncclCommWindowRegister");
   const ncclDevCommRequirements reqs = lsa_requirements();
   JG_NCCL(ncclGroupStart());
   for (int i = 0; i < k; ++i) {
@@ -146,7 +242,7 @@ void setup_ranks(Comm& comm, int g, int n, const std::vector<int>& ranks,
     JG_CUDA(cudaSetDevice(s.device));
     JG_NCCL(ncclDevCommCreate(s.comm, &reqs, &s.devcomm));
   }
-  JG_NCCL(ncclGroupEnd());
+  end_group("ncclDevCommCreate");
   for (int i = 0; i < k; ++i) {
     RankState& s = comm.ranks[base + i];
     s.has_devcomm = true;
@@ -241,7 +337,7 @@ std::string ranks_text(const std::vector<int>& v) {
 // the group, like every other step here), then throws: either NCCL has no GIN here, or it has
 // but jax_gin's inter-node (GIN) schedule is not implemented yet. Never returns.
 [[noreturn]] void refuse_spanning_group(const GroupSpec& spec, const std::vector<ncclComm_t>& comms,
-                                        int lsa_size) {
+                                        int lsa_size, double timeout_s) {
   const ncclDevCommRequirements reqs = gin_requirements();
   std::vector<ncclDevComm> dcs(comms.size());
   ncclResult_t r = ncclGroupStart();
@@ -249,7 +345,7 @@ std::string ranks_text(const std::vector<int>& v) {
     cudaSetDevice(spec.devices[i]);
     r = ncclDevCommCreate(comms[i], &reqs, &dcs[i]);
   }
-  const ncclResult_t end = ncclGroupEnd();
+  const ncclResult_t end = wait_comms(ncclGroupEnd(), comms, timeout_s);  // nonblocking comms
   if (r == ncclSuccess) r = end;
   int contexts = 0, type = -1;
   if (r == ncclSuccess) {
@@ -288,9 +384,11 @@ std::string ranks_text(const std::vector<int>& v) {
   throw std::runtime_error(os.str());
 }
 
+// Communicators not handed to setup_ranks yet: destroyed, or aborted if an operation is still
+// in flight on them (a set-up that timed out) or failed.
 void destroy_comms(std::vector<ncclComm_t>& comms) {
   for (ncclComm_t& c : comms) {
-    if (c) ncclCommDestroy(c);
+    if (c) comm_ready(c) ? ncclCommDestroy(c) : ncclCommAbort(c);
     c = nullptr;
   }
 }
@@ -320,20 +418,31 @@ int64_t comm_create_ranks(const std::vector<GroupSpec>& groups, size_t workspace
       ncclUniqueId id;
       std::memcpy(&id, spec.unique_id.data(), sizeof id);
       pending.assign(k, nullptr);
+      // Nonblocking communicators: ncclCommInitRankConfig returns at once (ncclInProgress) and
+      // NCCL's thread joins the group; wait_comms waits for it, for timeout_s at most, so a
+      // peer process that never comes (died, not started, another program) fails this one
+      // instead of leaving it inside NCCL forever. Those that do not finish are aborted
+      // (destroy_comms). NCCL_COMM_BLOCKING=1 in the environment overrides this (no timeout).
       // One process may run several ranks of the group: their inits form one NCCL group, or
       // the first would wait forever for the others.
+      const auto ok = [](ncclResult_t x) { return x == ncclSuccess || x == ncclInProgress; };
       if (k > 1) JG_NCCL(ncclGroupStart());
       ncclResult_t r = ncclSuccess;
       cudaError_t ce = cudaSuccess;
-      for (int i = 0; i < k && r == ncclSuccess && ce == cudaSuccess; ++i) {
+      for (int i = 0; i < k && ok(r) && ce == cudaSuccess; ++i) {
         ce = cudaSetDevice(spec.devices[i]);
-        if (ce == cudaSuccess) r = ncclCommInitRank(&pending[i], n, id, spec.ranks[i]);
+        ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+        config.blocking = 0;
+        if (ce == cudaSuccess) r = ncclCommInitRankConfig(&pending[i], n, id, spec.ranks[i], &config);
       }
       if (k > 1) {  // close the group even on failure
         const ncclResult_t end = ncclGroupEnd();
-        if (r == ncclSuccess) r = end;
+        if (ok(r)) r = end;
       }
       JG_CUDA(ce);
+      r = wait_comms(r, pending, timeout_s);
+      if (r == ncclInProgress)
+        throw peers_did_not_come("ncclCommInitRank", spec.group, n, spec.ranks, timeout_s, true);
       if (r != ncclSuccess)
         throw std::runtime_error(std::string("jax_gin: ncclCommInitRank (group ") +
                                  std::to_string(spec.group) + ", ranks " + ranks_text(spec.ranks) +
@@ -341,7 +450,7 @@ int64_t comm_create_ranks(const std::vector<GroupSpec>& groups, size_t workspace
       // The kernels address peers by LSA rank and use the group rank for it: valid only when
       // the whole group is one LSA team (one node, or one NVLink domain).
       const int lsa = ncclTeamLsa(pending[0]).nRanks;
-      if (lsa > 0 && lsa < n) refuse_spanning_group(spec, pending, lsa);
+      if (lsa > 0 && lsa < n) refuse_spanning_group(spec, pending, lsa, timeout_s);
       std::vector<ncclComm_t> comms = pending;
       pending.clear();  // from here on, comm->ranks owns them (as in comm_create)
       const size_t base = comm->ranks.size();

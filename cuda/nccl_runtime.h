@@ -7,6 +7,7 @@
 #include <nccl_device.h>
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,12 @@
 
 namespace jax_gin {
 namespace gpu {
+
+// Thrown when the other processes of a group do not take part in setting it up within the
+// timeout (Python: TimeoutError). Other failures throw std::runtime_error.
+struct TimeoutError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 
 struct RankState {
   int device = -1;        // local CUDA ordinal
@@ -44,10 +51,13 @@ struct GroupSpec {
 // A fresh ncclUniqueId (ncclGetUniqueId) as bytes. The calling process hosts NCCL's bootstrap
 // root for the group until its ranks have joined.
 std::string unique_id();
-// Like comm_create, for groups whose ranks live in several processes: ncclCommInitRank for
-// each local rank (one NCCL group when a process has several), then the same windows and
-// device communicators as comm_create. Collective: every process of every group must call it
-// with its own ranks, groups in the same order. Throws (naming GIN) if a group spans nodes.
+// Like comm_create, for groups whose ranks live in several processes: ncclCommInitRankConfig
+// (nonblocking) for each local rank (one NCCL group when a process has several), then the same
+// windows and device communicators as comm_create. Collective: every process of every group
+// must call it with its own ranks, groups in the same order. Each collective step waits at
+// most timeout_s for the other processes, then aborts the communicators and throws
+// TimeoutError naming the group and the ranks that did not come. Throws (naming GIN) if a
+// group spans nodes.
 int64_t comm_create_ranks(const std::vector<GroupSpec>& groups, size_t workspace_bytes,
                           double timeout_s, int fault_rank);
 void comm_destroy(int64_t id);

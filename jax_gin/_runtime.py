@@ -203,7 +203,20 @@ def _create_cuda_comm_processes(mesh, devices, layout: GroupLayout, ws: int, key
     for g in sorted(local):
         pairs = sorted(local[g])
         specs.append((g, layout.nranks, ids[g], [r for r, _ in pairs], [d for _, d in pairs]))
-    return _native.cuda.comm_create_ranks(specs, ws, settings.timeout_s, settings.fault_rank)
+    return _comm_create_ranks(specs, ws, what)
+
+
+def _comm_create_ranks(specs: list, ws: int, what: str) -> int:
+    """The native comm_create_ranks. Its TimeoutError (the group's other processes did not
+    join NCCL's communicator, or stopped taking part in its set-up, within JAX_GIN_TIMEOUT_S;
+    the communicators are aborted) becomes BootstrapTimeoutError, like a missing peer in the
+    key-value bootstrap before it."""
+    try:
+        return _native.cuda.comm_create_ranks(specs, ws, settings.timeout_s, settings.fault_rank)
+    except _distributed.BootstrapTimeoutError:
+        raise
+    except TimeoutError as e:
+        raise _distributed.BootstrapTimeoutError(f"{e} (setting up {what})") from None
 
 
 def num_communicators() -> int:

@@ -1,7 +1,8 @@
 """Shared by the multi-process tests: launch a test file as N worker processes on 127.0.0.1,
-bounded by a timeout, and read the JSON report each worker prints last."""
+bounded by a timeout, and read the JSON report each worker prints last; count the GPUs."""
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -15,6 +16,18 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def gpu_count() -> int:
+    """GPUs on this machine, without initializing JAX's CUDA backend in this process."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        r = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for ln in r.stdout.splitlines() if ln.startswith("GPU "))
 
 
 def clean_env(**extra) -> dict:

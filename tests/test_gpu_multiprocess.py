@@ -16,28 +16,15 @@ bottom), joined by jax.distributed on 127.0.0.1:
 """
 import json
 import os
-import shutil
-import subprocess
 import sys
 
 import pytest
 
-from multiproc import clean_env, free_port as _free_port, launch, reports as _reports, tail as _tail
+from multiproc import (clean_env, free_port as _free_port, gpu_count as _gpu_count, launch,
+                       reports as _reports, tail as _tail)
 
 NPROC = 2
 CPU_DEVICES = 4  # per process, in the bootstrap tests
-
-
-def _gpu_count() -> int:
-    """GPUs on this machine, without initializing JAX's CUDA backend in this process."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return 0
-    try:
-        r = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(1 for ln in r.stdout.splitlines() if ln.startswith("GPU "))
 
 
 def _has_cuda_extension() -> bool:
