@@ -73,7 +73,7 @@ sanitizer() {
 tests() {
   log "pytest JAX_PLATFORMS=cuda"
   JAX_PLATFORMS=cuda timeout ${PYTEST_TIMEOUT:-480} $PY -m pytest -q -p no:cacheprovider \
-    ${PYTEST_K:+-k "$PYTEST_K"} tests/ > "$OUT/pytest.log" 2>&1
+    ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_FILES:-tests/} > "$OUT/pytest.log" 2>&1
   log "pytest rc=$? $(tail -1 "$OUT/pytest.log")"
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -10
 }
@@ -123,7 +123,9 @@ single_timing() {
 }
 
 case "$MODE" in
-  single) harness; sanitizer; PYTEST_TIMEOUT=420 tests; single_timing ;;
+  single) harness
+    PYTEST_FILES="tests/test_gpu.py tests/test_gpu_init_timeout.py tests/test_rules.py" PYTEST_TIMEOUT=240 tests
+    single_timing; sanitizer ;;
   quick) harness; PYTEST_K="parity_1d and float32" tests; BENCH_MAX=64M bench ;;
   latency) latency ;;
   mlp)  # issue 4: many small all-reduces in one jit, command buffers off and on, both libraries
