@@ -17,11 +17,11 @@
 #include <new>
 #include <set>
 #include <shared_mutex>
-#include <sstream>
 #include <stdexcept>
 #include <thread>
 
 #include "host_types.h"
+#include "jax_gin/text.h"
 #include "jax_gin/algorithms.h"
 #include "jax_gin/schedule.h"
 
@@ -156,7 +156,7 @@ class HostTransport {
 
  private:
   void record(int peer, int step, uint64_t expected, uint64_t seen, const char* why) {
-    std::ostringstream os;
+    Text os;
     os << "jax_gin " << redop_name(op_) << " (" << algorithm_name(algo_) << ") on CPU: rank "
        << rank_ << " of group " << group_ << " (" << nranks() << " ranks) ";
     if (why) {
@@ -350,10 +350,11 @@ std::shared_ptr<Workspace> Workspace::attach_shared(const std::string& name, int
   if (h.ready.load(std::memory_order_acquire) != 1 || h.magic != kWorkspaceMagic ||
       h.version != kWorkspaceVersion || h.nranks != uint32_t(nranks) ||
       h.lane_bytes != lane_bytes || h.total_bytes != ws->total_) {
-    std::ostringstream os;
+    Text os;
     os << "jax_gin: the shared-memory segment " << name << " does not hold a jax_gin workspace "
        << "of version " << kWorkspaceVersion << " for " << nranks << " ranks of " << lane_bytes
-       << " bytes (found magic " << std::hex << h.magic << std::dec << ", version " << h.version
+       << " bytes (found magic ";
+    os.hex(h.magic) << ", version " << h.version
        << ", " << h.nranks << " ranks of " << h.lane_bytes << " bytes); do all processes run "
        << "the same jax_gin?";
     throw std::runtime_error(os.str());
@@ -453,7 +454,7 @@ std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Al
                       const void* in, void* out, size_t count) {
   if (group < 0 || group >= int(comm.groups.size()) || rank < 0 || rank >= comm.config.nranks ||
       !comm.groups[group]->ws) {
-    std::ostringstream os;
+    Text os;
     os << "jax_gin: communicator " << comm.id << " has no rank " << rank << " in group " << group
        << " in this process";
     return os.str();
@@ -475,21 +476,21 @@ std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Al
     return "jax_gin: unknown algorithm id " + std::to_string(int(algo));
   }
   if (algo == Algorithm::kHierarchical && !schedule::hier_valid(nranks, rpn)) {
-    std::ostringstream os;
+    Text os;
     os << "jax_gin: hierarchical over " << nranks << " ranks needs ranks_per_node in 1.."
        << nranks << " that divides " << nranks << " (or 0: one node), got " << rpn;
     return os.str();
   }
   const size_t slot_bytes = schedule::slot_elems(algo, nranks, lane_bytes, esize, rpn) * esize;
   if (nranks > 1 && slot_bytes == 0) {
-    std::ostringstream os;
+    Text os;
     os << "jax_gin: workspace of " << lane_bytes << " bytes is too small for "
        << algorithm_name(algo) << " over " << nranks << " ranks";
     return os.str();
   }
   RankControl& ctl = ws.control(rank);
   if (ctl.busy.exchange(1, std::memory_order_acquire) != 0) {
-    std::ostringstream os;
+    Text os;
     os << "jax_gin: two collectives ran concurrently on rank " << rank << " of group " << group
        << " of communicator " << comm.id << "; calls on one communicator must be ordered";
     return os.str();
@@ -522,7 +523,7 @@ std::string allreduce_logical(Comm& comm, uint32_t logical_id, DType dtype, RedO
                               Algorithm algo, const void* in, void* out, size_t count) {
   const auto& cfg = comm.config;
   if (logical_id >= cfg.group_of.size()) {
-    std::ostringstream os;
+    Text os;
     os << "jax_gin: device with partition id " << logical_id << " is not in communicator "
        << comm.id << " (" << cfg.group_of.size() << " devices)";
     return os.str();

@@ -1,16 +1,18 @@
 #include "nccl_runtime.h"
 
+#include "jax_gin/text.h"
+
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
-#include <sstream>
 #include <stdexcept>
 #include <thread>
 
@@ -96,7 +98,7 @@ int nccl_runtime_version() {
 
 std::string check_nccl_version() {
   const int rt = nccl_runtime_version();
-  std::ostringstream os;
+  Text os;
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 29, 0)
   const bool ok = rt >= NCCL_VERSION(2, 28, 7) && rt < NCCL_VERSION(2, 29, 0);
 #else
@@ -117,7 +119,7 @@ using Clock = std::chrono::steady_clock;
 // Ranks in ascending order, consecutive ones as a range: "1", "1, 3", "4-7".
 std::string rank_ranges(std::vector<int> v) {
   std::sort(v.begin(), v.end());
-  std::ostringstream os;
+  Text os;
   for (size_t i = 0; i < v.size();) {
     size_t j = i;
     while (j + 1 < v.size() && v[j + 1] == v[j] + 1) ++j;
@@ -170,7 +172,7 @@ TimeoutError peers_did_not_come(const char* call, int g, int n, const std::vecto
   const auto rk = [](const std::vector<int>& v) {
     return std::string(v.size() == 1 ? "rank " : "ranks ") + rank_ranges(v);
   };
-  std::ostringstream os;
+  Text os;
   os << "jax_gin: timed out after " << timeout_s << " s in " << call << " for group " << g
      << " (" << n << " ranks; " << rk(ranks) << " in this process): the other processes of the "
      << "group (" << rk(others) << ") "
@@ -327,7 +329,7 @@ ncclDevCommRequirements gin_requirements() {
 }
 
 std::string ranks_text(const std::vector<int>& v) {
-  std::ostringstream os;
+  Text os;
   for (size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
   return os.str();
 }
@@ -358,7 +360,7 @@ std::string ranks_text(const std::vector<int>& v) {
       ncclDevCommDestroy(comms[i], &dcs[i]);
     }
   }
-  std::ostringstream os;
+  Text os;
   os << "jax_gin: group " << spec.group << " (" << spec.nranks << " ranks; ranks "
      << ranks_text(spec.ranks) << " in this process) spans nodes: NCCL's LSA team, the ranks "
      << "that reach each other's memory over NVLink, has only " << lsa_size << " of them. "
@@ -496,7 +498,7 @@ const RankState* find_rank(int64_t id, int device) {
 }
 
 std::string describe(const Diagnostic& d, int nranks) {
-  std::ostringstream os;
+  Text os;
   os << "jax_gin " << redop_name(RedOp(d.op)) << " (" << algorithm_name(Algorithm(d.algorithm))
      << ") on GPU: rank " << d.rank << " of group " << d.group << " (" << nranks
      << " ranks) timed out waiting for peer " << d.peer;
