@@ -82,6 +82,7 @@ bench() {
   log "benchmark"
   JAX_PLATFORMS=cuda $PY -m jax_gin.bench -b 4K -e ${BENCH_MAX:-1G} -f 4 -d float32,bfloat16 \
     -a ${BENCH_ALGOS:-auto,one_shot,two_shot,ring,tree,lax} -n ${BENCH_ITERS:-20} -w 5 -k 20 --json "$OUT/bench.json" \
+    ${BENCH_DTYPES:+-d $BENCH_DTYPES} \
     --plot "$OUT/bench.png" > "$OUT/bench.txt" 2>> "$OUT/build.log"
   log "bench rc=$?"
 }
@@ -122,7 +123,20 @@ single_timing() {
   log "timing rc=$?"
 }
 
+# The runs that need 2 GPUs, in one call of at most 10 minutes, at most 8 files back.
+x2() {
+  log "native harness: ranks 2,4 on 2 GPUs (quick)"
+  $H --ranks 2,4 --counts 1,4099,300001 --dtypes f32,bf16 --ops sum,max --iters 2 > "$OUT/harness.log" 2>&1
+  log "harness rc=$? $(tail -1 "$OUT/harness.log")"
+  multiproc
+  JAX_PLATFORMS=cuda timeout 120 $PY -m jax_gin.bench_mlp --cmdbuf both --json "$OUT/bench_mlp.json" \
+    > "$OUT/bench_mlp.txt" 2>> "$OUT/build.log"; log "bench_mlp rc=$?"
+  BENCH_DTYPES=float32 bench
+  cat "$OUT/machine.txt" >> "$OUT/summary.txt"; rm -f "$OUT/machine.txt" "$OUT/build.log"
+}
+
 case "$MODE" in
+  x2) x2 ;;
   single) harness
     PYTEST_FILES="tests/test_gpu.py tests/test_gpu_init_timeout.py tests/test_rules.py" PYTEST_TIMEOUT=240 tests
     single_timing; sanitizer ;;
