@@ -78,6 +78,15 @@ class HostTransport {
     if (n) std::memcpy(dst, src, n * sizeof(T));
   }
 
+  // Every peer is host memory: a put is a copy into its slot.
+  template <class T>
+  void put(int peer, int k, size_t off, const T* src, size_t n) {
+    copy(slot<T>(peer, k) + off, src, n);
+  }
+
+  // Every peer may write to us (a later call may use any algorithm).
+  bool needs_credit(int) const { return true; }
+
   // dst = srcs[0] op srcs[1] op ... op srcs[k-1], in that order, pairwise.
   template <class T, class Op, class Src>
   void reduce(T* dst, const Src& srcs, size_t n) {

@@ -188,6 +188,13 @@ class GpuTransport {
     }
   }
 
+  // Every peer is reached by load/store: a put is a copy into its slot.
+  template <class T>
+  __device__ void put(int peer, int k, size_t off, const T* src, size_t n) const {
+    copy(slot<T>(peer, k) + off, src, n);
+  }
+  __device__ bool needs_credit(int) const { return true; }
+
   // All threads' earlier stores (local and remote) happen before the flag: the CTA barrier
   // orders them before thread 0's store, and a release store at system scope is cumulative
   // (the pattern NCCL's LSA barrier uses), so no separate __threadfence_system is needed.
