@@ -92,6 +92,14 @@ class HostTransport {
     reduce<T, Op>(dsts.get(0), srcs, n);
     for (int q = 1; q < dsts.count(); ++q) copy(dsts.get(q), dsts.get(0), n);
   }
+  // Every peer is host memory: a put is a copy into its slot.
+  template <class T>
+  void put(int peer, int k, size_t off, const T* src, size_t n) {
+    copy(slot<T>(peer, k) + off, src, n);
+  }
+
+  // Every peer may write to us (a later call may use any algorithm).
+  bool needs_credit(int) const { return true; }
 
   // dst = srcs[0] op srcs[1] op ... op srcs[k-1], in that order, pairwise.
   template <class T, class Op, class Src>

@@ -26,18 +26,28 @@ ffi::Error CudaAllReduceImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   (void)order_out;
   DType dtype;
   if (ffi::Error err = to_dtype(x.element_type(), &dtype); err.failure()) return err;
-  if (ffi::Error err = check_enums(op, algorithm); err.failure()) return err;
+  // kHierarchical (internal) is the one algorithm of groups that span nodes; _primitive.py
+  // passes it for those only (comm_ranks_per_node).
+  const bool hier = algorithm == int32_t(Algorithm::kHierarchical);
+  if (ffi::Error err = check_enums(op, hier ? 0 : algorithm); err.failure()) return err;
   const gpu::RankState* st = gpu::find_rank(comm, device);
   if (st == nullptr) {
     return ffi::Error::Internal("jax_gin: no communicator " + std::to_string(comm) +
                                 " state for CUDA device " + std::to_string(device));
+  }
+  if (hier != (st->cfg.ranks_per_node > 0)) {
+    return ffi::Error::InvalidArgument(
+        hier ? std::string("jax_gin: the hierarchical algorithm runs only for groups that span nodes")
+             : "jax_gin: group " + std::to_string(st->group) + " spans nodes and runs only the "
+               "hierarchical algorithm (algorithm='auto'), not " + algorithm_name(Algorithm(algorithm)));
   }
   // A kernel of this rank timed out earlier (and trapped): say so instead of launching again.
   if (st->diag_host->valid) {
     Diagnostic d = *st->diag_host;
     return ffi::Error::Internal("jax_gin: an earlier call failed: " + gpu::describe(d, st->nranks));
   }
-  cudaError_t e = gpu::launch_allreduce(gpu::PeerAccess{st->win, nullptr}, st->cfg, dtype,
+  const gpu::PeerAccess peers{st->win, nullptr, hier ? &st->devcomm : nullptr};
+  cudaError_t e = gpu::launch_allreduce(peers, st->cfg, dtype,
                                         RedOp(op), Algorithm(algorithm), x.untyped_data(),
                                         out->untyped_data(), x.element_count(), stream);
   if (e != cudaSuccess)

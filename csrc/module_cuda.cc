@@ -71,6 +71,8 @@ NB_MODULE(_jax_gin_cuda, m) {
     nb::gil_scoped_release release;
     gpu::comm_destroy(id);
   });
+  m.def("comm_ranks_per_node", &gpu::comm_ranks_per_node, nb::arg("comm"),
+        "Ranks per node if the communicator's groups span nodes (hierarchical only), else 0.");
   m.def("diagnostics", &gpu::diagnostics, nb::arg("comm") = -1,
         "Messages of timed-out waits recorded on the device (readable after a failed launch).");
   m.def("lane_bytes", &gpu::lane_bytes_for_workspace);

@@ -1,12 +1,20 @@
 // Native multi-rank test harness: runs N ranks of jax_gin's kernels as concurrent streams on
 // the GPUs present (rank r on GPU r % G), with windows reached through a table of P2P
-// pointers instead of NCCL, so group sizes larger than the machine (N = 4, 8 on 2 GPUs) are
-// exercised with the very kernels and schedules that JAX runs. Checks every result bit for
-// bit against a host reference on exact (small-integer) inputs.
+// pointers instead of NCCL, so group sizes larger than the machine (N = 4, 8 on 2 GPUs, or
+// all on one GPU) are exercised with the very kernels and schedules that JAX runs. Checks
+// every result bit for bit against a host reference on exact (small-integer) inputs.
 //
 //   jax_gin_cuda_harness [--ranks 2,3,4,8] [--counts 1,1000,...] [--algos all|ring,...]
 //                        [--dtypes f32,bf16,f16,i32,f64] [--ops sum,max,min] [--iters K]
 //                        [--lane-bytes B] [--chunk-bytes B] [--timeout-s T] [--fault-rank R]
+//                        [--ranks-per-node L,...] [--max-lanes K]
+// --ranks-per-node runs the hierarchical kernel of groups that span nodes (algorithm
+// "hierarchical", the default algos then) for every L that divides N and is smaller: ranks
+// node*L .. node*L+L-1 play a node, reached by load/store, and the rail between nodes goes
+// through EmulatedGinRail (transport.cuh): GIN's staging, add-only signals and last-sent
+// deltas, carried out over P2P. With --fault-rank R, rank R drops its rail (GIN) signals.
+// Lanes per rank are capped so that every rank's CTAs on a GPU are resident together (ranks
+// spin on each other); --max-lanes lowers the cap.
 // Exit code: 0 all correct, 1 mismatch or CUDA error, 3 a wait timed out (diagnostic printed).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -75,11 +83,20 @@ struct Rank {
   cudaStream_t stream;
 };
 
+// A run of cases with one window layout: ranks_per_node 0 for the one-node algorithms, L for
+// hierarchical with nodes of L ranks.
+struct Layout {
+  int ranks_per_node;
+  std::vector<std::string> algos;
+};
+
 int main(int argc, char** argv) {
   std::vector<std::string> ranks_s = {"2", "3", "4", "8"}, counts_s = {"1", "7", "1000", "4099", "300001"};
   std::vector<std::string> algos_s = {"ring", "tree", "one_shot", "two_shot"};
   std::vector<std::string> dtypes_s = {"f32", "bf16", "i32"}, ops_s = {"sum", "max", "min"};
-  int iters = 3, fault_rank = -1, time_iters = 0;
+  std::vector<std::string> rpn_s;
+  bool algos_given = false;
+  int iters = 3, fault_rank = -1, time_iters = 0, max_lanes_arg = kMaxLanes;
   size_t lane_bytes = 256 << 10;
   size_t ll_max_bytes = 64 << 10;
   size_t chunk_bytes = gpu::LaunchConfig().chunk_bytes;
@@ -88,7 +105,9 @@ int main(int argc, char** argv) {
     std::string k = argv[i], v = argv[i + 1];
     if (k == "--ranks") ranks_s = split(v);
     else if (k == "--counts") counts_s = split(v);
-    else if (k == "--algos") algos_s = v == "all" ? algos_s : split(v);
+    else if (k == "--algos") algos_s = v == "all" ? algos_s : split(v), algos_given = true;
+    else if (k == "--ranks-per-node") rpn_s = split(v);
+    else if (k == "--max-lanes") max_lanes_arg = std::atoi(v.c_str());
     else if (k == "--dtypes") dtypes_s = split(v);
     else if (k == "--ops") ops_s = split(v);
     else if (k == "--iters") iters = std::atoi(v.c_str());
@@ -99,6 +118,16 @@ int main(int argc, char** argv) {
     else if (k == "--ll-max-bytes") ll_max_bytes = std::strtoull(v.c_str(), nullptr, 10);
     else if (k == "--chunk-bytes") chunk_bytes = std::strtoull(v.c_str(), nullptr, 10);
     else { std::fprintf(stderr, "unknown flag %s\n", k.c_str()); return 2; }
+  }
+  if (!rpn_s.empty() && !algos_given) algos_s = {"hierarchical"};
+  for (const auto& as : algos_s) {
+    bool known = as == "hierarchical";
+    for (int a = 0; a < kNumAlgorithms; ++a) known |= as == algorithm_name(Algorithm(a));
+    if (!known) { std::fprintf(stderr, "unknown algorithm %s\n", as.c_str()); return 2; }
+    if (as == "hierarchical" && rpn_s.empty()) {
+      std::fprintf(stderr, "hierarchical needs --ranks-per-node L,...\n");
+      return 2;
+    }
   }
   int ngpu = 0;
   CK(cudaGetDeviceCount(&ngpu));
@@ -117,10 +146,27 @@ int main(int argc, char** argv) {
   long failures = 0, cases = 0;
   for (const auto& nr : ranks_s) {
     const int N = std::atoi(nr.c_str());
+    if (N < 1 || N > kMaxRanks) { std::fprintf(stderr, "bad rank count %d\n", N); return 2; }
+    // The layouts to run: the one-node algorithms, then hierarchical for each node size.
+    std::vector<Layout> layouts;
+    Layout flat{0, {}}, hier_algos{0, {}};
+    for (const auto& as : algos_s) (as == "hierarchical" ? hier_algos : flat).algos.push_back(as);
+    if (!flat.algos.empty()) layouts.push_back(flat);
+    if (!hier_algos.algos.empty()) {
+      for (const auto& ls : rpn_s) {
+        const int L = std::atoi(ls.c_str());
+        if (gpu::spans_nodes(N, L)) layouts.push_back(Layout{L, hier_algos.algos});
+        else std::printf("ranks=%d ranks_per_node=%d: skipped (L must divide N and be smaller)\n", N, L);
+      }
+    }
     std::vector<Rank> rk(N);
     size_t max_count = 0;
     for (const auto& c : counts_s) max_count = std::max<size_t>(max_count, std::strtoull(c.c_str(), nullptr, 10));
-    const size_t wbytes = gpu::window_bytes(N, lane_bytes);
+    size_t wbytes = 0;
+    for (const Layout& lay : layouts)
+      wbytes = std::max(wbytes, gpu::window_bytes(N, lane_bytes, lay.ranks_per_node));
+    std::vector<int> ranks_on(ngpu, 0);
+    for (int r = 0; r < N; ++r) ranks_on[r % ngpu]++;
     std::vector<char*> bases(N);
     for (int r = 0; r < N; ++r) {
       Rank& R = rk[r];
@@ -143,101 +189,131 @@ int main(int argc, char** argv) {
       CK(cudaMalloc(&rk[r].table, N * sizeof(char*)));
       CK(cudaMemcpy(rk[r].table, bases.data(), N * sizeof(char*), cudaMemcpyHostToDevice));
     }
-    for (const auto& ds : dtypes_s) {
-      const DT* dt = nullptr;
-      for (const auto& d : kDTypes) if (ds == d.name) dt = &d;
-      if (!dt) { std::fprintf(stderr, "unknown dtype %s\n", ds.c_str()); return 2; }
-      for (const auto& os_ : ops_s) {
-        const RedOp op = os_ == "sum" ? RedOp::kSum : os_ == "max" ? RedOp::kMax : RedOp::kMin;
-        for (const auto& as : algos_s) {
-          Algorithm algo = Algorithm::kRing;
-          for (int a = 0; a < kNumAlgorithms; ++a) if (as == algorithm_name(Algorithm(a))) algo = Algorithm(a);
-          for (const auto& cs : counts_s) {
-            const size_t count = std::strtoull(cs.c_str(), nullptr, 10);
-            std::mt19937 gen(unsigned(count * 131 + N));
-            std::vector<std::vector<double>> vals(N, std::vector<double>(count));
-            std::vector<double> ref(count);
-            for (size_t i = 0; i < count; ++i) {
-              for (int r = 0; r < N; ++r) vals[r][i] = double(int(gen() % 15) - 7);
-              double acc = vals[0][i];
-              for (int r = 1; r < N; ++r)
-                acc = op == RedOp::kSum ? acc + vals[r][i] : op == RedOp::kMax ? std::max(acc, vals[r][i]) : std::min(acc, vals[r][i]);
-              ref[i] = acc;
+    for (const Layout& lay : layouts) {
+      const int rpn = lay.ranks_per_node;
+      // A fresh start for each layout: windows (flags, rail signals, last-sent tags) and round
+      // counters are laid out differently for another node size.
+      for (int r = 0; r < N; ++r) {
+        CK(cudaSetDevice(rk[r].dev));
+        CK(cudaDeviceSynchronize());
+        CK(cudaMemset(rk[r].window, 0, wbytes));
+        CK(cudaMemset(rk[r].rounds, 0, 2 * kMaxLanes * sizeof(uint64_t)));
+        CK(cudaDeviceSynchronize());
+      }
+      for (const auto& ds : dtypes_s) {
+        const DT* dt = nullptr;
+        for (const auto& d : kDTypes) if (ds == d.name) dt = &d;
+        if (!dt) { std::fprintf(stderr, "unknown dtype %s\n", ds.c_str()); return 2; }
+        for (const auto& os_ : ops_s) {
+          const RedOp op = os_ == "sum" ? RedOp::kSum : os_ == "max" ? RedOp::kMax : RedOp::kMin;
+          for (const auto& as : lay.algos) {
+            Algorithm algo = Algorithm::kHierarchical;
+            for (int a = 0; a < kNumAlgorithms; ++a) if (as == algorithm_name(Algorithm(a))) algo = Algorithm(a);
+            // Every rank uses the same lane count; cap it so that all ranks' CTAs on the most
+            // loaded GPU fit at once.
+            int max_lanes = std::min(max_lanes_arg, int(kMaxLanes));
+            for (int g = 0; g < ngpu; ++g) {
+              if (ranks_on[g] == 0) continue;
+              int ctas = 0;
+              CK(cudaSetDevice(g));
+              CK(gpu::resident_ctas(algo, dt->dt, 512, &ctas));
+              max_lanes = std::min(max_lanes, ctas / ranks_on[g]);
             }
-            std::vector<char> host(count * dt->size), want(count * dt->size);
-            for (size_t i = 0; i < count; ++i) encode(dt->dt, ref[i], want.data() + i * dt->size);
-            for (int r = 0; r < N; ++r) {
-              for (size_t i = 0; i < count; ++i) encode(dt->dt, vals[r][i], host.data() + i * dt->size);
-              CK(cudaSetDevice(rk[r].dev));
-              CK(cudaMemcpy(rk[r].in, host.data(), count * dt->size, cudaMemcpyHostToDevice));
-              CK(cudaMemset(rk[r].out, 0xff, count * dt->size));  // poison
+            if (max_lanes < 1) {
+              std::fprintf(stderr, "ranks=%d: %s kernels of all ranks cannot be resident on one GPU at once\n",
+                           N, as.c_str());
+              return 2;
             }
-            // One launch of every rank. All ranks are launched before any is synchronized (a
-            // blocking call before the last launch would leave the others spinning).
-            auto launch_all = [&]() -> cudaError_t {
+            for (const auto& cs : counts_s) {
+              const size_t count = std::strtoull(cs.c_str(), nullptr, 10);
+              std::mt19937 gen(unsigned(count * 131 + N));
+              std::vector<std::vector<double>> vals(N, std::vector<double>(count));
+              std::vector<double> ref(count);
+              for (size_t i = 0; i < count; ++i) {
+                for (int r = 0; r < N; ++r) vals[r][i] = double(int(gen() % 15) - 7);
+                double acc = vals[0][i];
+                for (int r = 1; r < N; ++r)
+                  acc = op == RedOp::kSum ? acc + vals[r][i] : op == RedOp::kMax ? std::max(acc, vals[r][i]) : std::min(acc, vals[r][i]);
+                ref[i] = acc;
+              }
+              std::vector<char> host(count * dt->size), want(count * dt->size);
+              for (size_t i = 0; i < count; ++i) encode(dt->dt, ref[i], want.data() + i * dt->size);
               for (int r = 0; r < N; ++r) {
-                Rank& R = rk[r];
-                cudaError_t e = cudaSetDevice(R.dev);
-                if (e != cudaSuccess) return e;
-                gpu::LaunchConfig cfg;
-                cfg.rank = r;
-                cfg.nranks = N;
-                gpu::set_window_layout(cfg, N, lane_bytes);
-                cfg.ll_max_bytes = std::min(cfg.ll_max_bytes, ll_max_bytes);
-                cfg.chunk_bytes = chunk_bytes;
-                cfg.rounds = R.rounds;
-                cfg.diag = R.diag_dev;
-                cfg.timeout_ns = uint64_t(timeout_s * 1e9);
-                cfg.fault_rank = fault_rank;
-                e = gpu::launch_allreduce(gpu::PeerAccess{nullptr, R.table}, cfg, dt->dt, op, algo,
-                                          R.in, R.out, count, R.stream);
-                if (e != cudaSuccess) return e;
+                for (size_t i = 0; i < count; ++i) encode(dt->dt, vals[r][i], host.data() + i * dt->size);
+                CK(cudaSetDevice(rk[r].dev));
+                CK(cudaMemcpy(rk[r].in, host.data(), count * dt->size, cudaMemcpyHostToDevice));
+                CK(cudaMemset(rk[r].out, 0xff, count * dt->size));  // poison
               }
-              return cudaSuccess;
-            };
-            for (int it = 0; it < iters; ++it) CK(launch_all());
-            double us_per_iter = 0;
-            if (time_iters > 0) {
-              // Kernel-level latency without XLA: back-to-back launches on every rank, timed
-              // on the host around the whole batch after a synchronized start.
-              for (int r = 0; r < N; ++r) { CK(cudaSetDevice(rk[r].dev)); CK(cudaStreamSynchronize(rk[r].stream)); }
-              auto t0 = std::chrono::steady_clock::now();
-              for (int it = 0; it < time_iters; ++it) CK(launch_all());
-              for (int r = 0; r < N; ++r) { CK(cudaSetDevice(rk[r].dev)); CK(cudaStreamSynchronize(rk[r].stream)); }
-              us_per_iter = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / time_iters;
-              std::printf("time ranks=%d dtype=%s op=%s algo=%s bytes=%zu: %.2f us/call\n", N, dt->name,
-                          os_.c_str(), as.c_str(), count * dt->size, us_per_iter);
-            }
-            bool timed_out = false;
-            for (int r = 0; r < N; ++r) {
-              CK(cudaSetDevice(rk[r].dev));
-              cudaError_t e = cudaStreamSynchronize(rk[r].stream);
-              if (e != cudaSuccess) timed_out = true;
-            }
-            if (timed_out) {
-              for (int r = 0; r < N; ++r)
-                if (rk[r].diag_host->valid) std::printf("%s\n", gpu::describe(*rk[r].diag_host, N).c_str());
-              std::printf("launch failed (a wait timed out)\n");
-              return 3;
-            }
-            long bad = 0;
-            for (int r = 0; r < N; ++r) {
-              CK(cudaSetDevice(rk[r].dev));
-              CK(cudaMemcpy(host.data(), rk[r].out, count * dt->size, cudaMemcpyDeviceToHost));
-              if (std::memcmp(host.data(), want.data(), count * dt->size) != 0) {
-                for (size_t i = 0; i < count; ++i)
-                  bad += std::memcmp(host.data() + i * dt->size, want.data() + i * dt->size, dt->size) != 0;
+              // One launch of every rank. All ranks are launched before any is synchronized (a
+              // blocking call before the last launch would leave the others spinning).
+              auto launch_all = [&]() -> cudaError_t {
+                for (int r = 0; r < N; ++r) {
+                  Rank& R = rk[r];
+                  cudaError_t e = cudaSetDevice(R.dev);
+                  if (e != cudaSuccess) return e;
+                  gpu::LaunchConfig cfg;
+                  cfg.rank = r;
+                  cfg.nranks = N;
+                  gpu::set_window_layout(cfg, N, lane_bytes, rpn);
+                  cfg.max_lanes = max_lanes;
+                  cfg.ll_max_bytes = std::min(cfg.ll_max_bytes, ll_max_bytes);
+                  cfg.chunk_bytes = chunk_bytes;
+                  cfg.rounds = R.rounds;
+                  cfg.diag = R.diag_dev;
+                  cfg.timeout_ns = uint64_t(timeout_s * 1e9);
+                  cfg.fault_rank = fault_rank;
+                  e = gpu::launch_allreduce(gpu::PeerAccess{nullptr, R.table}, cfg, dt->dt, op, algo,
+                                            R.in, R.out, count, R.stream);
+                  if (e != cudaSuccess) return e;
+                }
+                return cudaSuccess;
+              };
+              for (int it = 0; it < iters; ++it) CK(launch_all());
+              double us_per_iter = 0;
+              if (time_iters > 0) {
+                // Kernel-level latency without XLA: back-to-back launches on every rank, timed
+                // on the host around the whole batch after a synchronized start.
+                for (int r = 0; r < N; ++r) { CK(cudaSetDevice(rk[r].dev)); CK(cudaStreamSynchronize(rk[r].stream)); }
+                auto t0 = std::chrono::steady_clock::now();
+                for (int it = 0; it < time_iters; ++it) CK(launch_all());
+                for (int r = 0; r < N; ++r) { CK(cudaSetDevice(rk[r].dev)); CK(cudaStreamSynchronize(rk[r].stream)); }
+                us_per_iter = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / time_iters;
+                std::printf("time ranks=%d%s dtype=%s op=%s algo=%s bytes=%zu: %.2f us/call\n", N,
+                            rpn ? (" ranks_per_node=" + std::to_string(rpn)).c_str() : "", dt->name,
+                            os_.c_str(), as.c_str(), count * dt->size, us_per_iter);
               }
-            }
-            ++cases;
-            if (bad) {
-              ++failures;
-              std::printf("FAIL ranks=%d dtype=%s op=%s algo=%s count=%zu wrong=%ld\n", N, dt->name,
-                          os_.c_str(), as.c_str(), count, bad);
+              bool timed_out = false;
+              for (int r = 0; r < N; ++r) {
+                CK(cudaSetDevice(rk[r].dev));
+                cudaError_t e = cudaStreamSynchronize(rk[r].stream);
+                if (e != cudaSuccess) timed_out = true;
+              }
+              if (timed_out) {
+                for (int r = 0; r < N; ++r)
+                  if (rk[r].diag_host->valid) std::printf("%s\n", gpu::describe(*rk[r].diag_host, N).c_str());
+                std::printf("launch failed (a wait timed out)\n");
+                return 3;
+              }
+              long bad = 0;
+              for (int r = 0; r < N; ++r) {
+                CK(cudaSetDevice(rk[r].dev));
+                CK(cudaMemcpy(host.data(), rk[r].out, count * dt->size, cudaMemcpyDeviceToHost));
+                if (std::memcmp(host.data(), want.data(), count * dt->size) != 0) {
+                  for (size_t i = 0; i < count; ++i)
+                    bad += std::memcmp(host.data() + i * dt->size, want.data() + i * dt->size, dt->size) != 0;
+                }
+              }
+              ++cases;
+              if (bad) {
+                ++failures;
+                std::printf("FAIL ranks=%d ranks_per_node=%d dtype=%s op=%s algo=%s count=%zu wrong=%ld\n",
+                            N, rpn, dt->name, os_.c_str(), as.c_str(), count, bad);
+              }
             }
           }
         }
       }
+      if (rpn) std::printf("ranks=%d ranks_per_node=%d (%d nodes, GIN emulated): done\n", N, rpn, N / rpn);
     }
     std::printf("ranks=%d: done\n", N);
     for (auto& R : rk) {

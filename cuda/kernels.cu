@@ -13,6 +13,8 @@
 
 #include "jax_gin/schedule.h"
 
+#include <algorithm>
+
 namespace jax_gin {
 namespace gpu {
 
@@ -22,6 +24,14 @@ cudaError_t launch_op(RedOp op, const Peers& peers, const LaneParams& p, int lan
                       Algorithm algo, const void* in, void* out, size_t count, cudaStream_t s);
 template <class T, class Peers>
 cudaError_t preload_type();
+template <class T, class Peers, class Rail>
+cudaError_t launch_hier_op(RedOp op, const Peers& peers, const Rail& rail, const LaneParams& p,
+                           int lanes, int threads, const void* in, void* out, size_t count,
+                           cudaStream_t s);
+template <class T, class Peers, class Rail>
+cudaError_t preload_hier_type();
+template <class T>
+cudaError_t table_occupancy(Algorithm algo, int threads, int* per_sm);
 
 namespace {
 
@@ -41,6 +51,78 @@ cudaError_t launch_dtype(DType dt, RedOp op, const Peers& peers, const LaneParam
     case DType::kU32: return launch_op<uint32_t>(op, peers, p, lanes, threads, algo, in, out, count, s);
   }
   return cudaErrorInvalidValue;
+}
+
+template <class Peers, class Rail>
+cudaError_t launch_hier_dtype(DType dt, RedOp op, const Peers& peers, const Rail& rail,
+                              const LaneParams& p, int lanes, int threads, const void* in,
+                              void* out, size_t count, cudaStream_t s) {
+  switch (dt) {
+    case DType::kF32: return launch_hier_op<float>(op, peers, rail, p, lanes, threads, in, out, count, s);
+    case DType::kF64: return launch_hier_op<double>(op, peers, rail, p, lanes, threads, in, out, count, s);
+    case DType::kBF16: return launch_hier_op<__nv_bfloat16>(op, peers, rail, p, lanes, threads, in, out, count, s);
+    case DType::kF16: return launch_hier_op<__half>(op, peers, rail, p, lanes, threads, in, out, count, s);
+    case DType::kS32: return launch_hier_op<int32_t>(op, peers, rail, p, lanes, threads, in, out, count, s);
+    case DType::kS64: return launch_hier_op<int64_t>(op, peers, rail, p, lanes, threads, in, out, count, s);
+    case DType::kU32: return launch_hier_op<uint32_t>(op, peers, rail, p, lanes, threads, in, out, count, s);
+  }
+  return cudaErrorInvalidValue;
+}
+
+template <class Peers, class Rail>
+cudaError_t preload_hier() {
+  cudaError_t e;
+  if ((e = preload_hier_type<float, Peers, Rail>()) != cudaSuccess) return e;
+  if ((e = preload_hier_type<double, Peers, Rail>()) != cudaSuccess) return e;
+  if ((e = preload_hier_type<__nv_bfloat16, Peers, Rail>()) != cudaSuccess) return e;
+  if ((e = preload_hier_type<__half, Peers, Rail>()) != cudaSuccess) return e;
+  if ((e = preload_hier_type<int32_t, Peers, Rail>()) != cudaSuccess) return e;
+  if ((e = preload_hier_type<int64_t, Peers, Rail>()) != cudaSuccess) return e;
+  return preload_hier_type<uint32_t, Peers, Rail>();
+}
+
+LaneParams lane_params(const LaunchConfig& cfg, RedOp op, Algorithm algo) {
+  LaneParams p;
+  p.rank = cfg.rank;
+  p.nranks = cfg.nranks;
+  p.group = cfg.group;
+  p.flags_offset = cfg.flags_offset;
+  p.data_offset = cfg.data_offset;
+  p.lane_bytes = cfg.lane_bytes;
+  p.rounds = cfg.rounds;
+  p.diag = cfg.diag;
+  p.timeout_ns = cfg.timeout_ns;
+  p.fault_rank = cfg.fault_rank;
+  p.op = int32_t(op);
+  p.algorithm = int32_t(algo);
+  p.ll_offset = cfg.ll_offset;
+  p.ll = 0;
+  p.ranks_per_node = cfg.ranks_per_node;
+  p.rail_offset = cfg.rail_offset;
+  p.outbox_offset = cfg.outbox_offset;
+  p.outbox_lane_bytes = cfg.outbox_lane_bytes;
+  return p;
+}
+
+// The hierarchical all-reduce of a group that spans nodes (cfg.ranks_per_node set by
+// set_window_layout): LSA within the node, the rail between nodes through GIN (an NCCL window
+// with its device communicator) or emulated GIN (a pointer table, native harness).
+cudaError_t launch_hierarchical(const PeerAccess& peers, const LaunchConfig& cfg, DType dtype,
+                                RedOp op, const void* in, void* out, size_t count,
+                                cudaStream_t stream) {
+  const Algorithm algo = Algorithm::kHierarchical;
+  const int L = cfg.ranks_per_node;
+  if (!spans_nodes(cfg.nranks, L) || cfg.outbox_lane_bytes == 0) return cudaErrorInvalidValue;
+  const LaneParams p = lane_params(cfg, op, algo);
+  const int lanes = choose_lanes(algo, count * dtype_size(dtype), cfg.nranks, cfg.max_lanes);
+  if (count == 0) return cudaSuccess;  // nothing to reduce
+  if (peers.table != nullptr) {
+    const EmulatedGinRail rail{peers.table, cfg.rank, cfg.rail_offset + rail_words(cfg.nranks / L) * 8};
+    return launch_hier_dtype(dtype, op, TablePeers{peers.table}, rail, p, lanes, cfg.threads, in, out, count, stream);
+  }
+  if (peers.win == nullptr || peers.devcomm == nullptr) return cudaErrorInvalidValue;
+  return launch_hier_dtype(dtype, op, NcclNodePeers{peers.win, L}, GinRail{*peers.devcomm, peers.win},
+                           p, lanes, cfg.threads, in, out, count, stream);
 }
 
 template <class Peers>
@@ -72,7 +154,10 @@ int choose_lanes(Algorithm algo, size_t bytes, int nranks, int max_lanes) {
 cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, DType dtype,
                              RedOp op, Algorithm algo, const void* in, void* out, size_t count,
                              cudaStream_t stream) {
-  // Only the public algorithms run on GPUs: kHierarchical needs a GIN transport (not yet).
+  // The public algorithms need load/store access to every peer; kHierarchical runs only for
+  // groups that span nodes (LSA within a node, GIN between nodes).
+  if (algo == Algorithm::kHierarchical)
+    return launch_hierarchical(peers, cfg, dtype, op, in, out, count, stream);
   if (int(algo) < 0 || int(algo) >= kNumAlgorithms) return cudaErrorInvalidValue;
   LaneParams p;
   p.rank = cfg.rank;
@@ -104,7 +189,9 @@ cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, D
 cudaError_t preload_kernels() {
   cudaError_t e = preload_peers<NcclPeers>();
   if (e != cudaSuccess) return e;
-  return preload_peers<TablePeers>();
+  if ((e = preload_peers<TablePeers>()) != cudaSuccess) return e;
+  if ((e = preload_hier<NcclNodePeers, GinRail>()) != cudaSuccess) return e;
+  return preload_hier<TablePeers, EmulatedGinRail>();
 }
 
 size_t window_flags_bytes(int nranks) {
@@ -120,16 +207,78 @@ size_t window_ll_bytes(int nranks) {
   return nranks <= kLLMaxRanks ? ll_area_bytes(nranks) : 0;
 }
 
-size_t window_bytes(int nranks, size_t lane_bytes) {
-  return window_flags_bytes(nranks) + window_ll_bytes(nranks) + size_t(kMaxLanes) * lane_bytes;
+namespace {
+size_t round_up_4k(size_t b) { return (b + 4095) / 4096 * 4096; }
+}  // namespace
+
+bool spans_nodes(int nranks, int ranks_per_node) {
+  return ranks_per_node > 0 && ranks_per_node < nranks && nranks % ranks_per_node == 0;
 }
 
-void set_window_layout(LaunchConfig& cfg, int nranks, size_t lane_bytes) {
+// A lane's outbox mirrors its ring slots: the largest ring area over the element sizes.
+size_t outbox_lane_bytes(int nranks, int ranks_per_node, size_t lane_bytes) {
+  if (!spans_nodes(nranks, ranks_per_node)) return 0;
+  const int M = schedule::hier_nodes(nranks, ranks_per_node);
+  size_t most = 0;
+  for (size_t e : {size_t(2), size_t(4), size_t(8)}) {
+    const size_t slot = schedule::slot_elems(Algorithm::kHierarchical, nranks, lane_bytes, e, ranks_per_node);
+    const size_t ring = schedule::hier_ring_slot_elems(slot, M, schedule::align_elems(e));
+    most = std::max(most, size_t(schedule::hier_ring_slots(M)) * ring * e);
+  }
+  return (most + kAlignBytes - 1) / kAlignBytes * kAlignBytes;
+}
+
+int gin_signal_count(int nranks, int ranks_per_node) {
+  return spans_nodes(nranks, ranks_per_node) ? int(rail_words(nranks / ranks_per_node)) : 0;
+}
+
+size_t window_bytes(int nranks, size_t lane_bytes, int ranks_per_node) {
+  const size_t data = size_t(kMaxLanes) * lane_bytes;
+  if (!spans_nodes(nranks, ranks_per_node))
+    return window_flags_bytes(nranks) + window_ll_bytes(nranks) + data;
+  return window_flags_bytes(nranks) + round_up_4k(data) +
+         round_up_4k(rail_area_bytes(nranks / ranks_per_node)) +
+         size_t(kMaxLanes) * outbox_lane_bytes(nranks, ranks_per_node, lane_bytes);
+}
+
+void set_window_layout(LaunchConfig& cfg, int nranks, size_t lane_bytes, int ranks_per_node) {
   cfg.flags_offset = 0;
-  cfg.ll_offset = window_flags_bytes(nranks);
-  cfg.data_offset = cfg.ll_offset + window_ll_bytes(nranks);
   cfg.lane_bytes = lane_bytes;
-  if (window_ll_bytes(nranks) == 0) cfg.ll_max_bytes = 0;
+  if (!spans_nodes(nranks, ranks_per_node)) {
+    cfg.ll_offset = window_flags_bytes(nranks);
+    cfg.data_offset = cfg.ll_offset + window_ll_bytes(nranks);
+    if (window_ll_bytes(nranks) == 0) cfg.ll_max_bytes = 0;
+    cfg.ranks_per_node = 0;
+    cfg.rail_offset = cfg.outbox_offset = cfg.outbox_lane_bytes = 0;
+    return;
+  }
+  // [flags | data | rail | outboxes]: no LL area (hierarchical does not use it).
+  cfg.ll_offset = cfg.data_offset = window_flags_bytes(nranks);
+  cfg.ll_max_bytes = 0;
+  cfg.ranks_per_node = ranks_per_node;
+  cfg.rail_offset = cfg.data_offset + round_up_4k(size_t(kMaxLanes) * lane_bytes);
+  cfg.outbox_offset = cfg.rail_offset + round_up_4k(rail_area_bytes(nranks / ranks_per_node));
+  cfg.outbox_lane_bytes = outbox_lane_bytes(nranks, ranks_per_node, lane_bytes);
+}
+
+cudaError_t resident_ctas(Algorithm algo, DType dtype, int threads, int* ctas) {
+  int per_sm = 0, dev = 0, sms = 0;
+  cudaError_t e;
+  switch (dtype) {
+    case DType::kF32: e = table_occupancy<float>(algo, threads, &per_sm); break;
+    case DType::kF64: e = table_occupancy<double>(algo, threads, &per_sm); break;
+    case DType::kBF16: e = table_occupancy<__nv_bfloat16>(algo, threads, &per_sm); break;
+    case DType::kF16: e = table_occupancy<__half>(algo, threads, &per_sm); break;
+    case DType::kS32: e = table_occupancy<int32_t>(algo, threads, &per_sm); break;
+    case DType::kS64: e = table_occupancy<int64_t>(algo, threads, &per_sm); break;
+    case DType::kU32: e = table_occupancy<uint32_t>(algo, threads, &per_sm); break;
+    default: return cudaErrorInvalidValue;
+  }
+  if (e != cudaSuccess) return e;
+  if ((e = cudaGetDevice(&dev)) != cudaSuccess) return e;
+  if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) return e;
+  *ctas = per_sm * sms;
+  return cudaSuccess;
 }
 
 }  // namespace gpu

@@ -5,6 +5,8 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+struct ncclDevComm;  // nccl_device.h
+
 #include <cstddef>
 #include <cstdint>
 
@@ -19,6 +21,9 @@ struct LaneParams;
 struct PeerAccess {
   ncclWindow_t win = nullptr;        // NCCL window, or
   char* const* table = nullptr;      // device array [nranks] of window bases (harness)
+  // Groups that span nodes (hierarchical with an NCCL window): the device communicator with
+  // GIN, copied into the kernel's arguments. With `table`, GIN is emulated over P2P instead.
+  const ncclDevComm* devcomm = nullptr;
 };
 
 struct LaunchConfig {
@@ -39,6 +44,12 @@ struct LaunchConfig {
   int fault_rank = -1;
   int threads = 512;
   int max_lanes = kMaxLanes;  // JAX_GIN_MAX_LANES
+  // Groups that span nodes (set by set_window_layout with ranks_per_node): the node size and
+  // the GIN areas of the window. ranks_per_node > 0 only for such groups.
+  int ranks_per_node = 0;
+  size_t rail_offset = 0;        // bytes: last-sent tags, then emulated signals
+  size_t outbox_offset = 0;      // bytes: kMaxLanes outboxes of outbox_lane_bytes
+  size_t outbox_lane_bytes = 0;
 };
 
 // Number of lanes (CTAs) used for a message of `bytes` with `algo`. Depends only on its
@@ -46,6 +57,8 @@ struct LaunchConfig {
 int choose_lanes(Algorithm algo, size_t bytes, int nranks, int max_lanes);
 
 // Launches one rank's part of an all-reduce on `stream`. Returns the launch error, if any.
+// kHierarchical (internal) runs only where cfg.ranks_per_node is set, over PeerAccess's
+// `table` (GIN emulated over P2P) or `win` + `devcomm` (NCCL GIN).
 cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, DType dtype,
                              RedOp op, Algorithm algo, const void* in, void* out, size_t count,
                              cudaStream_t stream);
@@ -55,12 +68,24 @@ cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, D
 cudaError_t preload_kernels();
 
 // Window layout of one rank: flags, then the LL area, then kMaxLanes data areas of lane_bytes.
+// A group that spans nodes (0 < ranks_per_node < nranks, ranks_per_node dividing nranks) has
+// no LL area and two more: the rail area (last-sent tags and emulated GIN signals) and
+// kMaxLanes outboxes (GIN stages rail puts there). ranks_per_node = 0: one node.
 size_t window_flags_bytes(int nranks);
 size_t window_ll_bytes(int nranks);
-// Fills flags_offset, ll_offset and data_offset of `cfg` for this layout.
-void set_window_layout(LaunchConfig& cfg, int nranks, size_t lane_bytes);
-size_t window_bytes(int nranks, size_t lane_bytes);
+bool spans_nodes(int nranks, int ranks_per_node);
+size_t outbox_lane_bytes(int nranks, int ranks_per_node, size_t lane_bytes);
+// Fills the offsets of `cfg` (and ranks_per_node, ll_max_bytes for spanning groups).
+void set_window_layout(LaunchConfig& cfg, int nranks, size_t lane_bytes, int ranks_per_node = 0);
+size_t window_bytes(int nranks, size_t lane_bytes, int ranks_per_node = 0);
 size_t lane_bytes_for_workspace(size_t workspace_bytes);
+// GIN signals a spanning group's device communicator needs (ginSignalCount).
+int gin_signal_count(int nranks, int ranks_per_node);
+
+// Native harness: how many CTAs of `threads` threads of the kernel that runs `algo` over a
+// pointer table (GIN emulated for kHierarchical) fit on the current device at once. Ranks
+// that share a GPU spin on each other, so all their lanes must be resident together.
+cudaError_t resident_ctas(Algorithm algo, DType dtype, int threads, int* ctas);
 
 }  // namespace gpu
 }  // namespace jax_gin

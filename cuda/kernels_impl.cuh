@@ -26,6 +26,26 @@ __global__ void __launch_bounds__(512)
   if (threadIdx.x == 0) p.rounds[lane] = round;
 }
 
+// hierarchical (groups that span nodes): run_lane_hierarchical over HierTransport, which
+// reaches the ranks of this node by LSA and rail peers through `Rail` (GIN, or its emulation
+// over P2P in the native harness). Same lane split and round counters as allreduce_kernel.
+template <class T, class Op, class Peers, class Rail>
+__global__ void __launch_bounds__(512)
+    hierarchical_kernel(Peers peers, Rail rail, LaneParams p, const T* __restrict__ in,
+                        T* __restrict__ out, size_t count) {
+  const int lane = blockIdx.x;
+  const Algorithm algo = Algorithm::kHierarchical;
+  const schedule::Range mine = schedule::piece(count, gridDim.x, lane, schedule::align_elems(sizeof(T)));
+  const size_t slot_bytes =
+      schedule::slot_elems(algo, p.nranks, p.lane_bytes, sizeof(T), p.ranks_per_node) * sizeof(T);
+  HierTransport<Peers, Rail> tp(peers, rail, p, lane, slot_bytes);
+  uint64_t round = p.rounds[lane];
+  run_lane_hierarchical<T, Op>(tp, in + mine.offset, out + mine.offset, mine.count, p.lane_bytes,
+                               p.ranks_per_node, round);
+  tp.finish();
+  if (threadIdx.x == 0) p.rounds[lane] = round;
+}
+
 // one_shot over the LL protocol (transport.cuh). Purpose: the smallest latency for messages up
 // to 64 KiB per rank and up to 16 ranks. Each thread owns lines: it pushes its 8 input bytes
 // with the round's flag to every peer, then polls its own window for every peer's line and
@@ -132,6 +152,51 @@ cudaError_t launch_op(RedOp op, const Peers& peers, const LaneParams& p, int lan
   return cudaErrorInvalidValue;
 }
 
+template <class T, class Peers, class Rail>
+cudaError_t launch_hier_op(RedOp op, const Peers& peers, const Rail& rail, const LaneParams& p,
+                           int lanes, int threads, const void* in, void* out, size_t count,
+                           cudaStream_t s) {
+  const T* i = static_cast<const T*>(in);
+  T* o = static_cast<T*>(out);
+  switch (op) {
+    case RedOp::kSum: hierarchical_kernel<T, DevSum, Peers, Rail><<<lanes, threads, 0, s>>>(peers, rail, p, i, o, count); break;
+    case RedOp::kMax: hierarchical_kernel<T, DevMax, Peers, Rail><<<lanes, threads, 0, s>>>(peers, rail, p, i, o, count); break;
+    case RedOp::kMin: hierarchical_kernel<T, DevMin, Peers, Rail><<<lanes, threads, 0, s>>>(peers, rail, p, i, o, count); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+template <class T, class Peers, class Rail>
+cudaError_t preload_hier_type() {
+  cudaFuncAttributes a;
+  cudaError_t e;
+  if ((e = cudaFuncGetAttributes(&a, hierarchical_kernel<T, DevSum, Peers, Rail>)) != cudaSuccess) return e;
+  if ((e = cudaFuncGetAttributes(&a, hierarchical_kernel<T, DevMax, Peers, Rail>)) != cudaSuccess) return e;
+  return cudaFuncGetAttributes(&a, hierarchical_kernel<T, DevMin, Peers, Rail>);
+}
+
+// CTAs per SM of the table-peer kernel that runs `algo` (the fewest over the ops).
+template <class T>
+cudaError_t table_occupancy(Algorithm algo, int threads, int* per_sm) {
+  int a = 0, b = 0, c = 0;
+  cudaError_t e;
+  if (algo == Algorithm::kHierarchical) {
+    using R = EmulatedGinRail;
+    if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&a, hierarchical_kernel<T, DevSum, TablePeers, R>, threads, 0)) ||
+        (e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, hierarchical_kernel<T, DevMax, TablePeers, R>, threads, 0)) ||
+        (e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c, hierarchical_kernel<T, DevMin, TablePeers, R>, threads, 0)))
+      return e;
+  } else {
+    if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&a, allreduce_kernel<T, DevSum, TablePeers>, threads, 0)) ||
+        (e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, allreduce_kernel<T, DevMax, TablePeers>, threads, 0)) ||
+        (e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c, allreduce_kernel<T, DevMin, TablePeers>, threads, 0)))
+      return e;
+  }
+  *per_sm = a < b ? (a < c ? a : c) : (b < c ? b : c);
+  return cudaSuccess;
+}
+
 template <class T, class Peers>
 cudaError_t preload_type() {
   cudaFuncAttributes a;
@@ -154,7 +219,16 @@ cudaError_t preload_type() {
                                                 int, int, Algorithm, const void*, void*, size_t, \
                                                 cudaStream_t);                                   \
   template cudaError_t preload_type<T, NcclPeers>();                                             \
-  template cudaError_t preload_type<T, TablePeers>();
+  template cudaError_t preload_type<T, TablePeers>();                                            \
+  template cudaError_t launch_hier_op<T, NcclNodePeers, GinRail>(                                \
+      RedOp, const NcclNodePeers&, const GinRail&, const LaneParams&, int, int, const void*,     \
+      void*, size_t, cudaStream_t);                                                              \
+  template cudaError_t launch_hier_op<T, TablePeers, EmulatedGinRail>(                           \
+      RedOp, const TablePeers&, const EmulatedGinRail&, const LaneParams&, int, int, const void*,\
+      void*, size_t, cudaStream_t);                                                              \
+  template cudaError_t preload_hier_type<T, NcclNodePeers, GinRail>();                           \
+  template cudaError_t preload_hier_type<T, TablePeers, EmulatedGinRail>();                     \
+  template cudaError_t table_occupancy<T>(Algorithm, int, int*);
 
 }  // namespace gpu
 }  // namespace jax_gin

@@ -56,11 +56,17 @@ std::string unique_id();
 // windows and device communicators as comm_create. Collective: every process of every group
 // must call it with its own ranks, groups in the same order. Each collective step waits at
 // most timeout_s for the other processes, then aborts the communicators and throws
-// TimeoutError naming the group and the ranks that did not come. Throws (naming GIN) if a
-// group spans nodes.
+// TimeoutError naming the group and the ranks that did not come. A group that spans nodes
+// (NCCL's LSA team is smaller than the group) gets a device communicator with GIN and runs
+// only hierarchical; it throws (the same error on every rank) if NCCL has no GIN, the ranks
+// are not node-major, or JAX_GIN_EXPERIMENTAL_GIN=1 is not set (that path is built but never
+// ran on two nodes).
 int64_t comm_create_ranks(const std::vector<GroupSpec>& groups, size_t workspace_bytes,
                           double timeout_s, int fault_rank);
 void comm_destroy(int64_t id);
+// Ranks per node of communicator `id`'s groups if they span nodes (they then run only the
+// hierarchical algorithm), else 0. Throws if this process's groups of it differ.
+int comm_ranks_per_node(int64_t id);
 // The state of the rank that runs on `device`, or nullptr.
 const RankState* find_rank(int64_t id, int device);
 // Messages of every timed-out wait recorded for communicator `id` (all if id < 0).

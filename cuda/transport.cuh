@@ -13,6 +13,7 @@
 
 #include "jax_gin/algorithms.h"
 #include "jax_gin/common.h"
+#include "jax_gin/schedule.h"
 
 namespace jax_gin {
 namespace gpu {
@@ -83,6 +84,11 @@ struct LaneParams {
   size_t ll_offset;      // byte offset of the LL (low-latency) area inside each window
   int ll;                // 1: this launch uses the LL one-shot kernel
   size_t chunk_bytes;    // pipelining granularity within a lane (schedule::chunks_for)
+  // Groups that span nodes (hierarchical_kernel only; see the rail section below).
+  int ranks_per_node = 0;        // L: ranks of a node (0: one node)
+  size_t rail_offset = 0;        // byte offset of the rail area (last-sent tags, emulated signals)
+  size_t outbox_offset = 0;      // byte offset of lane 0's outbox
+  size_t outbox_lane_bytes = 0;  // outbox bytes per lane
 };
 
 // ---- LL protocol (one_shot for small messages) ----------------------------------------
@@ -216,6 +222,13 @@ class GpuTransport {
     }
   }
 
+  // Every peer is reached by load/store: a put is a copy into its slot.
+  template <class T>
+  __device__ void put(int peer, int k, size_t off, const T* src, size_t n) const {
+    copy(slot<T>(peer, k) + off, src, n);
+  }
+  __device__ bool needs_credit(int) const { return true; }
+
   // All threads' earlier stores (local and remote) happen before the flag: the CTA barrier
   // orders them before thread 0's store, and a release store at system scope is cumulative
   // (the pattern NCCL's LSA barrier uses), so no separate __threadfence_system is needed.
@@ -259,6 +272,244 @@ class GpuTransport {
   LaneParams p_;
   int lane_;
   size_t slot_bytes_;
+};
+
+// ---- groups that span nodes: LSA within a node, a GIN "rail" between nodes --------------
+// hierarchical_round (algorithms.h) reaches the ranks of its node by load/store and its rail
+// peers (same local rank, other nodes) only by put + signal + wait. Between nodes those go
+// through NCCL's GIN (GPU-initiated networking), which differs from LSA in three ways:
+//   * a put is a one-sided RDMA write from a registered window to a peer's window at an
+//     offset; it cannot read the caller's buffer, so the data is first staged into this
+//     rank's outbox (a per-lane area of its own window that mirrors the lane's ring slots);
+//   * the receiver learns of the data through a signal: a 64-bit counter that puts and
+//     signal operations can only add to (ncclGin_SignalAdd), separate from our flags. A
+//     sender keeps, per (lane, destination node, kind), the last tag it sent (in its window,
+//     so it survives launches) and adds tag - last: the receiver's signal then equals the
+//     last tag, and waiting for "signal >= tag" is the same monotonic-flag wait as on LSA;
+//   * the data flag rides on the put itself (a put with SignalAdd makes the signal visible
+//     only after its payload), so a put is held back until its signal(peer, kData) comes.
+// Outbox reuse: outbox slot s is rewritten in step s of a later round only after the next
+// rank's credit for this round, which it sends after it saw (so GIN delivered) every put of
+// this round; GIN has therefore consumed the outbox. Each launch also flushes GIN before
+// the kernel exits. Signal ids and last-sent tags: rail_index(lane, node, kind), with the
+// sender's node at the receiver and the receiver's node at the sender.
+// Ranks are node-major: rank r is local rank r % L of node r / L (the runtime checks that
+// NCCL's lsaRank is r % L), so the LSA index of a peer of the node is peer % L.
+__host__ __device__ inline size_t rail_index(int lane, int node, int kind, int nodes) {
+  return (size_t(lane) * size_t(nodes) + size_t(node)) * kNumFlagKinds + size_t(kind);
+}
+__host__ __device__ inline size_t rail_words(int nodes) {
+  return size_t(kMaxLanes) * size_t(nodes) * kNumFlagKinds;
+}
+// Rail area of a window: last-sent tags, then the emulated signals (EmulatedGinRail only).
+__host__ __device__ inline size_t rail_area_bytes(int nodes) { return 2 * rail_words(nodes) * 8; }
+
+// Peers of the node through an NCCL window whose LSA team is the node (node-major ranks).
+struct NcclNodePeers {
+  ncclWindow_t win;
+  int lsa_size;
+  __device__ char* base(int peer) const {
+    return static_cast<char*>(ncclGetLsaPointer(win, 0, peer % lsa_size));
+  }
+};
+
+__device__ __forceinline__ void red_add_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Rail policies. Every member is called by all threads of the CTA; `delta` matters only in
+// thread 0, which issues the operation. Offsets are bytes inside the (symmetric) window.
+//   put(peer, dst, src, bytes, sig, id, delta): bytes from my window at src to peer's at dst,
+//       then (if sig) add delta to signal `id` of peer, visible only after the payload
+//   signal(peer, id, delta)   add delta to signal `id` of peer, after my earlier puts to it
+//   read(id)                  my signal `id` (acquire); thread 0 only
+//   flush()                   my puts have consumed their sources
+//
+// GinRail: NCCL's GIN on the world team (group rank = NCCL rank), context 0 (signals live per
+// context, so sender and receiver must use the same one). COMPILED, NEVER RUN: no machine
+// here has two nodes with an RDMA network.
+struct GinRail {
+  ncclDevComm comm;
+  ncclWindow_t win;
+  __device__ void put(int peer, size_t dst, size_t src, size_t bytes, bool sig, uint32_t id,
+                      uint64_t delta) const {
+    __syncthreads();  // the staged data of every thread ...
+    if (threadIdx.x == 0) {
+      __threadfence_system();  // ... is visible to the NIC before it reads it
+      ncclGin gin(comm, 0);
+      if (sig)
+        gin.put(ncclTeamWorld(comm), peer, win, dst, win, src, bytes, ncclGin_SignalAdd{id, delta});
+      else
+        gin.put(ncclTeamWorld(comm), peer, win, dst, win, src, bytes);
+    }
+  }
+  __device__ void signal(int peer, uint32_t id, uint64_t delta) const {
+    __syncthreads();  // every thread is done with the window (a credit releases it)
+    if (threadIdx.x == 0) {
+      __threadfence_system();
+      ncclGin gin(comm, 0);
+      gin.signal(ncclTeamWorld(comm), peer, ncclGin_SignalAdd{id, delta});
+    }
+  }
+  __device__ uint64_t read(uint32_t id) const {
+    ncclGin gin(comm, 0);
+    return gin.readSignal(id);
+  }
+  __device__ void flush() const {
+    ncclGin gin(comm, 0);
+    gin.flush(ncclCoopCta());
+  }
+};
+
+// EmulatedGinRail: the same operations with GIN's semantics (the put copies out of my
+// outbox, never out of the caller's buffer; signals are add-only counters apart from the
+// flags, in the rail area of the receiver's window), carried out by the CTA over P2P
+// pointers. Lets the native harness run the whole hierarchical kernel, with the GIN-shaped
+// staging, signal ids and last-sent deltas, on one GPU.
+struct EmulatedGinRail {
+  char* const* bases;     // every rank's window, by group rank
+  int rank;
+  size_t signals_offset;  // byte offset of the emulated signals inside each window
+  __device__ void put(int peer, size_t dst, size_t src, size_t bytes, bool sig, uint32_t id,
+                      uint64_t delta) const {
+    __syncthreads();  // the staged data is complete
+    const char* s = bases[rank] + src;
+    char* d = bases[peer] + dst;
+    const size_t nv = bytes / 16;  // dst and src are 16-byte aligned
+    for (size_t i = threadIdx.x; i < nv; i += blockDim.x)
+      reinterpret_cast<uint4*>(d)[i] = reinterpret_cast<const uint4*>(s)[i];
+    for (size_t i = nv * 16 + threadIdx.x; i < bytes; i += blockDim.x) d[i] = s[i];
+    if (sig) signal(peer, id, delta);
+  }
+  __device__ void signal(int peer, uint32_t id, uint64_t delta) const {
+    __syncthreads();  // release below is cumulative over the CTA's stores, as in signal()
+    if (threadIdx.x == 0)
+      red_add_release_sys(reinterpret_cast<uint64_t*>(bases[peer] + signals_offset) + id, delta);
+  }
+  __device__ uint64_t read(uint32_t id) const {
+    return ld_acquire_sys(reinterpret_cast<const uint64_t*>(bases[rank] + signals_offset) + id);
+  }
+  __device__ void flush() const {}
+};
+
+// The transport of hierarchical_kernel: peers of this rank's node through GpuTransport
+// (LSA), rail peers through `Rail`. An injected fault (fault_rank) drops only that rank's
+// rail signals: the inter-node signal is the one a lost NIC message would take away.
+template <class Peers, class Rail>
+class HierTransport {
+ public:
+  __device__ HierTransport(const Peers& peers, const Rail& rail, const LaneParams& p, int lane,
+                           size_t slot_bytes)
+      : local_(peers, without_fault(p), lane, slot_bytes), peers_(peers), rail_(rail), p_(p),
+        lane_(lane), slot_bytes_(slot_bytes) {
+    L_ = schedule::hier_local_size(p.nranks, p.ranks_per_node);
+    M_ = schedule::hier_nodes(p.nranks, L_);
+    node_ = schedule::hier_node(p.rank, L_);
+    prev_ = schedule::hier_rail_prev(p.rank, L_, M_);
+    ring0_ = schedule::hier_segment_slots(L_);
+  }
+
+  __device__ int rank() const { return p_.rank; }
+  __device__ int nranks() const { return p_.nranks; }
+  __device__ bool same_node(int peer) const { return schedule::hier_node(peer, L_) == node_; }
+  // Ranks of the node may write to any slot of ours; of the rail, only the ring predecessor.
+  __device__ bool needs_credit(int peer) const { return same_node(peer) || peer == prev_; }
+
+  // Only for this rank and the ranks of its node (rail peers' windows are not mapped).
+  template <class T>
+  __device__ T* slot(int peer, int k) const { return local_.template slot<T>(peer, k); }
+  template <class T>
+  __device__ void copy(T* dst, const T* src, size_t n) const { local_.copy(dst, src, n); }
+  template <class T, class Op, class Src>
+  __device__ void reduce(T* dst, const Src& srcs, size_t n) const {
+    local_.template reduce<T, Op>(dst, srcs, n);
+  }
+
+  // Rail: stage into the outbox (its position mirrors the destination's position in the
+  // lane's ring slots, k >= ring0) and hold the put until its data signal.
+  template <class T>
+  __device__ void put(int peer, int k, size_t off, const T* src, size_t n) {
+    if (same_node(peer)) {
+      local_.copy(local_.template slot<T>(peer, k) + off, src, n);
+      return;
+    }
+    if (pending_) issue(false, 0, 0);  // not expected: hierarchical_round signals every put
+    const size_t pos = size_t(k) * slot_bytes_ + off * sizeof(T);  // in the lane's data area
+    const size_t box = p_.outbox_offset + size_t(lane_) * p_.outbox_lane_bytes +
+                       (pos - size_t(ring0_) * slot_bytes_);
+    local_.copy(reinterpret_cast<T*>(peers_.base(p_.rank) + box), src, n);
+    pending_ = true;
+    put_peer_ = peer;
+    put_dst_ = p_.data_offset + size_t(lane_) * p_.lane_bytes + pos;
+    put_src_ = box;
+    put_bytes_ = n * sizeof(T);
+  }
+
+  __device__ void signal(int peer, int kind, uint64_t value) {
+    if (same_node(peer)) {
+      local_.signal(peer, kind, value);
+      return;
+    }
+    const bool drop = p_.rank == p_.fault_rank;
+    const uint32_t id = uint32_t(rail_index(lane_, node_, kind, M_));  // at the receiver
+    uint64_t* last = reinterpret_cast<uint64_t*>(peers_.base(p_.rank) + p_.rail_offset) +
+                     rail_index(lane_, schedule::hier_node(peer, L_), kind, M_);
+    const uint64_t delta = threadIdx.x == 0 ? value - *last : 0;
+    if (pending_ && put_peer_ == peer && kind == kData) {
+      issue(!drop, id, delta);
+    } else {
+      if (pending_) issue(false, 0, 0);
+      if (!drop) rail_.signal(peer, id, delta);
+    }
+    if (threadIdx.x == 0 && !drop) *last = value;
+  }
+
+  __device__ bool wait(int peer, int kind, uint64_t value, int step) const {
+    if (same_node(peer)) return local_.wait(peer, kind, value, step);
+    if (threadIdx.x == 0) {
+      const uint32_t id = uint32_t(rail_index(lane_, schedule::hier_node(peer, L_), kind, M_));
+      uint64_t seen = rail_.read(id);
+      if (seen < value) {
+        const uint64_t start = globaltimer_ns();
+        uint32_t spins = 0;
+        while ((seen = rail_.read(id)) < value) {
+          if ((++spins & 1023u) == 0 && globaltimer_ns() - start > p_.timeout_ns) {
+            record_timeout(p_, lane_, peer, step, round_of_wait(value, step), value, seen);
+            __trap();
+          }
+        }
+      }
+    }
+    __syncthreads();
+    return true;
+  }
+
+  // End of the launch: every put issued and its source consumed.
+  __device__ void finish() {
+    if (pending_) issue(false, 0, 0);
+    if (M_ > 1) rail_.flush();
+  }
+
+ private:
+  __device__ static LaneParams without_fault(LaneParams p) {
+    p.fault_rank = -1;
+    return p;
+  }
+  __device__ void issue(bool sig, uint32_t id, uint64_t delta) {
+    rail_.put(put_peer_, put_dst_, put_src_, put_bytes_, sig, id, delta);
+    pending_ = false;
+  }
+
+  GpuTransport<Peers> local_;
+  Peers peers_;
+  Rail rail_;
+  LaneParams p_;
+  int lane_;
+  size_t slot_bytes_;
+  int L_ = 1, M_ = 1, node_ = 0, prev_ = 0, ring0_ = 0;
+  bool pending_ = false;
+  int put_peer_ = -1;
+  size_t put_dst_ = 0, put_src_ = 0, put_bytes_ = 0;
 };
 
 }  // namespace gpu

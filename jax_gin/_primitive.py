@@ -22,7 +22,7 @@ from jax.interpreters import ad, mlir
 from jax._src.lib.mlir.dialects import hlo  # noqa: F401  (partition_id)
 
 from . import _compat, _native, _runtime, _select
-from ._ops import ALGORITHM_CODES, OP_API_NAMES, OP_CODES, check_dtype
+from ._ops import OP_API_NAMES, OP_CODES, check_dtype
 
 allreduce_p = Primitive("jax_gin_allreduce")
 
@@ -196,6 +196,7 @@ def _lowering(ctx, x, *, axes, op, algorithm, invariant, platform):
     layout = _runtime.group_layout(tuple(mesh.axis_names),
                                    tuple(int(mesh.shape[n]) for n in mesh.axis_names), axes)
     nbytes = int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+    requested = algorithm
     if algorithm == "auto":
         kind = np.asarray(mesh.devices).flat[0].device_kind
         algorithm, _ = _select.choose(platform, nbytes, layout.nranks, kind)
@@ -205,6 +206,7 @@ def _lowering(ctx, x, *, axes, op, algorithm, invariant, platform):
             f"jax_gin.{api}: a CUDA lowering was requested but jax_gin was not compiled with "
             f"CUDA support ({_native.CUDA_IMPORT_ERROR or '_jax_gin_cuda is missing'})")
     comm = _runtime.communicator(platform, mesh, axes)
+    code = _runtime.algorithm_code(platform, comm, requested, algorithm, api)
     target = _native.CPU_TARGET if platform == "cpu" else _native.CUDA_TARGET
     tok_aval = jax.core.ShapedArray((), np.uint32)
     rule = jax.ffi.ffi_lowering(target)
@@ -212,7 +214,7 @@ def _lowering(ctx, x, *, axes, op, algorithm, invariant, platform):
                                 avals_out=[ctx.avals_out[0], tok_aval]),
                     x, hlo.partition_id(), _chain_token(ctx),
                     comm=np.int64(comm), op=np.int32(OP_CODES[op]),
-                    algorithm=np.int32(ALGORITHM_CODES[algorithm]))
+                    algorithm=np.int32(code))
     _set_chain_token(ctx, tok)
     return [out]
 

@@ -126,6 +126,28 @@ def check_workspace(platform: str, algorithm: str, nranks: int, itemsize: int, a
             f"JAX_GIN_WORKSPACE_BYTES or jax_gin.runtime.settings")
 
 
+# enum class Algorithm::kHierarchical in common.h: internal, not in ALGORITHMS.
+HIERARCHICAL_CODE = 4
+
+
+def algorithm_code(platform: str, comm: int, requested: str, chosen: str, api: str) -> int:
+    """The algorithm id the FFI handler gets. GPU groups that span nodes (NCCL's LSA team is
+    smaller than the group; set up only with JAX_GIN_EXPERIMENTAL_GIN=1, docs/multi-node.md)
+    run only the internal hierarchical algorithm (LSA within a node, GIN between nodes):
+    "auto" picks it there, and an explicit algorithm, which needs load/store access to every
+    peer, is refused."""
+    ranks_per_node = getattr(_native.cuda, "comm_ranks_per_node", None) if platform != "cpu" else None
+    if ranks_per_node is None or ranks_per_node(comm) <= 0:
+        return ALGORITHM_CODES[chosen]
+    if requested != "auto":
+        raise ValueError(
+            f"jax_gin.{api}: algorithm={requested!r} needs load/store access to every peer, but "
+            f"this reduction's groups span nodes ({ranks_per_node(comm)} ranks per node); use "
+            "algorithm='auto', which runs the hierarchical all-reduce there (LSA within a node, "
+            "GIN between nodes)")
+    return HIERARCHICAL_CODE
+
+
 def communicator(platform: str, mesh, axes: tuple) -> int:
     """The id of the communicator for reducing `mesh` over `axes`, created on first use."""
     names = tuple(mesh.axis_names)

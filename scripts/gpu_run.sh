@@ -3,7 +3,9 @@
 # Logs and results go under $OUT (default ./gpu_out). Uses the machine's own python3, nvcc,
 # cmake and NCCL wheel; installs nothing.
 #
-#   scripts/gpu_run.sh [quick|full|bench|tests|multiproc|single]   (default: full)
+#   scripts/gpu_run.sh [quick|full|bench|tests|multiproc|single|gin|x2]   (default: full)
+#   gin: only the native harness's hierarchical (GIN emulated) cases, one GPU is enough
+#   x2: the runs that need two GPUs, in one call
 #   multiproc: 2 processes x 1 GPU on localhost (jax.distributed), tests/test_gpu_multiprocess.py
 #   single: what a 1-GPU machine can check (every rank of the harness on GPU 0, the GPU tests
 #           that need one device, kernel timings of ranks sharing one GPU)
@@ -47,6 +49,23 @@ harness() {
   $H --ranks 2 --counts 1000 --algos one_shot --dtypes f32 --ops sum --iters 1 --timeout-s 1 \
     --fault-rank 1 > "$OUT/harness_fault.log" 2>&1
   log "fault rc=$? (3 expected): $(grep -m1 'timed out' "$OUT/harness_fault.log")"
+  cat "$OUT/harness_fault.log" >> "$OUT/harness.log"; rm -f "$OUT/harness_fault.log"
+  harness_gin
+}
+
+# The hierarchical kernel of groups that span nodes, with GIN emulated over P2P (transport.cuh,
+# EmulatedGinRail): ranks node*L .. node*L+L-1 play a node. Works on one GPU (all ranks there).
+harness_gin() {
+  log "harness hierarchical: groups spanning 'nodes' of 2 and 4 ranks, GIN emulated over P2P"
+  $H --ranks 4,8 --ranks-per-node 2,4 --dtypes f32,bf16,f16,i32,f64 --iters 3 > "$OUT/harness_gin.log" 2>&1
+  log "harness hierarchical rc=$? $(tail -1 "$OUT/harness_gin.log")"
+  grep FAIL "$OUT/harness_gin.log" | head -5
+  cat "$OUT/harness_gin.log" >> "$OUT/harness.log"; rm -f "$OUT/harness_gin.log"
+  log "harness GIN fault injection (rank 1 drops its rail signals, 1 s timeout)"
+  $H --ranks 4 --ranks-per-node 2 --counts 1000 --dtypes f32 --ops sum --iters 1 --timeout-s 1 \
+    --fault-rank 1 > "$OUT/harness_fault.log" 2>&1
+  log "GIN fault rc=$? (3 expected; rank 3 waits for its rail peer 1 at step 1 of round 1)"
+  grep 'timed out' "$OUT/harness_fault.log" | head -4 | tee -a "$OUT/summary.txt"
   cat "$OUT/harness_fault.log" >> "$OUT/harness.log"; rm -f "$OUT/harness_fault.log"
 }
 
@@ -137,6 +156,7 @@ x2() {
 
 case "$MODE" in
   x2) x2 ;;
+  final2) harness; multiproc; BENCH_DTYPES=float32 bench ;;  # after kernel changes, on 2 GPUs
   single) harness
     PYTEST_FILES="tests/test_gpu.py tests/test_gpu_init_timeout.py tests/test_rules.py" PYTEST_TIMEOUT=240 tests
     single_timing; sanitizer ;;
@@ -159,6 +179,7 @@ case "$MODE" in
   full) harness; sanitizer; tests; bench; graphs ;;
   graphs) graphs ;;
   multiproc) multiproc ;;
+  gin) harness_gin ;;
   pytest) tests ;;
   record) tests; bench; graphs ;;
 esac

@@ -6,6 +6,10 @@
 //   int rank(), nranks()
 //   T* slot<T>(peer, k)              slot k of `peer`'s window for this lane (LSA pointer)
 //   void copy<T>(dst, src, n)        by all workers of the lane; dst may be a peer's slot (a put)
+//   void put<T>(peer, k, off, src, n)  n elements from src into slot k of `peer`'s window, at
+//                                    element `off`; its data flag follows as signal(peer, kData)
+//                                    (load/store transports: copy(slot<T>(peer, k) + off, ...);
+//                                    the GPU's GIN rail stages src in its window and puts it)
 //   void reduce<T, Op>(dst, srcs, n) dst[i] = srcs[0][i] op srcs[1][i] op ... in source order
 //   void copy_to<T>(dsts, src, n)    copy to every destination of a Dests list, reading once
 //   void reduce_to<T, Op>(dsts, srcs, n)  reduce once, store to every destination: a fused
@@ -15,6 +19,8 @@
 //                                    `peer` once it sees the flag
 //   bool wait(peer, kind, value, step)  acquire; false once the timeout fired (the transport
 //                                    has recorded op, rank, peer, step for the host)
+//   bool needs_credit(peer)          whether `peer` may write into this rank's window, so that
+//                                    it awaits this rank's credits (load/store: every peer)
 // Flags are monotonic (see common.h): rounds are never reset, so no flag is ever cleared.
 #pragma once
 
@@ -62,12 +68,14 @@ JG_HD bool await_credit(Tp& tp, int peer, uint64_t round) {
   return round <= 1 || tp.wait(peer, kCredit, round - 1, -1);
 }
 
-// Every rank credits every peer at the end of each round, whatever the algorithm: a later
-// call may use another algorithm in which other peers write to us.
+// Every rank credits every peer that may write to it at the end of each round, whatever the
+// algorithm: a later call may use another algorithm in which other peers write to us. With
+// load/store transports that is every peer; a group that spans nodes runs only hierarchical,
+// so its GPU transport credits only the ranks of its node and its rail predecessor.
 template <class Tp>
 JG_HD void give_credit(Tp& tp, uint64_t round) {
   for (int p = 0; p < tp.nranks(); ++p)
-    if (p != tp.rank()) tp.signal(p, kCredit, round);
+    if (p != tp.rank() && tp.needs_credit(p)) tp.signal(p, kCredit, round);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -299,9 +307,10 @@ JG_HD bool tree_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, uint64
 // only ranks of one node reach each other by load/store and the inter-node links are the
 // scarce resource: each rank sends only 2(M-1)/(L*M) of the data across nodes, to one peer.
 // Intra-node reduce-scatter (two_shot's first half over the L local ranks), a ring over the
-// M ranks of the rail on the owned segment, then intra-node all-gather. Here every peer is
-// reached through the same transport; a GPU version would reach rail peers through GIN.
-// `ranks_per_node` = L (0: one node); it must divide N.
+// M ranks of the rail on the owned segment, then intra-node all-gather. Ranks of a node are
+// reached by load/store (slot, copy); rail peers only through put + signal + wait, which the
+// GPU implements with GIN between nodes (cuda/transport.cuh) and load/store transports as a
+// copy into the peer's slot. `ranks_per_node` = L (0: one node); it must divide N.
 template <class T, class Op, class Tp>
 JG_HD bool hierarchical_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, uint64_t round,
                               int ranks_per_node) {
@@ -336,14 +345,13 @@ JG_HD bool hierarchical_round(Tp& tp, const T* in, T* out, size_t n, size_t slot
     const int next = schedule::hier_rail_next(r, L, M), prev = schedule::hier_rail_prev(r, L, M);
     const int ring0 = schedule::hier_segment_slots(L);
     const size_t rslot = schedule::hier_ring_slot_elems(slot, M, al);
-    T* to_next = tp.template slot<T>(next, ring0);
     const T* mine_ring = tp.template slot<T>(r, ring0);
     if (!await_credit(tp, next, round)) return false;
     for (int s = 0; s < M - 1; ++s) {  // reduce-scatter
       const int step = schedule::hier_ring_step(s);
       const schedule::Range snd = schedule::piece(mine.count, M, schedule::ring_rs_send(node, s, M), al);
       const schedule::Range rcv = schedule::piece(mine.count, M, schedule::ring_rs_recv(node, s, M), al);
-      tp.copy(to_next + size_t(s) * rslot, (s == 0 ? rin : rout) + snd.offset, snd.count);
+      tp.template put<T>(next, ring0, size_t(s) * rslot, (s == 0 ? rin : rout) + snd.offset, snd.count);
       tp.signal(next, kData, data_tag(round, step));
       if (!tp.wait(prev, kData, data_tag(round, step), step)) return false;
       ListSources<T, 2> srcs;
@@ -355,7 +363,7 @@ JG_HD bool hierarchical_round(Tp& tp, const T* in, T* out, size_t n, size_t slot
       const int k = M - 1 + s, step = schedule::hier_ring_step(k);
       const schedule::Range snd = schedule::piece(mine.count, M, schedule::ring_ag_send(node, s, M), al);
       const schedule::Range rcv = schedule::piece(mine.count, M, schedule::ring_ag_recv(node, s, M), al);
-      tp.copy(to_next + size_t(k) * rslot, rout + snd.offset, snd.count);
+      tp.template put<T>(next, ring0, size_t(k) * rslot, rout + snd.offset, snd.count);
       tp.signal(next, kData, data_tag(round, step));
       if (!tp.wait(prev, kData, data_tag(round, step), step)) return false;
       tp.copy(rout + rcv.offset, mine_ring + size_t(k) * rslot, rcv.count);
@@ -411,7 +419,8 @@ JG_HD bool run_lane(Tp& tp, Algorithm algo, const T* in, T* out, size_t count, s
 }
 
 // run_lane for the hierarchical schedule, which also needs the node size. Kept apart from
-// run_lane so that the GPU kernels (which call run_lane) do not compile it.
+// run_lane: the GPU runs it in its own kernel (hierarchical_kernel in cuda/kernels_impl.cuh),
+// over a transport that reaches rail peers through GIN.
 template <class T, class Op, class Tp>
 JG_HD bool run_lane_hierarchical(Tp& tp, const T* in, T* out, size_t count, size_t lane_bytes,
                                  int ranks_per_node, uint64_t& round) {
