@@ -59,6 +59,10 @@ harness_gin() {
   log "harness hierarchical: groups spanning 'nodes' of 2 and 4 ranks, GIN emulated over P2P"
   $H --ranks 4,8 --ranks-per-node 2,4 --dtypes f32,bf16,f16,i32,f64 --iters 3 > "$OUT/harness_gin.log" 2>&1
   log "harness hierarchical rc=$? $(tail -1 "$OUT/harness_gin.log")"
+  # tiny lanes: many rounds, so outboxes are reused and signal deltas span rounds
+  $H --ranks 2,4,6,8 --ranks-per-node 1,2,3,4 --lane-bytes 8192 --counts 1,7,1000,4099,300001 \
+    --dtypes f32,bf16,f64 --iters 3 >> "$OUT/harness_gin.log" 2>&1
+  log "harness hierarchical, many rounds rc=$? $(tail -1 "$OUT/harness_gin.log")"
   grep FAIL "$OUT/harness_gin.log" | head -5
   cat "$OUT/harness_gin.log" >> "$OUT/harness.log"; rm -f "$OUT/harness_gin.log"
   log "harness GIN fault injection (rank 1 drops its rail signals, 1 s timeout)"
