@@ -162,6 +162,7 @@ class GpuTransport {
   }
 
   __device__ size_t chunk_bytes() const { return p_.chunk_bytes; }
+  __device__ void sync() const { __syncthreads(); }
 
   // Copy by the whole CTA in 16-byte vectors (all segment boundaries are 16-byte aligned).
   template <class T>
@@ -412,6 +413,7 @@ class HierTransport {
   __device__ int rank() const { return p_.rank; }
   __device__ int nranks() const { return p_.nranks; }
   __device__ bool same_node(int peer) const { return schedule::hier_node(peer, L_) == node_; }
+  __device__ void sync() const { __syncthreads(); }
   // Ranks of the node may write to any slot of ours; of the rail, only the ring predecessor.
   __device__ bool needs_credit(int peer) const { return same_node(peer) || peer == prev_; }
 

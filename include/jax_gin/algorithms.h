@@ -15,6 +15,11 @@
 //   void reduce_to<T, Op>(dsts, srcs, n)  reduce once, store to every destination: a fused
 //                                    "receive, reduce, send on" step, one pass over the data
 //   size_t chunk_bytes()             pipelining granularity (schedule::chunks_for)
+//   void sync()                      barrier of the lane's workers. copy/reduce split a range
+//                                    among workers by position, so a worker may read back only
+//                                    what it wrote at the same position of the same range;
+//                                    reading output written under another range needs sync()
+//                                    (GPU: __syncthreads; CPU: one worker, a no-op)
 //   void signal(peer, kind, value)   release: everything this lane wrote before is visible to
 //                                    `peer` once it sees the flag
 //   bool wait(peer, kind, value, step)  acquire; false once the timeout fired (the transport
@@ -340,6 +345,8 @@ JG_HD bool hierarchical_round(Tp& tp, const T* in, T* out, size_t n, size_t slot
   // 2. ring over the rail on my segment: its input is the node's partial (in my output; my
   //    raw input when L = 1), reduced in place. Sub-piece offsets are relative to `mine`.
   if (M > 1) {
+    // the ring reads sub-pieces of the segment that step 1 reduced as a whole
+    if (L > 1) tp.sync();
     const T* rin = (L > 1 ? out : in) + mine.offset;
     T* rout = out + mine.offset;
     const int next = schedule::hier_rail_next(r, L, M), prev = schedule::hier_rail_prev(r, L, M);
@@ -372,6 +379,7 @@ JG_HD bool hierarchical_round(Tp& tp, const T* in, T* out, size_t n, size_t slot
   // 3. intra-node all-gather: my final segment into gather slot L + l of every local peer
   //    (their credits were awaited in step 1 of this round)
   if (L > 1) {
+    if (M > 1) tp.sync();  // the segment, whose sub-pieces the ring wrote, is read whole
     const int step = schedule::hier_gather_step(M);
     const uint64_t tag = data_tag(round, step);
     for (int k = 1; k < L; ++k) {
