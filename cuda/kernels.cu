@@ -114,7 +114,7 @@ cudaError_t launch_hierarchical(const PeerAccess& peers, const LaunchConfig& cfg
   const int L = cfg.ranks_per_node;
   if (!spans_nodes(cfg.nranks, L) || cfg.outbox_lane_bytes == 0) return cudaErrorInvalidValue;
   const LaneParams p = lane_params(cfg, op, algo);
-  const int lanes = choose_lanes(algo, count * dtype_size(dtype), cfg.nranks, cfg.max_lanes);
+  const int lanes = choose_lanes(algo, count * dtype_size(dtype), cfg.nranks, cfg.max_lanes, cfg.lane_grain_bytes);
   if (count == 0) return cudaSuccess;  // nothing to reduce
   if (peers.table != nullptr) {
     const EmulatedGinRail rail{peers.table, cfg.rank, cfg.rail_offset + rail_words(cfg.nranks / L) * 8};
@@ -139,12 +139,14 @@ cudaError_t preload_peers() {
 
 }  // namespace
 
-int choose_lanes(Algorithm algo, size_t bytes, int nranks, int max_lanes) {
-  // Small messages: one lane (fewest flags). Larger: one lane per 64 KiB of message, up to
-  // max_lanes, so that many CTAs move data over NVLink at once.
+int choose_lanes(Algorithm algo, size_t bytes, int nranks, int max_lanes, size_t grain) {
+  // Small messages: one lane (fewest flags). Larger: one lane per `grain` bytes of message
+  // (JAX_GIN_LANE_GRAIN_BYTES, 64 KiB by default), up to max_lanes, so that many CTAs move
+  // data over NVLink at once.
   (void)algo;
   (void)nranks;
-  size_t lanes = (bytes + (64u << 10) - 1) / (64u << 10);
+  if (grain == 0) grain = 64u << 10;
+  size_t lanes = (bytes + grain - 1) / grain;
   if (max_lanes < 1 || max_lanes > kMaxLanes) max_lanes = kMaxLanes;
   if (lanes < 1) lanes = 1;
   if (lanes > size_t(max_lanes)) lanes = size_t(max_lanes);
@@ -179,7 +181,7 @@ cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, D
   p.ll = algo == Algorithm::kOneShot && bytes <= cfg.ll_max_bytes &&
          bytes <= kLLLanePayload * kLLMaxLanes && cfg.nranks <= kLLMaxRanks && cfg.nranks > 1;
   const int lanes = p.ll ? int((bytes + kLLLanePayload - 1) / kLLLanePayload)
-                         : choose_lanes(algo, bytes, cfg.nranks, cfg.max_lanes);
+                         : choose_lanes(algo, bytes, cfg.nranks, cfg.max_lanes, cfg.lane_grain_bytes);
   if (lanes == 0) return cudaSuccess;  // nothing to reduce
   if (peers.table != nullptr)
     return launch_dtype(dtype, op, TablePeers{peers.table}, p, lanes, cfg.threads, algo, in, out, count, stream);

@@ -44,6 +44,7 @@ struct LaunchConfig {
   int fault_rank = -1;
   int threads = 512;
   int max_lanes = kMaxLanes;  // JAX_GIN_MAX_LANES
+  size_t lane_grain_bytes = 64u << 10;  // one lane per this many bytes (JAX_GIN_LANE_GRAIN_BYTES)
   // Groups that span nodes (set by set_window_layout with ranks_per_node): the node size and
   // the GIN areas of the window. ranks_per_node > 0 only for such groups.
   int ranks_per_node = 0;
@@ -54,7 +55,7 @@ struct LaunchConfig {
 
 // Number of lanes (CTAs) used for a message of `bytes` with `algo`. Depends only on its
 // arguments, so every rank of a group makes the same choice.
-int choose_lanes(Algorithm algo, size_t bytes, int nranks, int max_lanes);
+int choose_lanes(Algorithm algo, size_t bytes, int nranks, int max_lanes, size_t grain = 64u << 10);
 
 // Launches one rank's part of an all-reduce on `stream`. Returns the launch error, if any.
 // kHierarchical (internal) runs only where cfg.ranks_per_node is set, over PeerAccess's

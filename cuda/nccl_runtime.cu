@@ -269,6 +269,7 @@ void setup_ranks(Comm& comm, int g, int n, const std::vector<int>& ranks,
     if (const char* v = std::getenv("JAX_GIN_LL_MAX_BYTES"))
       c.ll_max_bytes = std::min<size_t>(c.ll_max_bytes, std::strtoull(v, nullptr, 10));
     if (const char* v = std::getenv("JAX_GIN_CHUNK_BYTES")) c.chunk_bytes = std::strtoull(v, nullptr, 10);
+    if (const char* v = std::getenv("JAX_GIN_LANE_GRAIN_BYTES")) c.lane_grain_bytes = std::strtoull(v, nullptr, 10);
   }
 }
 
