@@ -141,11 +141,11 @@ cudaError_t preload_peers() {
 
 int choose_lanes(Algorithm algo, size_t bytes, int nranks, int max_lanes, size_t grain) {
   // Small messages: one lane (fewest flags). Larger: one lane per `grain` bytes of message
-  // (JAX_GIN_LANE_GRAIN_BYTES, 64 KiB by default), up to max_lanes, so that many CTAs move
+  // (JAX_GIN_LANE_GRAIN_BYTES, 16 KiB by default), up to max_lanes, so that many CTAs move
   // data over NVLink at once.
   (void)algo;
   (void)nranks;
-  if (grain == 0) grain = 64u << 10;
+  if (grain == 0) grain = 16u << 10;
   size_t lanes = (bytes + grain - 1) / grain;
   if (max_lanes < 1 || max_lanes > kMaxLanes) max_lanes = kMaxLanes;
   if (lanes < 1) lanes = 1;
