@@ -140,6 +140,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check every result against a numpy reference (default on)")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar or notes on stderr (the table still goes to stdout)")
+    g = p.add_argument_group(
+        "several processes (jax.distributed; run the same command in every process, "
+        "process 0 prints)")
+    g.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="jax.distributed coordinator address; with --num-processes and "
+                        "--process-id")
+    g.add_argument("--num-processes", type=int, default=None)
+    g.add_argument("--process-id", type=int, default=None)
+    g.add_argument("--distributed", action="store_true",
+                   help="call jax.distributed.initialize() with no arguments (SLURM, Open MPI, "
+                        "or JAX_COORDINATOR_ADDRESS etc. in the environment)")
     return p
 
 
@@ -156,7 +167,33 @@ def parse_args(argv) -> argparse.Namespace:
         parser.error("-k/--chain must be >= 2: the per-op time is (T_K - T_1) / (K - 1)")
     if args.maxbytes is not None and args.maxbytes < args.minbytes:
         parser.error("-e/--maxbytes is smaller than -b/--minbytes")
+    given = [a is not None for a in (args.coordinator, args.num_processes, args.process_id)]
+    if any(given) and not all(given):
+        parser.error("--coordinator, --num-processes and --process-id go together")
+    if all(given) and args.distributed:
+        parser.error("--distributed takes its settings from the environment: drop "
+                     "--coordinator, --num-processes and --process-id")
     return args
+
+
+def init_distributed(args) -> None:
+    """jax.distributed.initialize() for a run over several processes (before any device use).
+    On CPU, lax's cross-process collectives need gloo; the setting is ignored on GPUs."""
+    if args.coordinator is None and not args.distributed:
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if args.distributed:
+        jax.distributed.initialize()
+    else:
+        jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
+                                   process_id=args.process_id)
+
+
+def put_global(a: np.ndarray, sharding: NamedSharding):
+    """A host array as a global jax.Array; in several processes each puts only its shards."""
+    if jax.process_count() == 1:
+        return jax.device_put(a, sharding)
+    return jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
 
 
 def size_steps(minbytes: int, maxbytes: int, factor: int) -> list:
@@ -205,9 +242,15 @@ def _cast(a: np.ndarray, dtype) -> np.ndarray:
 
 
 def count_wrong(out, ref: np.ndarray, nranks: int) -> int:
-    """Elements of the (nranks * count,) result that differ from ref on any device."""
-    got = np.asarray(out).reshape(nranks, -1)
-    return int(np.count_nonzero(got != ref[None, :]))
+    """Elements of the (nranks * count,) result that differ from ref on any device (each
+    device's shard is its whole result). With several processes each checks its own devices'
+    shards and the counts are summed over the processes."""
+    if getattr(out, "is_fully_addressable", True):
+        got = np.asarray(out).reshape(nranks, -1)
+        return int(np.count_nonzero(got != ref[None, :]))
+    from jax.experimental import multihost_utils
+    mine = sum(int(np.count_nonzero(np.asarray(sh.data) != ref)) for sh in out.addressable_shards)
+    return int(np.sum(multihost_utils.process_allgather(np.array([mine], np.int64))))
 
 
 # ---------------------------------------------------------------------------------------
@@ -380,6 +423,7 @@ def metadata(args, devices, platform: str) -> dict:
         "device_kind": devices[0].device_kind,
         "ndevices": len(devices),
         "ndevices_total": len(jax.devices()),
+        "processes": jax.process_count(),
         "xla_flags": xla_flags,
         "command_buffer_flags": command_buffer_flags(xla_flags),
         "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
@@ -404,7 +448,8 @@ def header_lines(meta: dict) -> list:
         f"{'yes' if meta['jax_gin_cuda'] else 'no'})",
         f"# jax {meta['jax']}  jaxlib {meta['jaxlib']}  python {meta['python']}  host {meta['host']}",
         f"# platform {meta['platform']}: {meta['ndevices']} x {meta['device_kind']} "
-        f"(of {meta['ndevices_total']} devices)",
+        f"(of {meta['ndevices_total']} devices"
+        + (f", {meta['processes']} processes)" if meta.get("processes", 1) > 1 else ")"),
         f"# XLA_FLAGS: {meta['xla_flags'] or '(none)'}",
         f"# command buffers (CUDA graphs): {graphs}",
         f"# NCCL_NVLS_ENABLE: {meta['nccl_nvls_enable']}",
@@ -552,8 +597,8 @@ def run_table(mesh, dtype: str, op: str, sizes: list, args, platform, progress, 
     for size in sizes:
         count = max(1, size // itemsize)
         inputs = make_inputs(nranks, count, dtype, op, seed=count)
-        device_args = (jax.device_put(inputs.x.reshape(-1), sharding),
-                       jax.device_put(inputs.corr.reshape(-1), sharding))
+        device_args = (put_global(inputs.x.reshape(-1), sharding),
+                       put_global(inputs.corr.reshape(-1), sharding))
         at_size = []
         for algo in args.algorithm:
             rec = Record(size=count * itemsize, count=count, dtype=dtype, op=op, algorithm=algo,
@@ -572,6 +617,10 @@ def main(argv=None) -> int:
     """Run the benchmark; returns 0, or 1 when any result was wrong or any run failed."""
     args = parse_args(argv)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast must stay off (findings.md)
+    init_distributed(args)
+    main_process = jax.process_index() == 0  # prints and writes; every process measures
+    if not main_process:
+        args.quiet, args.json, args.plot = True, None, None
     devices = select_devices(args.devices)
     platform = devices[0].platform
     if args.maxbytes is None:
@@ -583,6 +632,8 @@ def main(argv=None) -> int:
                         enabled=not args.quiet)
 
     def emit(line: str) -> None:
+        if not main_process:
+            return
         progress.clear()
         print(line, flush=True)
 

@@ -7,6 +7,7 @@
 #   gin: only the native harness's hierarchical (GIN emulated) cases, one GPU is enough
 #   x2: the runs that need two GPUs, in one call
 #   multiproc: 2 processes x 1 GPU on localhost (jax.distributed), tests/test_gpu_multiprocess.py
+#              and the float32 benchmark in that mode (bench_2proc.txt)
 #   single: what a 1-GPU machine can check (every rank of the harness on GPU 0, the GPU tests
 #           that need one device, kernel timings of ranks sharing one GPU)
 set -uo pipefail
@@ -132,6 +133,22 @@ multiproc() {
     tests/test_gpu_multiprocess.py > "$OUT/pytest_multiproc.log" 2>&1
   log "pytest multiproc rc=$? $(tail -1 "$OUT/pytest_multiproc.log")"
   grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/pytest_multiproc.log" | head -10
+  [ "${BENCH_2PROC:-1}" = 1 ] && bench_2proc
+}
+
+# The benchmark in that mode: the same command in 2 processes, one GPU each; process 0 prints.
+bench_2proc() {
+  log "benchmark, 2 processes x 1 GPU"
+  local port=$((20000 + RANDOM % 20000))
+  for i in 0 1; do
+    CUDA_VISIBLE_DEVICES=$i JAX_PLATFORMS=cuda timeout 400 $PY -m jax_gin.bench -b 4K -e ${BENCH_MAX:-1G} -f 4 \
+      -d float32 -a auto,one_shot,two_shot,ring,lax -n 20 -w 5 -k 20 --quiet \
+      --coordinator 127.0.0.1:$port --num-processes 2 --process-id $i \
+      > "$OUT/bench_2proc_$i.txt" 2>&1 &
+  done
+  wait
+  log "bench 2 processes done"; mv "$OUT/bench_2proc_0.txt" "$OUT/bench_2proc.txt"
+  tail -3 "$OUT/bench_2proc_1.txt"; rm -f "$OUT/bench_2proc_1.txt"
 }
 
 # Ranks sharing one GPU: HBM-bound, not NVLink-bound, so these times say how many passes over
@@ -151,7 +168,7 @@ x2() {
   log "native harness: ranks 2,4 on 2 GPUs (quick)"
   $H --ranks 2,4 --counts 1,4099,300001 --dtypes f32,bf16 --ops sum,max --iters 2 > "$OUT/harness.log" 2>&1
   log "harness rc=$? $(tail -1 "$OUT/harness.log")"
-  multiproc
+  BENCH_2PROC=0 multiproc
   JAX_PLATFORMS=cuda timeout 120 $PY -m jax_gin.bench_mlp --cmdbuf both --json "$OUT/bench_mlp.json" \
     > "$OUT/bench_mlp.txt" 2>> "$OUT/build.log"; log "bench_mlp rc=$?"
   BENCH_DTYPES=float32 bench
@@ -160,7 +177,7 @@ x2() {
 
 case "$MODE" in
   x2) x2 ;;
-  final2) harness; multiproc; BENCH_DTYPES=float32 bench ;;  # after kernel changes, on 2 GPUs
+  final2) harness; BENCH_2PROC=0 multiproc; BENCH_DTYPES=float32 bench ;;  # after kernel changes, on 2 GPUs
   single) harness
     PYTEST_FILES="tests/test_gpu.py tests/test_gpu_init_timeout.py tests/test_rules.py" PYTEST_TIMEOUT=240 tests
     single_timing; sanitizer ;;

@@ -92,3 +92,40 @@ def test_sizes_and_flags():
     for bad in (["-a", "butterfly"], ["-d", "int8"], ["-k", "1"], ["-b", "3X"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
+
+
+def test_bench_two_processes(tmp_path):
+    """The benchmark over jax.distributed: 2 processes x 4 CPU devices on 127.0.0.1, one
+    mesh of 8, jax_gin and lax side by side; process 0 prints and writes the JSON."""
+    import json
+    import subprocess
+    import sys
+
+    from multiproc import clean_env, free_port, tail
+
+    port = free_port()
+    out = tmp_path / "bench.json"
+    env = clean_env(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    cmd = [sys.executable, "-m", "jax_gin.bench", "-b", "4K", "-e", "64K", "-f", "16",
+           "-a", "auto,one_shot,ring,lax", "-n", "2", "-w", "1", "-k", "3", "--quiet",
+           "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+    procs = [subprocess.Popen(cmd + ["--process-id", str(i)] + (["--json", str(out)] if i == 0 else []),
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for i, (p, o) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"process {i}:\n{tail(o)}"
+    assert "8 x cpu (of 8 devices, 2 processes)" in outs[0], tail(outs[0])
+    assert "Avg bus bandwidth" in outs[0]
+    assert "all-reduce benchmark" not in outs[1]  # only process 0 prints the table
+    recs = json.loads(out.read_text())["results"]
+    assert {r["algorithm"] for r in recs} == {"auto", "one_shot", "ring", "lax"}
+    assert {r["size"] for r in recs} == {4 << 10, 64 << 10}
+    for r in recs:
+        assert r["nranks"] == 8 and r["error"] is None, r
+        assert r["wrong"] == 0 and r["wrong_chain"] == 0, r
+        assert r["time_us"] is not None
