@@ -72,3 +72,14 @@ def pcast_varying(x, axes: tuple):
     if hasattr(jax.lax, "pcast"):
         return jax.lax.pcast(x, tuple(axes), to="varying")
     return jax.lax.pvary(x, tuple(axes))
+
+
+def xla_allreduce_lowering(ctx, x, op: str, axes: tuple):
+    """Lower an all-reduce of `x` over mesh `axes` as XLA's own all-reduce: exactly what
+    lax.psum / pmax / pmin lower to (their registered lowering rule), for `auto`'s fallback."""
+    from jax import lax
+    from jax._src.lax import parallel as _parallel
+    prim, reduce = {"sum": (lax.add_p, lax.reduce_sum), "max": (lax.max_p, lax.reduce_max),
+                    "min": (lax.min_p, lax.reduce_min)}[op]
+    return _parallel._all_reduce_lowering(prim, reduce, ctx, x, axes=tuple(axes),
+                                          axis_index_groups=None)

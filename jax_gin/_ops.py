@@ -6,6 +6,10 @@ import jax.numpy as jnp
 
 # The order matches enum class Algorithm in common.h.
 ALGORITHMS = ("ring", "tree", "one_shot", "two_shot")
+# What `auto` may also pick, from a tuning table only: XLA's own all-reduce (the one lax.psum
+# lowers to), in the sizes where it was measured faster than every jax_gin algorithm, as vLLM's
+# custom all-reduce hands sizes it does not win back to NCCL. Not selectable by name.
+XLA_FALLBACK = "xla"
 ALGORITHM_CODES = {name: i for i, name in enumerate(ALGORITHMS)}
 
 # The order matches enum class RedOp in common.h.

@@ -200,6 +200,8 @@ def _lowering(ctx, x, *, axes, op, algorithm, invariant, platform):
     if algorithm == "auto":
         kind = np.asarray(mesh.devices).flat[0].device_kind
         algorithm, _ = _select.choose(platform, nbytes, layout.nranks, kind)
+    if algorithm == _select.XLA_FALLBACK:
+        return _compat.xla_allreduce_lowering(ctx, x, op, axes)
     _runtime.check_workspace(platform, algorithm, layout.nranks, np.dtype(aval.dtype).itemsize, api)
     if platform != "cpu" and _native.cuda is None:
         raise RuntimeError(

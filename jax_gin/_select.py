@@ -1,6 +1,7 @@
 """Algorithm choice: which algorithm `algorithm="auto"` runs, and why.
 
-1. A tuning table measured on this kind of machine and group size (jax_gin/tuning/*.json,
+1. A tuning table (which may also send a size range to XLA's own all-reduce, "xla", where
+   that was measured faster than every jax_gin algorithm) measured on this kind of machine and group size (jax_gin/tuning/*.json,
    written by `python -m jax_gin.tune`; JAX_GIN_TUNING_DIR adds a folder searched first).
 2. Otherwise a model-based rule (performance.md): one_shot moves (N-1)*S per rank in one
    synchronization step, two_shot 2(N-1)/N*S in two, ring the same bytes in 2(N-1) steps,
@@ -14,7 +15,7 @@ import functools
 import json
 import os
 
-from ._ops import ALGORITHMS
+from ._ops import ALGORITHMS, XLA_FALLBACK
 
 SMALL_BYTES = {"cpu": 64 << 10, "cuda": 512 << 10}
 RING_MIN_RANKS = 16
@@ -29,7 +30,8 @@ def load_table(device_kind: str, nranks: int):
         if d and os.path.exists(os.path.join(d, name)):
             with open(os.path.join(d, name)) as f:
                 table = json.load(f)
-            if table.get("entries") and all(e["algorithm"] in ALGORITHMS for e in table["entries"]):
+            if table.get("entries") and all(e["algorithm"] in ALGORITHMS + (XLA_FALLBACK,)
+                                            for e in table["entries"]):
                 return table
     return None
 
@@ -43,6 +45,11 @@ def choose(platform: str, nbytes: int, nranks: int, device_kind: str | None = No
     if table is not None:
         entries = table["entries"]
         pick = next((e for e in entries if nbytes <= e["max_bytes"]), entries[-1])
+        if pick["algorithm"] == XLA_FALLBACK:
+            return XLA_FALLBACK, (
+                f"XLA's own all-reduce (what lax.psum runs) was faster than every jax_gin "
+                f"algorithm near {pick['max_bytes']} B in the tuning table for "
+                f"{table['device_kind']} x {table['nranks']} ({table.get('measured', '?')[:10]})")
         return pick["algorithm"], (
             f"fastest measured near {pick['max_bytes']} B in the tuning table for "
             f"{table['device_kind']} x {table['nranks']} ({table.get('measured', '?')[:10]})")

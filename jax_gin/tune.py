@@ -4,7 +4,9 @@
     python -m jax_gin.tune --from-json a.json b.json   # build the table from benchmark results
 
 A table is keyed by device kind and group size, and lists, for growing message sizes, the
-algorithm that was fastest there (per-op time as `python -m jax_gin.bench` measures it). `auto`
+algorithm that was fastest there (median per-op time over the runs given, as
+`python -m jax_gin.bench` measures it), or "xla" where lax.psum's own all-reduce beat every
+jax_gin algorithm by more than 3%. `auto`
 uses the table of its machine when one ships with jax_gin (or JAX_GIN_TUNING_DIR holds one),
 and falls back to the model-based rule of _select.py otherwise.
 """
@@ -14,10 +16,11 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import sys
 import tempfile
 
-from ._ops import ALGORITHMS
+from ._ops import ALGORITHMS, XLA_FALLBACK
 
 TABLE_DIR = os.path.join(os.path.dirname(__file__), "tuning")
 
@@ -27,25 +30,41 @@ def table_name(device_kind: str, nranks: int) -> str:
     return f"{kind}_n{nranks}.json"
 
 
-def build_table(results: list, meta: dict, dtype: str = "float32", op: str = "sum") -> dict:
-    """Fastest algorithm per size from benchmark records; adjacent sizes with the same winner
-    merge into one entry. Later records override earlier ones at the same size (so a finer
-    run can refine a sweep)."""
-    best: dict = {}
+# `lax` must beat the best jax_gin algorithm by this fraction (of the median per-op times)
+# before a size goes to XLA's own all-reduce: below it, run-to-run noise decides.
+XLA_MARGIN = 0.03
+
+
+def build_table(results: list, meta: dict, dtype: str = "float32", op: str = "sum",
+                xla_margin: float = XLA_MARGIN) -> dict:
+    """Fastest algorithm per size from benchmark records: the median per-op time over every
+    run given, per size and algorithm. Where `lax` was measured too and its median beats the
+    best jax_gin algorithm by more than `xla_margin`, the size goes to XLA's own all-reduce
+    ("xla"). Adjacent sizes with the same winner merge into one entry."""
+    times: dict = {}
     for r in results:
-        if r.get("dtype") != dtype or r.get("op") != op or r.get("algorithm") not in ALGORITHMS:
+        algo = r.get("algorithm")
+        algo = XLA_FALLBACK if algo == "lax" else algo
+        if r.get("dtype") != dtype or r.get("op") != op or algo not in ALGORITHMS + (XLA_FALLBACK,):
             continue
         if r.get("error") or r.get("wrong") or not r.get("time_us") or r["time_us"] <= 0:
             continue
-        best.setdefault(r["size"], {})[r["algorithm"]] = r["time_us"]
+        times.setdefault(r["size"], {}).setdefault(algo, []).append(r["time_us"])
     entries = []
-    for size in sorted(best):
-        algo = min(best[size], key=best[size].get)
+    for size in sorted(times):
+        med = {a: statistics.median(ts) for a, ts in times[size].items()}
+        gin = {a: t for a, t in med.items() if a != XLA_FALLBACK}
+        if not gin:
+            continue
+        algo = min(gin, key=gin.get)
+        if XLA_FALLBACK in med and med[XLA_FALLBACK] < gin[algo] * (1 - xla_margin):
+            algo = XLA_FALLBACK
         if entries and entries[-1]["algorithm"] == algo:
             entries[-1]["max_bytes"] = size
         else:
             entries.append({"max_bytes": size, "algorithm": algo,
-                            "time_us": {a: round(t, 2) for a, t in best[size].items()}})
+                            "time_us": {a: round(t, 2) for a, t in med.items()},
+                            "runs": max(len(ts) for ts in times[size].values())})
     return {
         "device_kind": meta.get("device_kind"),
         "nranks": meta.get("nranks", meta.get("ndevices")),
@@ -54,7 +73,8 @@ def build_table(results: list, meta: dict, dtype: str = "float32", op: str = "su
         "jax": meta.get("jax"),
         "measured": meta.get("date"),
         "source": meta.get("source", "python -m jax_gin.tune"),
-        # sizes up to max_bytes (inclusive, and between two entries: the later one) use algorithm
+        # sizes up to max_bytes (inclusive, and between two entries: the later one) use
+        # algorithm; "xla" is XLA's own all-reduce (lax.psum's), where it was faster
         "entries": entries,
     }
 
@@ -88,7 +108,7 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "bench.json")
             argv_b = ["-b", args.minbytes, "-f", "2", "-n", args.iters, "-d", "float32",
-                      "-a", ",".join(ALGORITHMS), "--json", path]
+                      "-a", ",".join(ALGORITHMS + ("lax",)), "--json", path]
             if args.maxbytes:
                 argv_b += ["-e", args.maxbytes]
             rc = bench.main(argv_b)

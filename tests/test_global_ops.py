@@ -356,3 +356,27 @@ def test_example_tp_mlp():
         assert bitwise
     ours, xla = results["jax_gin"]["collectives"]
     assert xla == 0 and ours >= (1 if ndev() > 1 else 0)
+
+
+def test_matmul_with_auto_xla_fallback(tmp_path, monkeypatch):
+    """A tuning table that sends every size to XLA's all-reduce ("xla"): the global-view ops
+    lower to it (no jax_gin custom call) and keep jnp's bits."""
+    import json
+    from jax_gin import _select, tune
+
+    kind = jax.devices()[0].device_kind
+    for n in range(2, ndev() + 1):
+        table = {"device_kind": kind, "nranks": n, "measured": "2026-11-30",
+                 "entries": [{"max_bytes": 1 << 40, "algorithm": "xla"}]}
+        (tmp_path / tune.table_name(kind, n)).write_text(json.dumps(table))
+    monkeypatch.setenv("JAX_GIN_TUNING_DIR", str(tmp_path))
+    _select.load_table.cache_clear()
+    try:
+        mesh = mesh_1d()
+        xs = put(ints((16, 32)), mesh, P(None, "i"))
+        ws = put(ints((32, 16), seed=1), mesh, P("i", None))
+        with jax.set_mesh(mesh):
+            assert counts(hlo(jax_gin.matmul, xs, ws)) == (0, 1)
+        _matmul_case(mesh, P(None, "i"), P("i", None), ints((16, 32)), ints((32, 16), seed=1))
+    finally:
+        _select.load_table.cache_clear()

@@ -215,6 +215,9 @@ def test_shipped_h200_table():
     t = _select.load_table("NVIDIA H200", 2)
     assert t is not None and t["nranks"] == 2
     assert _select.choose("cuda", 4096, 2, "NVIDIA H200")[0] == "one_shot"
+    # the runs of record: lax's all-reduce was faster at 256 KiB and 1 MiB, jax_gin elsewhere
+    assert _select.choose("cuda", 1 << 20, 2, "NVIDIA H200")[0] == "xla"
+    assert _select.choose("cuda", 1 << 30, 2, "NVIDIA H200")[0] in jax_gin.ALGORITHMS
 
 
 def test_tune_builds_a_table_from_benchmark_json(tmp_path):
@@ -241,3 +244,73 @@ def test_many_independent_calls_are_ordered():
     for _ in range(5):
         got, want = f(grads)
         jax.tree.map(assert_bitwise, got, want)
+
+
+# ---------------------------------------------------------------------------------------
+# auto's fallback to XLA's own all-reduce ("xla" in a tuning table)
+
+
+@pytest.fixture
+def cpu_table_with_xla(tmp_path, monkeypatch):
+    """A tuning table for this CPU mesh: one_shot up to 1 KiB, XLA's all-reduce above."""
+    import json
+    from jax_gin import _select, tune
+
+    kind = jax.devices()[0].device_kind
+    for n in (2, 4, 8):
+        table = {"device_kind": kind, "nranks": n, "measured": "2026-11-30", "entries": [
+            {"max_bytes": 1024, "algorithm": "one_shot"}, {"max_bytes": 1 << 40, "algorithm": "xla"}]}
+        (tmp_path / tune.table_name(kind, n)).write_text(json.dumps(table))
+    monkeypatch.setenv("JAX_GIN_TUNING_DIR", str(tmp_path))
+    _select.load_table.cache_clear()
+    yield kind
+    _select.load_table.cache_clear()
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32"])
+def test_auto_xla_fallback_parity(cpu_table_with_xla, check_vma, dtype):
+    mesh = mesh_1d()
+    small = exact_input((7,), ndev(), dtype)            # 28 B or less: one_shot
+    big = exact_input((4099,), ndev(), dtype, seed=3)    # > 1 KiB: XLA's all-reduce
+    for op, ref in ((jax_gin.psum, lax.psum), (jax_gin.pmax, lax.pmax), (jax_gin.pmin, lax.pmin)):
+        f = smap(lambda v: op(v, "i"), mesh, P("i"), check_vma=check_vma)
+        g = smap(lambda v: ref(v, "i"), mesh, P("i"), check_vma=check_vma)
+        for x in (small, big):
+            assert_bitwise(f(x), g(x))
+    hlo = smap(lambda v: jax_gin.psum(v, "i"), mesh, P("i"), check_vma=check_vma).lower(big).as_text()
+    assert "stablehlo.all_reduce" in hlo and "custom_call" not in hlo
+    hlo_small = smap(lambda v: jax_gin.psum(v, "i"), mesh, P("i"), check_vma=check_vma).lower(small).as_text()
+    assert "custom_call" in hlo_small and "stablehlo.all_reduce" not in hlo_small
+    s = jax_gin.explain(big, nranks=ndev(), platform="cpu", device_kind=cpu_table_with_xla)
+    assert s.startswith("xla:") and "lax.psum" in s
+
+
+def test_auto_xla_fallback_grad_2d_tuple_axes(cpu_table_with_xla):
+    mesh = mesh_2d()
+    x = exact_input((4099,), ndev(), "float32", seed=1)
+    spec = P(("x", "y"))
+
+    def loss(psum):
+        def f(v):
+            return jnp.sum(psum(v * v, ("y", "x")) * 0.5)
+        return lambda v: jax.grad(f)(v)
+
+    got = smap(loss(jax_gin.psum), mesh, spec)(x)
+    want = smap(loss(lax.psum), mesh, spec)(x)
+    assert_bitwise(got, want)
+
+
+def test_tune_sends_sizes_where_lax_wins_to_xla():
+    from jax_gin import tune
+    meta = {"device_kind": "Fake GPU", "nranks": 2}
+    rows = []
+    for size, t in ((4096, {"one_shot": 8, "lax": 16}), (1 << 20, {"one_shot": 22, "lax": 20}),
+                    (1 << 22, {"one_shot": 32, "lax": 31.5})):  # 31.5 vs 32: within the margin
+        for algo, us in t.items():
+            for run in range(3):
+                rows.append({"dtype": "float32", "op": "sum", "algorithm": algo, "size": size,
+                             "time_us": us + (run - 1) * 0.1})
+    t = tune.build_table(rows, meta)
+    assert [(e["max_bytes"], e["algorithm"]) for e in t["entries"]] == [
+        (4096, "one_shot"), (1 << 20, "xla"), (1 << 22, "one_shot")]
