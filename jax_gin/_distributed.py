@@ -30,6 +30,7 @@ The only JAX internal used here, the jax.distributed client, is reached through
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import secrets
 import socket
@@ -361,7 +362,7 @@ def group_workspaces(layout, procs: list, me: int, lane_bytes: int, key, generat
 
 
 def gpu_unique_ids(layout, procs: list, me: int, key, generation: int, timeout_s: float,
-                   what: str, new_id) -> dict:
+                   what: str, new_id, launch_settings: dict | None = None) -> dict:
     """{group: ncclUniqueId bytes} for every group of `layout` with a rank in this process.
 
     procs[logical id] is the process that runs that device; `me` is this process; new_id()
@@ -371,6 +372,11 @@ def gpu_unique_ids(layout, procs: list, me: int, key, generation: int, timeout_s
     missing ranks), then the process that runs a group's rank 0 makes its id and publishes it
     under a key unique to the job, the communicator and its generation, and the others read
     it. After this the caller runs ncclCommInitRank (NCCL's own bootstrap).
+
+    `launch_settings` ({name: value}) must be equal in every process of a group: they decide
+    the window layout, the lanes and the flag tags of every kernel, and a process that differs
+    would read data before it arrived (wrong numbers, not a hang). The id's maker publishes
+    them beside the id; the others compare and raise a ValueError naming the difference.
     """
     proc_of, spanning = _process_map(layout, procs)
     mine = [g for g in range(layout.ngroups) if me in proc_of[g]]
@@ -386,12 +392,29 @@ def gpu_unique_ids(layout, procs: list, me: int, key, generation: int, timeout_s
         if g not in spanning:
             continue
         k = f"{prefix}/nccl_id/g{g}"
+        ks = f"{prefix}/settings/g{g}"
         if proc_of[g][0] == me:
             out[g] = bytes(new_id())
+            # the settings first: a reader that has the id finds them
+            _kv(doing, client.key_value_set_bytes, ks, json.dumps(launch_settings or {}).encode())
             _kv(doing, client.key_value_set_bytes, k, out[g])
         else:
             try:
                 out[g] = bytes(_kv(doing, client.blocking_key_value_get_bytes, k, _ms(deadline)))
+                theirs = json.loads(bytes(_kv(doing, client.blocking_key_value_get_bytes, ks,
+                                              _ms(deadline))).decode())
             except _Deadline:
                 raise missing_error({proc_of[g][0]}) from None
+            check_same_settings(launch_settings or {}, theirs, proc_of[g][0], what)
     return out
+
+
+def check_same_settings(mine: dict, theirs: dict, other_proc: int, what: str) -> None:
+    """Raise if this process's launch settings differ from those of process `other_proc`."""
+    diff = [f"{k}={mine.get(k)!r} here but {theirs.get(k)!r} in process {other_proc}"
+            for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+    if diff:
+        raise ValueError(
+            f"jax_gin: {what}: the processes of a group must use the same settings, and "
+            f"{'; '.join(diff)}. Set them alike in every process (they decide the window "
+            "layout, the lanes and the flag tags of the kernels).")

@@ -9,9 +9,9 @@ names it by an integer attribute; the handler only looks it up.
 In a multi-process job (jax.distributed) on CPU, a group whose devices live in several
 processes keeps its workspace in POSIX shared memory, set up by all of them together when they
 lower the program (_distributed.py). On GPU, such groups get NCCL communicators through
-ncclCommInitRank, with unique ids shared through the same key-value store (compiled, not yet
-run on GPUs). Every process must therefore lower the same jax_gin
-programs in the same order, as SPMD programs do anyway.
+ncclCommInitRank, with unique ids shared through the same key-value store (run on 2 x H200
+as 2 processes x 1 GPU). Every process must therefore lower the same jax_gin programs in the
+same order, as SPMD programs do anyway.
 """
 from __future__ import annotations
 
@@ -202,11 +202,24 @@ def _create_cuda_comm(mesh, layout: GroupLayout, ws: int, key=None) -> int:
     return _native.cuda.comm_create(groups, ws, settings.timeout_s, settings.fault_rank)
 
 
+# Environment variables that the CUDA runtime reads (cuda/nccl_runtime.cu) and that shape
+# every kernel launch of a group: they must agree over the processes of a group.
+_GPU_LAUNCH_ENV = ("JAX_GIN_CHUNK_BYTES", "JAX_GIN_LANE_GRAIN_BYTES", "JAX_GIN_MAX_LANES",
+                   "JAX_GIN_LL_MAX_BYTES", "JAX_GIN_EXPERIMENTAL_GIN")
+
+
+def gpu_launch_settings(workspace_bytes: int) -> dict:
+    """What must be equal in every process of a GPU group (checked at bootstrap)."""
+    out = {"workspace_bytes": int(workspace_bytes)}
+    out.update({k: os.environ.get(k) for k in _GPU_LAUNCH_ENV})
+    return out
+
+
 def _create_cuda_comm_processes(mesh, devices, layout: GroupLayout, ws: int, key) -> int:
     """A GPU communicator whose groups span processes (jax.distributed): one NCCL unique id
     per group, shared through the key-value store, then ncclCommInitRank in every process for
-    its own devices (_distributed.gpu_unique_ids, comm_create_ranks). Compiled, not yet run on
-    GPUs: see docs/multi-node.md."""
+    its own devices (_distributed.gpu_unique_ids, comm_create_ranks). Run on 2 x H200 as 2
+    processes x 1 GPU: see docs/multi-node.md."""
     procs = [int(d.process_index) for d in devices]
     me = jax.process_index()
     generation = _generations.get(key, 0)
@@ -215,7 +228,7 @@ def _create_cuda_comm_processes(mesh, devices, layout: GroupLayout, ws: int, key
     what = (f"the GPU communicator for axes {key[4]} of the mesh {{{shape}}} "
             f"({len(set(procs))} processes)")
     ids = _distributed.gpu_unique_ids(layout, procs, me, key, generation, settings.timeout_s,
-                                      what, _native.cuda.unique_id)
+                                      what, _native.cuda.unique_id, gpu_launch_settings(ws))
     local: dict = {}  # group -> [(rank, local CUDA ordinal)]
     for logical, d in enumerate(devices):
         if procs[logical] == me:

@@ -86,6 +86,10 @@ def test_bootstrap_two_processes():
     assert r0["missing"].startswith("BootstrapTimeoutError"), r0
     assert "timed out after 3 s setting up the GPU communicator" in r0["missing"], r0
     assert "group 0 is missing ranks 4, 5, 6, 7 (process 1)" in r0["missing"], r0
+    # Settings that differ: process 1 (not the id's maker) names the setting and both values.
+    assert r0["mismatch"] == "no error", r0
+    assert r1["mismatch"].startswith("ValueError"), r1
+    assert "JAX_GIN_CHUNK_BYTES='131072' here but '65536' in process 0" in r1["mismatch"], r1
     # An unreachable key-value store says so.
     for r in (r0, r1):
         assert r["unreachable"].startswith("KeyValueStoreError"), r
@@ -208,6 +212,14 @@ def _bootstrap_worker(pid, devices, report, _distributed, _native, _runtime):
         _runtime.settings.timeout_s = 3.0 + 2e-6  # a communicator key not used above
         report["missing"] = error_of(lambda: _runtime.communicator("cuda", mesh2, ("x", "y")))
     client.wait_at_barrier("test/end_missing", 60_000)
+
+    # Launch settings that differ between the processes of a group: refused by name (they
+    # would otherwise make the kernels read data before it arrived).
+    os.environ["JAX_GIN_CHUNK_BYTES"] = str(65536 * (pid + 1))
+    _runtime.settings.timeout_s = 3.0 + 3e-6  # a new communicator key
+    report["mismatch"] = error_of(lambda: _runtime.communicator("cuda", mesh1, ("i",)))
+    del os.environ["JAX_GIN_CHUNK_BYTES"]
+    client.wait_at_barrier("test/end_mismatch", 60_000)
 
     # An unreachable key-value store.
     from jax._src import distributed as jd
