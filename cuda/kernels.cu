@@ -1,7 +1,8 @@
 // jax_gin's CUDA all-reduce kernels: one kernel per (dtype, op, peer access), the algorithm
-// chosen at run time. Each CTA is an independent lane that runs run_lane() from
-// include/jax_gin/algorithms.h on its slice of the message, through its own slice of every
-// window and its own flags, so lanes never synchronize with each other.
+// chosen at run time. Each CTA is an independent lane that runs run_lane() (or, for groups
+// that span nodes, run_lane_hierarchical()) from include/jax_gin/algorithms.h on its slice of
+// the message, through its own slice of every window and its own flags, so lanes never
+// synchronize with each other.
 //
 // Kernel doc blocks for the four algorithms live next to their code in algorithms.h:
 // one_shot (latency), two_shot (bandwidth at small N), ring (bandwidth at any N), tree (log N
@@ -97,6 +98,7 @@ LaneParams lane_params(const LaunchConfig& cfg, RedOp op, Algorithm algo) {
   p.algorithm = int32_t(algo);
   p.ll_offset = cfg.ll_offset;
   p.ll = 0;
+  p.chunk_bytes = cfg.chunk_bytes;
   p.ranks_per_node = cfg.ranks_per_node;
   p.rail_offset = cfg.rail_offset;
   p.outbox_offset = cfg.outbox_offset;
@@ -161,21 +163,7 @@ cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, D
   if (algo == Algorithm::kHierarchical)
     return launch_hierarchical(peers, cfg, dtype, op, in, out, count, stream);
   if (int(algo) < 0 || int(algo) >= kNumAlgorithms) return cudaErrorInvalidValue;
-  LaneParams p;
-  p.rank = cfg.rank;
-  p.nranks = cfg.nranks;
-  p.group = cfg.group;
-  p.flags_offset = cfg.flags_offset;
-  p.data_offset = cfg.data_offset;
-  p.lane_bytes = cfg.lane_bytes;
-  p.rounds = cfg.rounds;
-  p.diag = cfg.diag;
-  p.timeout_ns = cfg.timeout_ns;
-  p.fault_rank = cfg.fault_rank;
-  p.op = int32_t(op);
-  p.algorithm = int32_t(algo);
-  p.ll_offset = cfg.ll_offset;
-  p.chunk_bytes = cfg.chunk_bytes;
+  LaneParams p = lane_params(cfg, op, algo);
   const size_t bytes = count * dtype_size(dtype);
   // Small one_shot messages take the LL protocol: no separate signal, fence or credit.
   p.ll = algo == Algorithm::kOneShot && bytes <= cfg.ll_max_bytes &&

@@ -76,11 +76,20 @@ void destroy_ranks(std::vector<RankState>& ranks) {
     s.win = nullptr;
     s.has_devcomm = false;
   }
+  // On nonblocking communicators (comm_create_ranks) each of these calls may return
+  // ncclInProgress and finish in NCCL's thread: settle() waits for it (10 s at most: this is
+  // teardown) before the next call, and before the window's memory is freed.
+  const auto settle = [](ncclComm_t c) {
+    ncclResult_t st = ncclInProgress;
+    for (int i = 0; i < 100000 && ncclCommGetAsyncError(c, &st) == ncclSuccess &&
+                    st == ncclInProgress; ++i)
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+  };
   for (auto& s : ranks) {
     if (s.device < 0) continue;
     cudaSetDevice(s.device);
-    if (s.has_devcomm) ncclDevCommDestroy(s.comm, &s.devcomm);
-    if (s.win) ncclCommWindowDeregister(s.comm, s.win);
+    if (s.has_devcomm) ncclDevCommDestroy(s.comm, &s.devcomm), settle(s.comm);
+    if (s.win) ncclCommWindowDeregister(s.comm, s.win), settle(s.comm);
     if (s.window_ptr) ncclMemFree(s.window_ptr);
     if (s.rounds) cudaFree(s.rounds);
     if (s.diag_host) cudaFreeHost(s.diag_host);
@@ -349,12 +358,17 @@ bool experimental_gin_enabled() {
   return v != nullptr && std::string(v) == "1";
 }
 
-// Frees what agree() allocated, also when it throws.
+// Frees what agree() allocated, also when it throws. After a timeout the all-reduce is still
+// waiting for peers that will not come: its stream would never drain, so the buffers and
+// streams are abandoned (a few bytes, on an error path) and the caller aborts the
+// communicators, which ends the NCCL kernel.
 struct AgreeBuffers {
   std::vector<int> devices;
   std::vector<int*> bufs;
   std::vector<cudaStream_t> streams;
+  bool abandon = false;
   ~AgreeBuffers() {
+    if (abandon) return;
     for (size_t i = 0; i < devices.size(); ++i) {
       cudaSetDevice(devices[i]);
       if (i < streams.size() && streams[i]) cudaStreamSynchronize(streams[i]), cudaStreamDestroy(streams[i]);
@@ -387,6 +401,7 @@ std::vector<int> agree(const GroupSpec& spec, const std::vector<ncclComm_t>& com
   // wait for the other processes, so the streams are polled against the same deadline.
   const char* call = "ncclAllReduce (agreeing on the spanning group's set-up)";
   const ncclResult_t end = wait_comms(ncclGroupEnd(), comms, timeout_s);
+  b.abandon = true;  // until the kernels have finished
   if (r != ncclInProgress) JG_NCCL(r);
   if (end == ncclInProgress) throw peers_did_not_come(call, spec.group, spec.nranks, spec.ranks, timeout_s, false);
   JG_NCCL(end);
@@ -403,6 +418,7 @@ std::vector<int> agree(const GroupSpec& spec, const std::vector<ncclComm_t>& com
     }
     JG_CUDA(q);
   }
+  b.abandon = false;
   JG_CUDA(cudaSetDevice(spec.devices[0]));
   JG_CUDA(cudaMemcpy(all.data(), b.bufs[0], len * sizeof(int), cudaMemcpyDeviceToHost));
   return all;
@@ -428,6 +444,8 @@ void setup_spanning_group(Comm& comm, const GroupSpec& spec, std::vector<ncclCom
     r = ncclDevCommCreate(pending[i], &reqs, &dcs[i]);
   }
   const ncclResult_t end = wait_comms(ncclGroupEnd(), pending, timeout_s);  // nonblocking comms
+  if (end == ncclInProgress)  // the peers did not take part: not a lack of GIN
+    throw peers_did_not_come("ncclDevCommCreate (with GIN)", spec.group, n, spec.ranks, timeout_s, false);
   if (r == ncclSuccess) r = end;
   auto destroy_dcs = [&]() {  // only once all were created
     for (int i = 0; i < k; ++i) {
@@ -453,6 +471,8 @@ void setup_spanning_group(Comm& comm, const GroupSpec& spec, std::vector<ncclCom
     }
     try {
       why[0] = agree(spec, pending, why, timeout_s);
+    } catch (const TimeoutError&) {
+      throw;  // an operation is still in flight: the caller aborts, which frees the dcs too
     } catch (...) {
       destroy_dcs();
       throw;

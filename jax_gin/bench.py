@@ -361,7 +361,10 @@ def measure(mesh: Mesh, inputs: Inputs, rec: Record, args, device_args) -> Recor
 
 
 def measure_safely(mesh, inputs, rec, args, device_args) -> Record:
-    """A failing configuration is reported in its row; the sweep goes on."""
+    """A failing configuration is reported in its row; the sweep goes on. With several
+    processes a failure ends the run instead: the others would wait in the next collective."""
+    if jax.process_count() > 1:
+        return measure(mesh, inputs, rec, args, device_args)
     try:
         return measure(mesh, inputs, rec, args, device_args)
     except Exception as e:  # noqa: BLE001 - any failure belongs in the report

@@ -62,7 +62,8 @@ def build_table(results: list, meta: dict, dtype: str = "float32", op: str = "su
         if entries and entries[-1]["algorithm"] == algo:
             entries[-1]["max_bytes"] = size
         else:
-            entries.append({"max_bytes": size, "algorithm": algo,
+            # time_us and runs: the medians at the entry's first size (`at_bytes`)
+            entries.append({"max_bytes": size, "algorithm": algo, "at_bytes": size,
                             "time_us": {a: round(t, 2) for a, t in med.items()},
                             "runs": max(len(ts) for ts in times[size].values())})
     return {

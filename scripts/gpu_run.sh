@@ -5,7 +5,7 @@
 #
 #   scripts/gpu_run.sh [quick|full|bench|tests|multiproc|single|gin|x2]   (default: full)
 #   gin: only the native harness's hierarchical (GIN emulated) cases, one GPU is enough
-#   x2: the runs that need two GPUs, in one call
+#   x2: the runs that need two GPUs, in one call; final2: harness, 2-process tests, float32 sweep
 #   multiproc: 2 processes x 1 GPU on localhost (jax.distributed), tests/test_gpu_multiprocess.py
 #              and the float32 benchmark in that mode (bench_2proc.txt)
 #   single: what a 1-GPU machine can check (every rank of the harness on GPU 0, the GPU tests

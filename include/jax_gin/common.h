@@ -19,8 +19,8 @@ namespace jax_gin {
 // Algorithm ids. The first kNumAlgorithms are the public ones: the same names and order as
 // jax_gin.ALGORITHMS in Python, the only ids the FFI handlers accept (check_enums).
 // kHierarchical (nodes of `ranks_per_node` ranks: intra-node reduce-scatter, inter-node ring,
-// intra-node all-gather) is internal: only the CPU backend runs it (tests, through the
-// threads harness); the GPU launcher refuses it until the GIN transport exists.
+// intra-node all-gather) is internal: the CPU backend runs it through the threads harness; on
+// GPUs it is what groups that span nodes run (the runtime picks it; cuda/kernels.cu).
 enum class Algorithm : int32_t {
   kRing = 0, kTree = 1, kOneShot = 2, kTwoShot = 3, kHierarchical = 4,
 };
@@ -70,7 +70,7 @@ constexpr int kMaxChunks = 64;   // pipelined chunks of one step of one lane (se
 // Segment boundaries are multiples of 16 bytes so that the GPU can move 16-byte vectors.
 constexpr size_t kAlignBytes = 16;
 
-// Flags. Each (receiver, lane, sender) pair has two monotonic 64-bit flags in the receiver's
+// Flags. Each (receiver, lane, sender) pair has three monotonic 64-bit flags in the receiver's
 // memory, written only by the sender:
 //   kData:   "the data of step s of round e is in your window" = tag(e, s), or with
 //            pipelining, "chunks 0..c of step s" = tag(e, s * chunks + c)

@@ -91,10 +91,6 @@ JG_HD int tree_child(int r, int k, int n, int t) {
   return c < n ? tree_pos(c, n, t) : -1;
 }
 JG_HD int tree_child_index(int r, int n, int t) { return (tree_pos(r, n, t) - 1) % 2; }
-// Single-tree forms (tree 0).
-JG_HD int tree_parent(int r) { return r == 0 ? -1 : (r - 1) / 2; }
-JG_HD int tree_child(int r, int k, int n) { return tree_child(r, k, n, 0); }
-JG_HD int tree_child_index(int r) { return (r - 1) % 2; }  // which slot of the parent
 // Part of a round that tree t reduces: the first or second half (16-byte aligned).
 JG_HD Range tree_half(size_t n, int t, size_t align) { return piece(n, 2, size_t(t), align); }
 constexpr int kTreeDownSlot = 2;
@@ -113,8 +109,8 @@ constexpr int kTwoShotScatterStep = 0;
 constexpr int kTwoShotGatherStep = 1;
 
 // ---------------------------------------------------------------------------------------
-// hierarchical (internal: not in jax_gin.ALGORITHMS; the CPU backend runs it, GPU kernels do
-// not yet). The N ranks form M nodes of L ranks: rank r is local rank l = r % L of node
+// hierarchical (internal: not in jax_gin.ALGORITHMS; the CPU backend runs it, and the GPU's
+// hierarchical kernel for groups that span nodes). The N ranks form M nodes of L ranks: rank r is local rank l = r % L of node
 // m = r / L. `ranks_per_node` = L; 0 (or N) means one node, M = 1. A round is cut into L
 // segments (piece(n, L, l)); segment l belongs to local rank l of every node.
 //   1. intra-node reduce-scatter (step 0), as two_shot within the node: local rank l puts
