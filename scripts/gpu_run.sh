@@ -6,6 +6,7 @@
 #   scripts/gpu_run.sh [quick|full|bench|tests|multiproc|single|gin|x2]   (default: full)
 #   gin: only the native harness's hierarchical (GIN emulated) cases, one GPU is enough
 #   x2: the runs that need two GPUs, in one call; final2: harness, 2-process tests, float32 sweep
+#   ceiling: NVLink ceilings (copy engines, SM push/pull) and kernel-only times at 64 MiB - 1 GiB
 #   multiproc: 2 processes x 1 GPU on localhost (jax.distributed), tests/test_gpu_multiprocess.py
 #              and the float32 benchmark in that mode (bench_2proc.txt)
 #   single: what a 1-GPU machine can check (every rank of the harness on GPU 0, the GPU tests
@@ -175,7 +176,20 @@ x2() {
   cat "$OUT/machine.txt" >> "$OUT/summary.txt"; rm -f "$OUT/machine.txt" "$OUT/build.log"
 }
 
+# Issue 3's large-message target against what the hardware gives: NVLink per direction with
+# both GPUs sending (copy engines, SM push and pull at several CTA counts), then jax_gin's
+# kernels alone (native harness, no XLA, no chain subtract) at 64 MiB - 1 GiB, 1 MiB lanes.
+ceiling() {
+  log "NVLink ceilings (build/gpu/jax_gin_nvlink_bw)"
+  build/gpu/jax_gin_nvlink_bw > "$OUT/ceiling.txt" 2>&1; log "nvlink_bw rc=$?"
+  log "kernel-only times, 2 ranks on 2 GPUs"
+  $H --ranks 2 --counts 16777216,67108864,268435456 --algos two_shot,ring,one_shot --dtypes f32 \
+    --ops sum --iters 1 --time-iters 10 --lane-bytes 1048576 | grep -E "^time|FAIL" >> "$OUT/ceiling.txt" 2>&1
+  log "harness rc=$?"; cat "$OUT/ceiling.txt"
+}
+
 case "$MODE" in
+  ceiling) ceiling ;;
   x2) x2 ;;
   final2) harness; BENCH_2PROC=0 multiproc; BENCH_DTYPES=float32 bench ;;  # after kernel changes, on 2 GPUs
   single) harness
