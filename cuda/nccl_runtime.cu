@@ -201,6 +201,75 @@ void quiesce_device(int device) {
   JG_CUDA(preload_kernels());
 }
 
+// A rank's own buffers: its window (ncclMemAlloc, zeroed: flags start at 0), its per-lane round
+// counters, and the host-mapped diagnostic slot.
+void alloc_rank(RankState& s, size_t wbytes) {
+  JG_CUDA(cudaSetDevice(s.device));
+  JG_NCCL(ncclMemAlloc(&s.window_ptr, wbytes));
+  JG_CUDA(cudaMemset(s.window_ptr, 0, wbytes));
+  JG_CUDA(cudaMalloc(&s.rounds, 2 * kMaxLanes * sizeof(uint64_t)));
+  JG_CUDA(cudaMemset(s.rounds, 0, 2 * kMaxLanes * sizeof(uint64_t)));
+  JG_CUDA(cudaHostAlloc(&s.diag_host, sizeof(Diagnostic), cudaHostAllocMapped | cudaHostAllocPortable));
+  std::memset(s.diag_host, 0, sizeof(Diagnostic));
+  JG_CUDA(cudaDeviceSynchronize());
+}
+
+// Ends the NCCL group of one collective set-up step (`call`) of group g. Registration and
+// device-communicator creation are collective: one group for all local ranks, or the first
+// call waits forever for the others. On nonblocking communicators (comm_create_ranks)
+// ncclGroupEnd returns ncclInProgress: wait for the step, as long as the timeout, before the
+// next one may use the communicators.
+void end_setup_group(const std::vector<ncclComm_t>& comms, const char* call, int g, int n,
+                     const std::vector<int>& ranks, double timeout_s) {
+  const ncclResult_t r = wait_comms(ncclGroupEnd(), comms, timeout_s);
+  if (r == ncclInProgress) throw peers_did_not_come(call, g, n, ranks, timeout_s, false);
+  if (r != ncclSuccess)
+    throw std::runtime_error(std::string("jax_gin: ncclGroupEnd() (") + call +
+                             "): " + ncclGetErrorString(r));
+}
+
+// Registers every local rank's window (collective; one NCCL group).
+void register_windows(Comm& comm, size_t base, const std::vector<ncclComm_t>& comms,
+                      size_t wbytes, int g, int n, const std::vector<int>& ranks,
+                      double timeout_s) {
+  JG_NCCL(ncclGroupStart());
+  for (size_t i = 0; i < comms.size(); ++i) {
+    RankState& s = comm.ranks[base + i];
+    JG_CUDA(cudaSetDevice(s.device));
+    JG_NCCL(ncclCommWindowRegister(s.comm, s.window_ptr, wbytes, &s.win, NCCL_WIN_COLL_SYMMETRIC));
+  }
+  end_setup_group(comms, "ncclCommWindowRegister", g, n, ranks, timeout_s);
+}
+
+// Once its window is registered and its device communicator exists: indexes rank
+// comm.ranks[i] by device and fills its launch configuration (window layout for
+// `ranks_per_node`, 0 within one node; the JAX_GIN_* launch settings of the environment).
+void finish_rank(Comm& comm, size_t i, int g, int n, size_t lane_bytes, int ranks_per_node,
+                 double timeout_s, int fault_rank) {
+  RankState& s = comm.ranks[i];
+  if (s.win == nullptr)
+    throw std::runtime_error("jax_gin: NCCL gave no symmetric window (device API unsupported here?)");
+  if (s.device < 0 || s.device >= 256 || comm.by_device[s.device] >= 0)
+    throw std::runtime_error("jax_gin: a device appears twice in one communicator");
+  comm.by_device[s.device] = int(i);
+  Diagnostic* diag_dev = nullptr;
+  JG_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&diag_dev), s.diag_host, 0));
+  LaunchConfig& c = s.cfg;
+  c.rank = s.rank;
+  c.nranks = n;
+  c.group = g;
+  set_window_layout(c, n, lane_bytes, ranks_per_node);  // ranks_per_node > 0: hierarchical
+  c.rounds = s.rounds;
+  c.diag = diag_dev;
+  c.timeout_ns = uint64_t(timeout_s * 1e9);
+  c.fault_rank = fault_rank;
+  if (const char* v = std::getenv("JAX_GIN_MAX_LANES")) c.max_lanes = std::atoi(v);
+  if (const char* v = std::getenv("JAX_GIN_LL_MAX_BYTES"))
+    c.ll_max_bytes = std::min<size_t>(c.ll_max_bytes, std::strtoull(v, nullptr, 10));
+  if (const char* v = std::getenv("JAX_GIN_CHUNK_BYTES")) c.chunk_bytes = std::strtoull(v, nullptr, 10);
+  if (const char* v = std::getenv("JAX_GIN_LANE_GRAIN_BYTES")) c.lane_grain_bytes = std::strtoull(v, nullptr, 10);
+}
+
 // Sets up this process's ranks of group `g` (of `n` ranks), whose NCCL communicators exist:
 // rank ranks[i] runs on local device devices[i] with communicator comms[i]. Allocates each
 // rank's window, registers the windows and creates the device communicators (each phase in
@@ -220,33 +289,9 @@ void setup_ranks(Comm& comm, int g, int n, const std::vector<int>& ranks,
     s.rank = ranks[i];
     s.nranks = n;
     s.comm = comms[i];
-    JG_CUDA(cudaSetDevice(s.device));
-    JG_NCCL(ncclMemAlloc(&s.window_ptr, wbytes));
-    JG_CUDA(cudaMemset(s.window_ptr, 0, wbytes));
-    JG_CUDA(cudaMalloc(&s.rounds, 2 * kMaxLanes * sizeof(uint64_t)));
-    JG_CUDA(cudaMemset(s.rounds, 0, 2 * kMaxLanes * sizeof(uint64_t)));
-    JG_CUDA(cudaHostAlloc(&s.diag_host, sizeof(Diagnostic), cudaHostAllocMapped | cudaHostAllocPortable));
-    std::memset(s.diag_host, 0, sizeof(Diagnostic));
-    JG_CUDA(cudaDeviceSynchronize());
+    alloc_rank(s, wbytes);
   }
-  // Registration and device-communicator creation are collective: one group for all
-  // local ranks, or the first call waits forever for the others. On nonblocking
-  // communicators (comm_create_ranks) ncclGroupEnd returns ncclInProgress: wait for each
-  // phase, as long as the timeout, before the next one may use the communicators.
-  const auto end_group = [&](const char* call) {
-    const ncclResult_t r = wait_comms(ncclGroupEnd(), comms, timeout_s);
-    if (r == ncclInProgress) throw peers_did_not_come(call, g, n, ranks, timeout_s, false);
-    if (r != ncclSuccess)
-      throw std::runtime_error(std::string("jax_gin: ncclGroupEnd() (") + call +
-                               "): " + ncclGetErrorString(r));
-  };
-  JG_NCCL(ncclGroupStart());
-  for (int i = 0; i < k; ++i) {
-    RankState& s = comm.ranks[base + i];
-    JG_CUDA(cudaSetDevice(s.device));
-    JG_NCCL(ncclCommWindowRegister(s.comm, s.window_ptr, wbytes, &s.win, NCCL_WIN_COLL_SYMMETRIC));
-  }
-  end_group("ncclCommWindowRegister");
+  register_windows(comm, base, comms, wbytes, g, n, ranks, timeout_s);
   const ncclDevCommRequirements reqs = lsa_requirements();
   JG_NCCL(ncclGroupStart());
   for (int i = 0; i < k; ++i) {
@@ -254,31 +299,10 @@ void setup_ranks(Comm& comm, int g, int n, const std::vector<int>& ranks,
     JG_CUDA(cudaSetDevice(s.device));
     JG_NCCL(ncclDevCommCreate(s.comm, &reqs, &s.devcomm));
   }
-  end_group("ncclDevCommCreate");
+  end_setup_group(comms, "ncclDevCommCreate", g, n, ranks, timeout_s);
   for (int i = 0; i < k; ++i) {
-    RankState& s = comm.ranks[base + i];
-    s.has_devcomm = true;
-    if (s.win == nullptr)
-      throw std::runtime_error("jax_gin: NCCL gave no symmetric window (device API unsupported here?)");
-    if (s.device < 0 || s.device >= 256 || comm.by_device[s.device] >= 0)
-      throw std::runtime_error("jax_gin: a device appears twice in one communicator");
-    comm.by_device[s.device] = int(base + i);
-    Diagnostic* diag_dev = nullptr;
-    JG_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&diag_dev), s.diag_host, 0));
-    LaunchConfig& c = s.cfg;
-    c.rank = ranks[i];
-    c.nranks = n;
-    c.group = g;
-    set_window_layout(c, n, lane_bytes);
-    c.rounds = s.rounds;
-    c.diag = diag_dev;
-    c.timeout_ns = uint64_t(timeout_s * 1e9);
-    c.fault_rank = fault_rank;
-    if (const char* v = std::getenv("JAX_GIN_MAX_LANES")) c.max_lanes = std::atoi(v);
-    if (const char* v = std::getenv("JAX_GIN_LL_MAX_BYTES"))
-      c.ll_max_bytes = std::min<size_t>(c.ll_max_bytes, std::strtoull(v, nullptr, 10));
-    if (const char* v = std::getenv("JAX_GIN_CHUNK_BYTES")) c.chunk_bytes = std::strtoull(v, nullptr, 10);
-    if (const char* v = std::getenv("JAX_GIN_LANE_GRAIN_BYTES")) c.lane_grain_bytes = std::strtoull(v, nullptr, 10);
+    comm.ranks[base + i].has_devcomm = true;
+    finish_rank(comm, base + i, g, n, lane_bytes, 0, timeout_s, fault_rank);
   }
 }
 
@@ -537,55 +561,15 @@ void setup_spanning_group(Comm& comm, const GroupSpec& spec, std::vector<ncclCom
     s.devcomm = dcs[i];
     s.has_devcomm = true;
   }
-  pending.clear();  // comm.ranks owns the communicators and device communicators now
+  std::vector<ncclComm_t> comms;
+  comms.swap(pending);  // comm.ranks owns the communicators and device communicators now
   const size_t wbytes = window_bytes(n, lane_bytes, lsa_size);
-  for (int i = 0; i < k; ++i) {
-    RankState& s = comm.ranks[base + i];
-    JG_CUDA(cudaSetDevice(s.device));
-    JG_NCCL(ncclMemAlloc(&s.window_ptr, wbytes));
-    JG_CUDA(cudaMemset(s.window_ptr, 0, wbytes));
-    JG_CUDA(cudaMalloc(&s.rounds, 2 * kMaxLanes * sizeof(uint64_t)));
-    JG_CUDA(cudaMemset(s.rounds, 0, 2 * kMaxLanes * sizeof(uint64_t)));
-    JG_CUDA(cudaHostAlloc(&s.diag_host, sizeof(Diagnostic), cudaHostAllocMapped | cudaHostAllocPortable));
-    std::memset(s.diag_host, 0, sizeof(Diagnostic));
-    JG_CUDA(cudaDeviceSynchronize());
-  }
+  for (int i = 0; i < k; ++i) alloc_rank(comm.ranks[base + i], wbytes);
   // GIN is on in these communicators already, so registration also registers the windows
-  // with GIN (collective: one NCCL group for all local ranks).
-  JG_NCCL(ncclGroupStart());
-  for (int i = 0; i < k; ++i) {
-    RankState& s = comm.ranks[base + i];
-    JG_CUDA(cudaSetDevice(s.device));
-    JG_NCCL(ncclCommWindowRegister(s.comm, s.window_ptr, wbytes, &s.win, NCCL_WIN_COLL_SYMMETRIC));
-  }
-  {
-    std::vector<ncclComm_t> cs;
-    for (int i = 0; i < k; ++i) cs.push_back(comm.ranks[base + i].comm);
-    const ncclResult_t end = wait_comms(ncclGroupEnd(), cs, timeout_s);  // nonblocking comms
-    if (end == ncclInProgress)
-      throw peers_did_not_come("ncclCommWindowRegister", spec.group, n, spec.ranks, timeout_s, false);
-    JG_NCCL(end);
-  }
-  for (int i = 0; i < k; ++i) {
-    RankState& s = comm.ranks[base + i];
-    if (s.win == nullptr)
-      throw std::runtime_error("jax_gin: NCCL gave no symmetric window (device API unsupported here?)");
-    if (s.device < 0 || s.device >= 256 || comm.by_device[s.device] >= 0)
-      throw std::runtime_error("jax_gin: a device appears twice in one communicator");
-    comm.by_device[s.device] = int(base + i);
-    Diagnostic* diag_dev = nullptr;
-    JG_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&diag_dev), s.diag_host, 0));
-    LaunchConfig& c = s.cfg;
-    c.rank = s.rank;
-    c.nranks = n;
-    c.group = spec.group;
-    set_window_layout(c, n, lane_bytes, lsa_size);  // sets ranks_per_node: the FFI runs hierarchical
-    c.rounds = s.rounds;
-    c.diag = diag_dev;
-    c.timeout_ns = uint64_t(timeout_s * 1e9);
-    c.fault_rank = fault_rank;
-    if (const char* v = std::getenv("JAX_GIN_MAX_LANES")) c.max_lanes = std::atoi(v);
-  }
+  // with GIN.
+  register_windows(comm, base, comms, wbytes, spec.group, n, spec.ranks, timeout_s);
+  for (int i = 0; i < k; ++i)
+    finish_rank(comm, base + i, spec.group, n, lane_bytes, lsa_size, timeout_s, fault_rank);
 }
 
 // Communicators not handed to setup_ranks yet: destroyed, or aborted if an operation is still
