@@ -75,3 +75,36 @@ def reports(results, scenario) -> list:
         assert lines, f"{scenario}: process {i} (rc {rc}) printed no report:\n{tail(out)}"
         found.append((rc, json.loads(lines[-1]), out))
     return found
+
+
+# ---------------------------------------------------------------------------------------
+# Worker side: global inputs and bitwise checks of the shards this process holds.
+
+
+def global_input(mesh, spec, per_device, dtype, seed):
+    """A global (mesh.size * per_device,) array of exact small integers, each process putting
+    only its own shards (every process computes the same values from `seed`)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    n = mesh.size * per_device
+    vals = np.random.default_rng(seed).integers(-7, 8, size=n).astype(np.float64)
+    full = np.asarray(jnp.asarray(vals).astype(dtype))  # exact small integers
+    return jax.make_array_from_callback((n,), NamedSharding(mesh, spec), lambda idx: full[idx])
+
+
+def local_shards(a) -> list:
+    """This process's shards of a global array, in device order."""
+    import numpy as np
+    return [np.asarray(s.data) for s in sorted(a.addressable_shards, key=lambda s: s.device.id)]
+
+
+def assert_same_shards(a, b, what: str) -> None:
+    """This process's shards of `a` and `b` are equal bit for bit."""
+    import numpy as np
+    for s, (u, v) in enumerate(zip(local_shards(a), local_shards(b))):
+        assert u.dtype == v.dtype and u.shape == v.shape, (what, u.dtype, v.dtype)
+        if not np.array_equal(u.view(np.uint8), v.view(np.uint8)):
+            bad = np.flatnonzero(u != v)[:5]
+            raise AssertionError(f"{what}: shard {s} differs at {bad}: {u[bad]} vs {v[bad]}")

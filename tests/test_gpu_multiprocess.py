@@ -21,8 +21,9 @@ import sys
 
 import pytest
 
-from multiproc import (clean_env, free_port as _free_port, gpu_count as _gpu_count, launch,
-                       reports as _reports, tail as _tail)
+from multiproc import (assert_same_shards, clean_env, free_port as _free_port,
+                       gpu_count as _gpu_count, global_input, launch, reports as _reports,
+                       tail as _tail)
 
 NPROC = 2
 CPU_DEVICES = 4  # per process, in the bootstrap tests
@@ -237,31 +238,16 @@ def _bootstrap_worker(pid, devices, report, _distributed, _native, _runtime):
 
 def _gpu_worker(pid, devices, report, jax_gin, _distributed):
     import jax.numpy as jnp
-    import numpy as np
     import jax
     from jax import lax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, PartitionSpec as P
 
     mesh1 = Mesh(devices, ("i",))
     mesh1_rev = Mesh(devices[::-1].copy(), ("i",))  # rank 0 in process 1: it makes the id
     mesh2 = Mesh(devices.reshape(1, 2), ("x", "y"))
 
-    def global_input(mesh, spec, per_device, dtype, seed):
-        n = mesh.size * per_device
-        vals = np.random.default_rng(seed).integers(-7, 8, size=n).astype(np.float64)
-        full = np.asarray(jnp.asarray(vals).astype(dtype))  # exact small integers
-        return jax.make_array_from_callback((n,), NamedSharding(mesh, spec),
-                                            lambda idx: full[idx])
-
-    def local(a):
-        return [np.asarray(s.data) for s in sorted(a.addressable_shards, key=lambda s: s.device.id)]
-
     def same_bits(a, b, what):
-        for s, (u, v) in enumerate(zip(local(a), local(b))):
-            assert u.dtype == v.dtype and u.shape == v.shape, (what, u.dtype, v.dtype)
-            if not np.array_equal(u.view(np.uint8), v.view(np.uint8)):
-                bad = np.flatnonzero(u != v)[:5]
-                raise AssertionError(f"{what}: shard {s} differs at {bad}: {u[bad]} vs {v[bad]}")
+        assert_same_shards(a, b, what)
         report["checked"] += 1
 
     algos = ("auto",) + tuple(jax_gin.ALGORITHMS)

@@ -20,7 +20,8 @@ import signal
 import sys
 import time
 
-from multiproc import clean_env, free_port as _free_port, launch, reports as _reports, tail as _tail
+from multiproc import (assert_same_shards, clean_env, free_port as _free_port, global_input,
+                       launch, reports as _reports, tail as _tail)
 
 WORKER_DEVICES = 4
 NPROC = 2
@@ -130,7 +131,7 @@ def _worker(scenario: str, pid: int, port: int) -> None:
     import jax.numpy as jnp
     import numpy as np
     from jax import lax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, PartitionSpec as P
 
     import jax_gin
     from jax_gin import _distributed
@@ -142,25 +143,8 @@ def _worker(scenario: str, pid: int, port: int) -> None:
     mesh1_rev = Mesh(devices[::-1].copy(), ("i",))  # rank 0 in process 1: it creates
     mesh2 = Mesh(devices.reshape(4, 2), ("x", "y"))
 
-    def global_input(mesh, spec, per_device, dtype, seed):
-        n = mesh.size * per_device
-        vals = np.random.default_rng(seed).integers(-7, 8, size=n).astype(np.float64)
-        full = np.asarray(jnp.asarray(vals).astype(dtype))  # exact small integers
-        arr = jax.make_array_from_callback((n,), NamedSharding(mesh, spec),
-                                           lambda idx: full[idx])
-        return arr
-
-    def local(a):
-        """This process's shards of a global array, in device order."""
-        shards = sorted(a.addressable_shards, key=lambda s: s.device.id)
-        return [np.asarray(s.data) for s in shards]
-
     def same_bits(a, b, what):
-        for s, (u, v) in enumerate(zip(local(a), local(b))):
-            assert u.dtype == v.dtype and u.shape == v.shape, (what, u.dtype, v.dtype)
-            if not np.array_equal(u.view(np.uint8), v.view(np.uint8)):
-                bad = np.flatnonzero(u != v)[:5]
-                raise AssertionError(f"{what}: shard {s} differs at {bad}: {u[bad]} vs {v[bad]}")
+        assert_same_shards(a, b, what)
         report["checked"] += 1
 
     def shm_of_job():
