@@ -96,7 +96,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> dtypes_s = {"f32", "bf16", "i32"}, ops_s = {"sum", "max", "min"};
   std::vector<std::string> rpn_s;
   bool algos_given = false;
-  int iters = 3, fault_rank = -1, time_iters = 0, max_lanes_arg = kMaxLanes;
+  int iters = 3, fault_rank = -1, time_iters = 0, max_lanes_arg = -1;  // -1: as the runtime
   size_t lane_bytes = 256 << 10;
   size_t ll_max_bytes = 64 << 10;
   size_t chunk_bytes = gpu::LaunchConfig().chunk_bytes;
@@ -211,7 +211,8 @@ int main(int argc, char** argv) {
             for (int a = 0; a < kNumAlgorithms; ++a) if (as == algorithm_name(Algorithm(a))) algo = Algorithm(a);
             // Every rank uses the same lane count; cap it so that all ranks' CTAs on the most
             // loaded GPU fit at once.
-            int max_lanes = std::min(max_lanes_arg, int(kMaxLanes));
+            int max_lanes = max_lanes_arg > 0 ? std::min(max_lanes_arg, int(kMaxLanes))
+                                              : gpu::default_max_lanes(0);
             for (int g = 0; g < ngpu; ++g) {
               if (ranks_on[g] == 0) continue;
               int ctas = 0;

@@ -251,6 +251,13 @@ void set_window_layout(LaunchConfig& cfg, int nranks, size_t lane_bytes, int ran
   cfg.outbox_lane_bytes = outbox_lane_bytes(nranks, ranks_per_node, lane_bytes);
 }
 
+int default_max_lanes(int device) {
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms < 1)
+    return 64;
+  return std::min(sms, int(kMaxLanes));
+}
+
 cudaError_t resident_ctas(Algorithm algo, DType dtype, int threads, int* ctas) {
   int per_sm = 0, dev = 0, sms = 0;
   cudaError_t e;

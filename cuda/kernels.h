@@ -90,6 +90,9 @@ int gin_signal_count(int nranks, int ranks_per_node);
 // pointer table (GIN emulated for kHierarchical) fit on the current device at once. Ranks
 // that share a GPU spin on each other, so all their lanes must be resident together.
 cudaError_t resident_ctas(Algorithm algo, DType dtype, int threads, int* ctas);
+// The lanes an all-reduce uses at most by default on `device`: one per SM, up to kMaxLanes, so
+// that all of them are resident at once (a lane may spin until its peers' same lane runs).
+int default_max_lanes(int device);
 
 }  // namespace gpu
 }  // namespace jax_gin

@@ -51,7 +51,9 @@ ncclDevCommRequirements lsa_requirements() {
   ncclDevCommRequirements r;
   std::memset(&r, 0, sizeof r);  // 2.28: no initializer; zero means GIN off on one node
 #endif
-  r.lsaBarrierCount = kMaxLanes;  // one LSA barrier per lane; never barrierCount (a GIN resource in 2.29.7+)
+  // The kernels synchronize with their own flags, not LSA barriers; a few are requested as
+  // before. Never barrierCount (a GIN resource in 2.29.7+).
+  r.lsaBarrierCount = 64;
   r.lsaMultimem = false;          // NVLink multicast must stay off on these hosts
   return r;
 }
@@ -263,6 +265,7 @@ void finish_rank(Comm& comm, size_t i, int g, int n, size_t lane_bytes, int rank
   c.diag = diag_dev;
   c.timeout_ns = uint64_t(timeout_s * 1e9);
   c.fault_rank = fault_rank;
+  c.max_lanes = default_max_lanes(s.device);
   if (const char* v = std::getenv("JAX_GIN_MAX_LANES")) c.max_lanes = std::atoi(v);
   if (const char* v = std::getenv("JAX_GIN_LL_MAX_BYTES"))
     c.ll_max_bytes = std::min<size_t>(c.ll_max_bytes, std::strtoull(v, nullptr, 10));

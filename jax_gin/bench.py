@@ -14,16 +14,22 @@ as docs/performance.md asks:
   #wrong       elements of the single-call result that differ from a numpy reference.
   vs_lax       lax per-op time / this per-op time at the same size (> 1: faster than lax).
 
-The chain: every device holds x_i (small nonzero integers, so every result is exact in every
-dtype) and a correction c_i = ref - x_i, where ref is the exact all-reduce of the x's. Each
-step is y <- allreduce(y) - c, which gives back exactly x_i. So each of the K all-reduces
-reduces the same values, nothing can be constant-folded (c is a runtime argument), every
-input varies over the devices (XLA cannot prove it replicated and drop the all-reduce), and
-values never grow. The last all-reduce of the chain is returned uncorrected and checked too.
-The per-op time therefore includes one elementwise subtract per op (read two buffers, write
-one), for lax and jax_gin alike: noise below 1 MiB, but on 2 x H200 at 64 MiB per device lax
-measured ~296 us here against ~252 us in a subtract-free loop (findings.md), so large-size
-absolute numbers are pessimistic by roughly that much; ratios are unaffected in sign.
+The chain. Every device holds x_i, small nonzero integers (times a power of two for float16),
+so every result is exact in every dtype; each all-reduce's input varies over the devices, so
+XLA cannot prove it replicated and turn lax's all-reduce into a multiply. Two chain steps:
+
+  slice     y <- allreduce(y); y[0] <- x_i[0]   (the default where it is exact)
+            The one-element update makes the next input vary over the devices again and is
+            done in place, so the per-op time is the all-reduce plus one tiny kernel at every
+            size. Sums grow by N per op: exact when N is a power of two and N^(K-1) times the
+            values fits the dtype; max and min do not grow.
+  subtract  y <- allreduce(y) - (ref - x_i)     (wherever slice would not be exact)
+            Gives back exactly x_i, so values never grow, but every op pays an elementwise
+            pass over three buffers: on 2 x H200 ~0.65 ms at 1 GiB per device, 15% of lax's
+            time there (findings.md's 329 GB/s at 1 GiB was measured without it).
+
+`--chain-step` picks one; the JSON records the step of every row. Each chain's last
+all-reduce is checked too, against the exact value the step gives.
 
 main() returns 0, or 1 when any result was wrong or any configuration failed (the failure is
 printed in its row and the sweep goes on).
@@ -132,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "'lax' is jax.lax.psum/pmax/pmin")
     p.add_argument("-k", "--chain", type=int, default=20,
                    help="chain length K of dependent all-reduces for the per-op time (default 20)")
+    p.add_argument("--chain-step", choices=("auto", "slice", "subtract"), default="auto",
+                   help="what runs between the chain's all-reduces: 'slice' (a one-element "
+                        "in-place update), 'subtract' (an elementwise pass), or 'auto': slice "
+                        "where its values stay exact, else subtract (default)")
     p.add_argument("--devices", type=int, default=None,
                    help="use the first N devices (default all)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -215,20 +225,75 @@ class Inputs:
     x: np.ndarray      # (nranks, count): what each device reduces
     ref: np.ndarray    # (count,): the exact all-reduce of x
     corr: np.ndarray   # (nranks, count): ref - x, so that allreduce(x) - corr == x exactly
+    op: str = "sum"
+
+    def chain_result(self, k: int, step: str) -> np.ndarray:
+        """What the last all-reduce of a chain of k returns: ref for the subtract step; for
+        the slice step ref * N^(k-1) (sums; exact by slice_is_exact), with element 0 = ref[0]."""
+        if step == "subtract" or self.op != "sum" or k == 1:
+            return self.ref
+        n = self.x.shape[0]
+        out = (self.ref.astype(np.float64) * float(n) ** (k - 1)).astype(self.ref.dtype) \
+            if not np.issubdtype(self.ref.dtype, np.integer) else self.ref * self.ref.dtype.type(n ** (k - 1))
+        out[0] = self.ref[0]
+        return out
 
 
-def make_inputs(nranks: int, count: int, dtype, op: str, seed: int = 0) -> Inputs:
-    """Small nonzero integers (|v| <= 3; 1..3 for unsigned types): never zeros, and every sum
-    over up to ~80 ranks is exact even in bfloat16 (8 significant bits)."""
+def _growth_bits(nranks: int, k: int, op: str):
+    """Bits a slice chain of k ops grows the values by; None: not exact (N not a power of two)."""
+    if op != "sum" or nranks == 1:
+        return 0
+    if nranks & (nranks - 1):
+        return None
+    return (k - 1) * (nranks.bit_length() - 1)
+
+
+def f16_scale_exp(nranks: int, k: int, op: str) -> int:
+    """float16 inputs are scaled by 2^-s so that a slice chain stays below 2^15 (max 65504):
+    s is the growth beyond 15 bits, and at most 22 so that 3 * 2^-s stays exact."""
+    g = _growth_bits(nranks, k, op) or 0
+    top = g + math.log2(3 * nranks)  # bits of the largest value at the end of the chain
+    return max(0, math.ceil(top - 15 + 1))
+
+
+def slice_is_exact(nranks: int, k: int, dtype, op: str) -> bool:
+    """Whether the slice chain step gives exact values (see the module doc)."""
+    g = _growth_bits(nranks, k, op)
+    if g is None:
+        return False
+    dtype = jnp.dtype(dtype)
+    top = g + math.log2(3 * nranks) + 1
+    if jnp.issubdtype(dtype, jnp.integer):
+        return top < jnp.iinfo(dtype).bits - 1
+    if dtype == jnp.float16:
+        return f16_scale_exp(nranks, k, op) <= 22
+    return top < jnp.finfo(dtype).maxexp - 2  # float32, bfloat16, float64: exponent range
+
+
+def chain_step_for(requested: str, nranks: int, k: int, dtype, op: str) -> str:
+    if requested == "subtract" or (requested == "auto" and not slice_is_exact(nranks, k, dtype, op)):
+        return "subtract"
+    return "slice"
+
+
+def make_inputs(nranks: int, count: int, dtype, op: str, seed: int = 0, scale_exp: int = 0) -> Inputs:
+    """Small nonzero integers (|v| <= 3; 1..3 for unsigned types), times 2^-scale_exp (floats
+    only): never zeros, and every sum over up to ~80 ranks is exact even in bfloat16 (8
+    significant bits)."""
     dtype = jnp.dtype(dtype)
     rng = np.random.default_rng(seed)
     mag = rng.integers(1, 4, size=(nranks, count), dtype=np.int64)
     unsigned = jnp.issubdtype(dtype, jnp.unsignedinteger)
     vals = mag if unsigned else mag * rng.choice(np.array([-1, 1]), size=mag.shape)
     ref = reference(vals, op)
+    if scale_exp and not jnp.issubdtype(dtype, jnp.integer):
+        scale = 2.0 ** -scale_exp  # exact: a power of two
+        return Inputs(x=_cast(vals * scale, dtype), ref=_cast(ref * scale, dtype),
+                      corr=_cast((ref[None, :] - vals) * scale, dtype), op=op)
     # Integers of any width are computed in int64 and cast: an unsigned negative correction
     # wraps around, and the wrapped subtraction on the device still gives x back exactly.
-    return Inputs(x=_cast(vals, dtype), ref=_cast(ref, dtype), corr=_cast(ref[None, :] - vals, dtype))
+    return Inputs(x=_cast(vals, dtype), ref=_cast(ref, dtype),
+                  corr=_cast(ref[None, :] - vals, dtype), op=op)
 
 
 def reference(vals: np.ndarray, op: str) -> np.ndarray:
@@ -265,14 +330,19 @@ def reduce_fn(op: str, algorithm: str):
     return lambda v, axis: gin(v, axis, algorithm=algorithm)
 
 
-def build_chain(mesh: Mesh, reduce, k: int):
-    """jit(shard_map) of k dependent all-reduces: y <- reduce(y) - corr between them."""
+def build_chain(mesh: Mesh, reduce, k: int, step: str = "subtract"):
+    """jit(shard_map) of k dependent all-reduces with the chain `step` between them."""
     def chain(x, corr):
         y = x
         for _ in range(k - 1):
-            # reduce(y) == ref on every device; subtracting the per-device corr gives x back
-            # and makes the next input vary over the devices again.
-            y = reduce(y, AXIS) - corr
+            if step == "slice":
+                # One element from this device's x: the next input varies over the devices
+                # again (so XLA cannot treat it as replicated); an in-place one-element update.
+                y = reduce(y, AXIS).at[0].set(x[0])
+            else:
+                # reduce(y) == ref on every device; subtracting the per-device corr gives x
+                # back and makes the next input vary over the devices again.
+                y = reduce(y, AXIS) - corr
         return reduce(y, AXIS)
 
     spec = P(AXIS)
@@ -284,24 +354,6 @@ def time_call(f, args) -> tuple:
     t0 = time.perf_counter()
     out = jax.block_until_ready(f(*args))
     return time.perf_counter() - t0, out
-
-
-def time_pair(f1, fk, args, warmup: int, iters: int):
-    """Median wall times of f1 and fk, and their last outputs.
-
-    The two are called alternately so that slow drifts of the machine (clocks, other
-    processes) hit both medians alike and cancel in T_K - T_1.
-    """
-    for _ in range(warmup):
-        time_call(f1, args)
-        time_call(fk, args)
-    t1s, tks = [], []
-    for _ in range(iters):
-        t1, out1 = time_call(f1, args)
-        tk, outk = time_call(fk, args)
-        t1s.append(t1)
-        tks.append(tk)
-    return statistics.median(t1s), statistics.median(tks), out1, outk
 
 
 # ---------------------------------------------------------------------------------------
@@ -322,6 +374,7 @@ class Record:
     busbw: float | None = None        # GB/s
     wrong: int | None = None          # wrong elements of the single-call result
     wrong_chain: int | None = None    # wrong elements of the chain's (uncorrected) last result
+    chain_step: str = "subtract"      # slice or subtract (see the module doc)
     wall_us: float | None = None      # T_1
     chain_us: float | None = None     # T_K
     vs_lax: float | None = None
@@ -340,36 +393,62 @@ def auto_choice(algorithm: str, count: int, dtype, nranks: int, platform: str) -
     return jax_gin.explain(spec, nranks=nranks, platform=platform).split(":", 1)[0]
 
 
-def measure(mesh: Mesh, inputs: Inputs, rec: Record, args, device_args) -> Record:
-    """Fill `rec` with the timings and checks of one (size, dtype, op, algorithm)."""
-    reduce = reduce_fn(rec.op, rec.algorithm)
-    f1 = build_chain(mesh, reduce, 1)
-    fk = build_chain(mesh, reduce, rec.chain)
-    # First calls compile; they are never timed (warm-up starts after them).
-    time_call(f1, device_args)
-    time_call(fk, device_args)
-    t1, tk, out1, outk = time_pair(f1, fk, device_args, args.warmup, args.iters)
-    rec.wall_us, rec.chain_us = t1 * 1e6, tk * 1e6
-    rec.time_us = (tk - t1) / (rec.chain - 1) * 1e6
-    if rec.time_us > 0:  # noise can make T_K - T_1 <= 0 for tiny ops on a busy machine
-        rec.algbw = rec.size / (rec.time_us * 1e-6) / 1e9
-        rec.busbw = rec.algbw * 2 * (rec.nranks - 1) / rec.nranks
-    if args.check:
-        rec.wrong = count_wrong(out1, inputs.ref, rec.nranks)
-        rec.wrong_chain = count_wrong(outk, inputs.ref, rec.nranks)
-    return rec
+def _error_text(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
-def measure_safely(mesh, inputs, rec, args, device_args) -> Record:
-    """A failing configuration is reported in its row; the sweep goes on. With several
-    processes a failure ends the run instead: the others would wait in the next collective."""
-    if jax.process_count() > 1:
-        return measure(mesh, inputs, rec, args, device_args)
-    try:
-        return measure(mesh, inputs, rec, args, device_args)
-    except Exception as e:  # noqa: BLE001 - any failure belongs in the report
-        rec.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        return rec
+def measure_size(mesh: Mesh, inputs: Inputs, recs: list, args, device_args, progress) -> list:
+    """Fill the records of one (size, dtype, op), one per algorithm, side by side.
+
+    Every algorithm's chains of 1 and of K are compiled and called once (never timed), then
+    warmed up and timed in turns: each repeat calls f1 and fK of every algorithm in a row, so
+    that slow drifts of the machine (clocks, other processes) hit every algorithm's medians
+    alike. The per-op time is (median T_K - median T_1) / (K - 1).
+
+    A failing algorithm is reported in its row and the others go on. With several processes
+    a failure ends the run instead: the others would wait in the next collective.
+    """
+    live = []
+    for rec in recs:
+        progress.step(f"{rec.dtype} {rec.op} {format_size(rec.size)} {rec.algorithm}")
+        try:
+            reduce = reduce_fn(rec.op, rec.algorithm)
+            f1 = build_chain(mesh, reduce, 1, rec.chain_step)
+            fk = build_chain(mesh, reduce, rec.chain, rec.chain_step)
+            time_call(f1, device_args)  # first calls compile
+            time_call(fk, device_args)
+            live.append((rec, f1, fk, [], [], [None, None]))
+        except Exception as e:  # noqa: BLE001 - any failure belongs in the report
+            if jax.process_count() > 1:
+                raise
+            rec.error = _error_text(e)
+    for it in range(args.warmup + args.iters):
+        for entry in list(live):
+            rec, f1, fk, t1s, tks, outs = entry
+            try:
+                t1, outs[0] = time_call(f1, device_args)
+                tk, outs[1] = time_call(fk, device_args)
+            except Exception as e:  # noqa: BLE001
+                if jax.process_count() > 1:
+                    raise
+                rec.error = _error_text(e)
+                live.remove(entry)
+                continue
+            if it >= args.warmup:
+                t1s.append(t1)
+                tks.append(tk)
+    for rec, _, _, t1s, tks, (out1, outk) in live:
+        t1, tk = statistics.median(t1s), statistics.median(tks)
+        rec.wall_us, rec.chain_us = t1 * 1e6, tk * 1e6
+        rec.time_us = (tk - t1) / (rec.chain - 1) * 1e6
+        if rec.time_us > 0:  # noise can make T_K - T_1 <= 0 for tiny ops on a busy machine
+            rec.algbw = rec.size / (rec.time_us * 1e-6) / 1e9
+            rec.busbw = rec.algbw * 2 * (rec.nranks - 1) / rec.nranks
+        if args.check:
+            rec.wrong = count_wrong(out1, inputs.ref, rec.nranks)
+            rec.wrong_chain = count_wrong(outk, inputs.chain_result(rec.chain, rec.chain_step),
+                                          rec.nranks)
+    return recs
 
 
 def fill_vs_lax(records: list) -> None:
@@ -403,7 +482,8 @@ def format_row(r: Record) -> str:
     values = [str(r.size), str(r.count), r.dtype, r.op, r.algorithm, "|",
               _fmt(r.time_us), _fmt(r.algbw), _fmt(r.busbw), _fmt(r.wrong, "d"), "|",
               _fmt(r.wall_us), _fmt(r.vs_lax, ".2f", "-")]
-    return " ".join(v.rjust(w) for v, (_, w) in zip(values, COLUMNS))
+    row = " ".join(v.rjust(w) for v, (_, w) in zip(values, COLUMNS))
+    return row + (" *" if r.chain_step == "subtract" else "")
 
 
 def command_buffer_flags(xla_flags: str) -> list:
@@ -434,8 +514,10 @@ def metadata(args, devices, platform: str) -> dict:
         "minbytes": args.minbytes, "maxbytes": args.maxbytes, "stepfactor": args.stepfactor,
         "iters": args.iters, "warmup": args.warmup, "chain": args.chain, "check": args.check,
         "dtypes": args.dtype, "ops": args.op, "algorithms": args.algorithm,
+        "chain_step": args.chain_step,
         "method": "per-op time = (T_K - T_1)/(K - 1), medians of wall times of jit calls; "
-                  "chain step y <- allreduce(y) - (ref - x)",
+                  "chain step slice: y <- allreduce(y); y[0] <- x[0], or subtract: "
+                  "y <- allreduce(y) - (ref - x) (each row's chain_step)",
     }
 
 
@@ -459,9 +541,12 @@ def header_lines(meta: dict) -> list:
         f"# date {meta['date']}",
         f"# sizes {format_size(meta['minbytes'])}..{format_size(meta['maxbytes'])} "
         f"x{meta['stepfactor']}  iters {meta['iters']}  warmup {meta['warmup']}  "
-        f"chain K={meta['chain']}  check {'on' if meta['check'] else 'off'}",
+        f"chain K={meta['chain']}  step {meta.get('chain_step', 'subtract')}  "
+        f"check {'on' if meta['check'] else 'off'}",
         "# time = per-op (T_K - T_1)/(K - 1); wall = T_1 (one jit call); "
         "vs_lax = lax time / this time",
+        "# chain step: slice = y <- allreduce(y); y[0] <- x[0] (in place); subtract = "
+        "y <- allreduce(y) - (ref - x) (rows marked *)",
     ]
 
 
@@ -599,16 +684,17 @@ def run_table(mesh, dtype: str, op: str, sizes: list, args, platform, progress, 
     emit(table_header())
     for size in sizes:
         count = max(1, size // itemsize)
-        inputs = make_inputs(nranks, count, dtype, op, seed=count)
+        step = chain_step_for(args.chain_step, nranks, args.chain, dtype, op)
+        scale = f16_scale_exp(nranks, args.chain, op) if step == "slice" and \
+            jnp.dtype(dtype) == jnp.float16 else 0
+        inputs = make_inputs(nranks, count, dtype, op, seed=count, scale_exp=scale)
         device_args = (put_global(inputs.x.reshape(-1), sharding),
                        put_global(inputs.corr.reshape(-1), sharding))
-        at_size = []
-        for algo in args.algorithm:
-            rec = Record(size=count * itemsize, count=count, dtype=dtype, op=op, algorithm=algo,
-                         nranks=nranks, chain=args.chain,
-                         auto_choice=auto_choice(algo, count, dtype, nranks, platform))
-            progress.step(f"{dtype} {op} {format_size(size)} {algo}")  # what runs now
-            at_size.append(measure_safely(mesh, inputs, rec, args, device_args))
+        at_size = [Record(size=count * itemsize, count=count, dtype=dtype, op=op, algorithm=algo,
+                          nranks=nranks, chain=args.chain, chain_step=step,
+                          auto_choice=auto_choice(algo, count, dtype, nranks, platform))
+                   for algo in args.algorithm]
+        measure_size(mesh, inputs, at_size, args, device_args, progress)
         fill_vs_lax(at_size)
         for rec in at_size:
             emit(format_row(rec))

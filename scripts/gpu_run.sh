@@ -188,7 +188,43 @@ ceiling() {
   log "harness rc=$?"; cat "$OUT/ceiling.txt"
 }
 
+# How many CTAs ("lanes") one all-reduce may use: the SM-push ceiling is 345 GB/s per direction
+# with 64 CTAs and 362 with 132 (ceiling mode), so 64 lanes cap the large-message kernels.
+# Kernel-only times with 64 and 128 lanes, 512 KiB and 1 MiB lanes, then the benchmark with
+# JAX_GIN_MAX_LANES=64 and the default, side by side with lax.
+lanes() {
+  log "kernel-only times by max lanes and lane bytes, 2 ranks on 2 GPUs"
+  for ml in 64 128; do for lb in 524288 1048576; do
+    $H --ranks 2 --counts 262144,1048576,4194304,16777216,268435456 --algos two_shot,ring --dtypes f32 \
+      --ops sum --iters 1 --time-iters 10 --lane-bytes $lb --max-lanes $ml | grep -E "^time|FAIL" \
+      | sed "s/^/max_lanes=$ml lane_bytes=$lb /" >> "$OUT/lanes.txt"
+  done; done
+  log "harness rc=$?"; cat "$OUT/lanes.txt"
+  for ml in 64 128; do
+    log "benchmark JAX_GIN_MAX_LANES=$ml"
+    JAX_GIN_MAX_LANES=$ml JAX_PLATFORMS=cuda $PY -m jax_gin.bench -b 256K -e 1G -f 4 -d float32 \
+      -a auto,one_shot,two_shot,ring,lax -n 10 -w 3 -k 20 > "$OUT/bench_lanes$ml.txt" 2>> "$OUT/build.log"
+    log "rc=$?"
+  done
+}
+
+# 128 vs 132 lanes (one per SM) on the large-message kernels, and the SM-push ceiling at those
+# CTA counts and at two CTAs per SM.
+lanes132() {
+  log "NVLink SM ceilings at 128, 132 and 264 CTAs"
+  build/gpu/jax_gin_nvlink_bw --bytes 1073741824 --ctas 128,132,264 > "$OUT/lanes.txt" 2>&1
+  log "kernel-only times, 128 and 132 lanes (512 KiB lanes), 2 ranks on 2 GPUs"
+  for ml in 128 132; do
+    $H --ranks 2 --counts 4194304,16777216,67108864,268435456 --algos two_shot,ring --dtypes f32 \
+      --ops sum --iters 1 --time-iters 10 --lane-bytes 524288 --max-lanes $ml | grep -E "^time|FAIL" \
+      | sed "s/^/max_lanes=$ml /" >> "$OUT/lanes.txt"
+  done
+  log "rc=$?"; cat "$OUT/lanes.txt"
+}
+
 case "$MODE" in
+  lanes) lanes ;;
+  validate) lanes132; harness; sanitizer; PYTEST_FILES="tests/test_gpu.py tests/test_parity.py tests/test_rules.py tests/test_gpu_init_timeout.py" tests ;;
   ceiling) ceiling ;;
   x2) x2 ;;
   final2) harness; BENCH_2PROC=0 multiproc; BENCH_DTYPES=float32 bench ;;  # after kernel changes, on 2 GPUs

@@ -80,6 +80,48 @@ def test_inputs_are_exact_and_nonzero(dtype, op):
     np.testing.assert_array_equal(np.asarray(step), inp.x)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int32", "uint32", "float64"])
+@pytest.mark.parametrize("op", ["sum", "max"])
+@pytest.mark.parametrize("nranks", [2, 3, 8])
+def test_slice_chain_is_exact_where_chosen(dtype, op, nranks):
+    """The slice chain step (y <- allreduce(y); y[0] <- x[0]) is chosen only where its values
+    stay exact; there, a float64 simulation of the chain matches chain_result()."""
+    k = 20
+    step = bench.chain_step_for("auto", nranks, k, dtype, op)
+    if op == "max":
+        assert step == "slice"  # max never grows
+    if op == "sum" and nranks == 3:
+        assert step == "subtract"  # 3^19 times the values is not exact
+    if step == "subtract":
+        return
+    scale = bench.f16_scale_exp(nranks, k, op) if dtype == "float16" else 0
+    inp = bench.make_inputs(nranks, 50, dtype, op, seed=3, scale_exp=scale)
+    red = {"sum": np.sum, "max": np.max}[op]
+    y = inp.x.astype(np.float64)
+    for _ in range(k - 1):
+        y = np.broadcast_to(red(y, axis=0), y.shape).copy()
+        y[:, 0] = inp.x[:, 0]
+    last = red(y, axis=0)
+    want = inp.chain_result(k, "slice")
+    assert np.all(np.isfinite(want.astype(np.float64)))
+    # the dtype holds every value of the chain exactly
+    np.testing.assert_array_equal(last.astype(inp.ref.dtype).astype(np.float64), last)
+    np.testing.assert_array_equal(want.astype(np.float64), last)
+
+
+def test_bench_chain_steps_agree(capsys):
+    """Both chain steps run and check clean on the CPU devices; rows that fell back to the
+    subtract step are marked."""
+    for step in ("slice", "subtract"):
+        rc = bench.main(TINY + ["-e", "1K", "-a", "ring,lax", "-d", "float32,float16",
+                                "--chain-step", step])
+        text = capsys.readouterr().out
+        assert rc == 0, text
+        assert f"step {step}" in text
+        rows = [ln for ln in text.splitlines() if ln.strip() and ln.strip()[0].isdigit()]
+        assert rows and all(ln.endswith(" *") == (step == "subtract") for ln in rows)
+
+
 def test_sizes_and_flags():
     assert [bench.parse_size(s) for s in ("4096", "4K", "4k", "64M", "1G", "2KiB")] == \
         [4096, 4096, 4096, 64 << 20, 1 << 30, 2048]
