@@ -222,7 +222,27 @@ lanes132() {
   log "rc=$?"; cat "$OUT/lanes.txt"
 }
 
+# The results of record after a kernel change: a float32 sweep of every algorithm builds the
+# tuning table (python -m jax_gin.tune --from-json), which replaces the shipped one for the
+# record sweep (float32 and bfloat16, auto next to every algorithm and lax), then the MLP of
+# many small all-reduces with command buffers off and on.
+record2() {
+  log "benchmark for the tuning table (float32, every algorithm and lax)"
+  JAX_PLATFORMS=cuda $PY -m jax_gin.bench -b 4K -e 1G -f 4 -d float32 -a one_shot,two_shot,ring,tree,lax \
+    -n 10 -w 3 -k 20 --quiet --json "$OUT/bench_tune.json" > "$OUT/bench_tune.txt" 2>> "$OUT/build.log"
+  log "rc=$?"
+  $PY -m jax_gin.tune --from-json "$OUT/bench_tune.json" --out jax_gin/tuning/nvidia_h200_n2.json \
+    | tee -a "$OUT/summary.txt"
+  cp jax_gin/tuning/nvidia_h200_n2.json "$OUT/"; rm -f "$OUT/bench_tune.json"
+  BENCH_ALGOS=auto,one_shot,two_shot,ring,tree,lax bench
+  JAX_PLATFORMS=cuda timeout 120 $PY -m jax_gin.bench_mlp --cmdbuf both --json "$OUT/bench_mlp.json" \
+    > "$OUT/bench_mlp.txt" 2>> "$OUT/build.log"; log "bench_mlp rc=$?"
+  tail -5 "$OUT/build.log" >> "$OUT/summary.txt"
+  cat "$OUT/machine.txt" >> "$OUT/summary.txt"; rm -f "$OUT/machine.txt" "$OUT/build.log"
+}
+
 case "$MODE" in
+  record2) record2 ;;
   lanes) lanes ;;
   validate) lanes132; harness; sanitizer; PYTEST_FILES="tests/test_gpu.py tests/test_parity.py tests/test_rules.py tests/test_gpu_init_timeout.py" tests ;;
   ceiling) ceiling ;;

@@ -65,11 +65,13 @@ JG_HD const char* redop_name(RedOp op) {
 
 // Limits shared by every backend.
 constexpr int kMaxRanks = 128;   // ring uses 2(N-1) steps of up to kMaxChunks tags per round.
-// Independent slices of one message (CTAs on GPU): one per SM of an H100/H200 (132). With both
-// GPUs pushing over NVLink, SM stores reach 345 GB/s per direction with 64 CTAs and 362 with
-// 132 (jax_gin_nvlink_bw on 2 x H200), so the large-message kernels need every SM. GPUs with
-// fewer SMs use one lane per SM (default_max_lanes), so that every lane is resident at once.
-constexpr int kMaxLanes = 132;
+// Independent slices of one message (CTAs on GPU). With both GPUs pushing over NVLink, SM
+// stores reach 345 GB/s per direction with 64 CTAs, 360 with 128 and 362 with 132
+// (jax_gin_nvlink_bw on 2 x H200), so the large-message kernels need nearly every SM: 128
+// lanes took two_shot at 1 GiB from 3193 to 2998 us (kernel alone); 132 lanes (one per SM)
+// measured slower than 128 (3048 us). GPUs with fewer SMs use one lane per SM
+// (default_max_lanes), so that every lane is resident at once.
+constexpr int kMaxLanes = 128;
 constexpr int kMaxChunks = 64;   // pipelined chunks of one step of one lane (see schedule.h).
 // Segment boundaries are multiples of 16 bytes so that the GPU can move 16-byte vectors.
 constexpr size_t kAlignBytes = 16;
