@@ -241,7 +241,18 @@ record2() {
   cat "$OUT/machine.txt" >> "$OUT/summary.txt"; rm -f "$OUT/machine.txt" "$OUT/build.log"
 }
 
+# Small sizes, one process: the two chain steps side by side (is the per-op time at 4 KiB -
+# 1 MiB the step's or the all-reduce's?).
+small_steps() {
+  for st in subtract slice; do
+    JAX_PLATFORMS=cuda $PY -m jax_gin.bench -b 4K -e 1M -f 4 -d float32 -a one_shot,two_shot,lax \
+      -n 30 -w 5 -k 20 --chain-step $st --quiet > "$OUT/bench_small_$st.txt" 2>> "$OUT/build.log"
+    log "small sizes, chain step $st rc=$?"
+  done
+}
+
 case "$MODE" in
+  final3) multiproc; small_steps ;;
   record2) record2 ;;
   lanes) lanes ;;
   validate) lanes132; harness; sanitizer; PYTEST_FILES="tests/test_gpu.py tests/test_parity.py tests/test_rules.py tests/test_gpu_init_timeout.py" tests ;;
