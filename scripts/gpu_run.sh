@@ -251,7 +251,19 @@ small_steps() {
   done
 }
 
+# Small sizes with a long chain (K = 100): the per-op time of a 10 us op is the difference of
+# two wall times of ~0.2 ms and ~1.2 ms, so host jitter of tens of us divides by 99, not 19.
+smallrec() {
+  JAX_PLATFORMS=cuda $PY -m jax_gin.bench -b 4K -e 4M -f 4 -d float32 -a auto,one_shot,two_shot,ring,lax \
+    -n 20 -w 5 -k 100 --quiet --json "$OUT/bench_small_k100.json" > "$OUT/bench_small_k100.txt" 2>> "$OUT/build.log"
+  log "small sizes float32 K=100 rc=$?"
+  JAX_PLATFORMS=cuda $PY -m jax_gin.bench -b 4K -e 1M -f 4 -d bfloat16 -a auto,one_shot,two_shot,lax \
+    -n 20 -w 5 -k 100 --quiet --json "$OUT/bench_small_k100_bf16.json" > "$OUT/bench_small_k100_bf16.txt" 2>> "$OUT/build.log"
+  log "small sizes bfloat16 K=100 rc=$?"
+}
+
 case "$MODE" in
+  smallrec) smallrec ;;
   final3) multiproc; small_steps ;;
   record2) record2 ;;
   lanes) lanes ;;
