@@ -264,6 +264,10 @@ smallrec() {
 
 case "$MODE" in
   smallrec) smallrec ;;
+  autocheck)  # auto with the rebuilt table against lax and one_shot, small sizes, chain of 100
+    JAX_PLATFORMS=cuda $PY -m jax_gin.bench -b 4K -e 4M -f 4 -d float32,bfloat16 -a auto,one_shot,lax \
+      -n 20 -w 5 -k 100 --quiet --json "$OUT/bench_auto_k100.json" > "$OUT/bench_auto_k100.txt" 2>> "$OUT/build.log"
+    log "auto check rc=$?" ;;
   final3) multiproc; small_steps ;;
   record2) record2 ;;
   lanes) lanes ;;
