@@ -9,6 +9,8 @@ as docs/performance.md asks:
   per-op time  (T_K - T_1) / (K - 1), where T_K is the median wall time of one jit call of
                a chain of K dependent all-reduces and T_1 that of a chain of one; subtracting
                T_1 removes the dispatch and launch cost that every call pays once.
+               K is 100 up to 4 MiB per device and 20 above (-k to set it): host jitter
+               divides by K - 1, and a small op needs a long chain to rise above it.
   wall         T_1, the time a user sees for one jit call holding one all-reduce.
   algbw        bytes per device / per-op time;  busbw = algbw * 2(N-1)/N (nccl-tests).
   #wrong       elements of the single-call result that differ from a numpy reference.
@@ -81,6 +83,20 @@ COLUMNS = (("size", 12), ("count", 12), ("type", 9), ("redop", 6), ("algo", 9), 
 # Command line
 
 
+# Default chain lengths. The per-op time is a difference of two wall times divided by K - 1,
+# and host jitter of tens of microseconds does not shrink with the op: on 2 x H200 with K = 20,
+# two rows running the same kernel at 4 KiB - 4 MiB differed by up to 40%; with K = 100 the
+# difference of the two wall times is ~1 ms and such rows agree far better
+# (benchmarks/results/2xH200-2026-11-30-c).
+SMALL_CHAIN, LARGE_CHAIN, SMALL_CHAIN_MAX_BYTES = 100, 20, 4 << 20
+
+
+def chain_length(args, size: int) -> int:
+    if args.chain is not None:
+        return args.chain
+    return SMALL_CHAIN if size <= SMALL_CHAIN_MAX_BYTES else LARGE_CHAIN
+
+
 def parse_size(text: str) -> int:
     """'4096', '4K', '64M', '1G' (also '4k', '4KB', '4KiB') -> bytes (binary units)."""
     m = re.fullmatch(r"\s*(\d+)\s*([KMGkmg]?)(?:i?[Bb])?\s*", text)
@@ -136,8 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
                    default=["auto", LAX_NAME],
                    help=f"comma list of {', '.join(ALGO_CHOICES)}, or all (default auto,lax); "
                         "'lax' is jax.lax.psum/pmax/pmin")
-    p.add_argument("-k", "--chain", type=int, default=20,
-                   help="chain length K of dependent all-reduces for the per-op time (default 20)")
+    p.add_argument("-k", "--chain", type=int, default=None,
+                   help=f"chain length K of dependent all-reduces for the per-op time (default "
+                        f"{SMALL_CHAIN} up to {SMALL_CHAIN_MAX_BYTES >> 20} MiB per device, "
+                        f"{LARGE_CHAIN} above)")
     p.add_argument("--chain-step", choices=("auto", "slice", "subtract"), default="auto",
                    help="what runs between the chain's all-reduces: 'slice' (a one-element "
                         "in-place update), 'subtract' (an elementwise pass), or 'auto': slice "
@@ -173,7 +191,7 @@ def parse_args(argv) -> argparse.Namespace:
         parser.error("-f/--stepfactor must be at least 2")
     if args.iters < 1 or args.warmup < 0:
         parser.error("-n/--iters must be >= 1 and -w/--warmup >= 0")
-    if args.chain < 2:
+    if args.chain is not None and args.chain < 2:
         parser.error("-k/--chain must be >= 2: the per-op time is (T_K - T_1) / (K - 1)")
     if args.maxbytes is not None and args.maxbytes < args.minbytes:
         parser.error("-e/--maxbytes is smaller than -b/--minbytes")
@@ -512,7 +530,9 @@ def metadata(args, devices, platform: str) -> dict:
         "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "minbytes": args.minbytes, "maxbytes": args.maxbytes, "stepfactor": args.stepfactor,
-        "iters": args.iters, "warmup": args.warmup, "chain": args.chain, "check": args.check,
+        "iters": args.iters, "warmup": args.warmup, "check": args.check,
+        "chain": args.chain if args.chain is not None else
+        f"{SMALL_CHAIN} up to {format_size(SMALL_CHAIN_MAX_BYTES)}, {LARGE_CHAIN} above",
         "dtypes": args.dtype, "ops": args.op, "algorithms": args.algorithm,
         "chain_step": args.chain_step,
         "method": "per-op time = (T_K - T_1)/(K - 1), medians of wall times of jit calls; "
@@ -684,14 +704,15 @@ def run_table(mesh, dtype: str, op: str, sizes: list, args, platform, progress, 
     emit(table_header())
     for size in sizes:
         count = max(1, size // itemsize)
-        step = chain_step_for(args.chain_step, nranks, args.chain, dtype, op)
-        scale = f16_scale_exp(nranks, args.chain, op) if step == "slice" and \
+        k = chain_length(args, count * itemsize)
+        step = chain_step_for(args.chain_step, nranks, k, dtype, op)
+        scale = f16_scale_exp(nranks, k, op) if step == "slice" and \
             jnp.dtype(dtype) == jnp.float16 else 0
         inputs = make_inputs(nranks, count, dtype, op, seed=count, scale_exp=scale)
         device_args = (put_global(inputs.x.reshape(-1), sharding),
                        put_global(inputs.corr.reshape(-1), sharding))
         at_size = [Record(size=count * itemsize, count=count, dtype=dtype, op=op, algorithm=algo,
-                          nranks=nranks, chain=args.chain, chain_step=step,
+                          nranks=nranks, chain=k, chain_step=step,
                           auto_choice=auto_choice(algo, count, dtype, nranks, platform))
                    for algo in args.algorithm]
         measure_size(mesh, inputs, at_size, args, device_args, progress)

@@ -122,6 +122,15 @@ def test_bench_chain_steps_agree(capsys):
         assert rows and all(ln.endswith(" *") == (step == "subtract") for ln in rows)
 
 
+def test_default_chain_length():
+    """Long chains where the op is short (host jitter divides by K - 1), short ones above."""
+    args = bench.parse_args([])
+    assert args.chain is None
+    assert bench.chain_length(args, 4 << 10) == bench.chain_length(args, 4 << 20) == 100
+    assert bench.chain_length(args, 16 << 20) == 20
+    assert bench.chain_length(bench.parse_args(["-k", "7"]), 4 << 10) == 7
+
+
 def test_sizes_and_flags():
     assert [bench.parse_size(s) for s in ("4096", "4K", "4k", "64M", "1G", "2KiB")] == \
         [4096, 4096, 4096, 64 << 20, 1 << 30, 2048]
