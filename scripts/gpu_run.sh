@@ -3,10 +3,14 @@
 # Logs and results go under $OUT (default ./gpu_out). Uses the machine's own python3, nvcc,
 # cmake and NCCL wheel; installs nothing.
 #
-#   scripts/gpu_run.sh [quick|full|bench|tests|multiproc|single|gin|x2]   (default: full)
+#   scripts/gpu_run.sh [mode]   (default: full; the modes are listed below and in the case at the end)
 #   gin: only the native harness's hierarchical (GIN emulated) cases, one GPU is enough
 #   x2: the runs that need two GPUs, in one call; final2: harness, 2-process tests, float32 sweep
 #   ceiling: NVLink ceilings (copy engines, SM push/pull) and kernel-only times at 64 MiB - 1 GiB
+#   validate: 128 vs 132 lanes, harness, sanitizers, GPU pytest (after a kernel change)
+#   record2: the results of record (table sweep, tune, record sweep, bench_mlp)
+#   smallrec / autocheck: 4 KiB - 4 MiB with a chain of 100 (every algorithm / auto vs lax)
+#   final3: the 2-process tests and benchmark, and the two chain steps at small sizes
 #   multiproc: 2 processes x 1 GPU on localhost (jax.distributed), tests/test_gpu_multiprocess.py
 #              and the float32 benchmark in that mode (bench_2proc.txt)
 #   single: what a 1-GPU machine can check (every rank of the harness on GPU 0, the GPU tests
