@@ -76,6 +76,8 @@ NB_MODULE(_jax_gin_cuda, m) {
   m.def("diagnostics", &gpu::diagnostics, nb::arg("comm") = -1,
         "Messages of timed-out waits recorded on the device (readable after a failed launch).");
   m.def("lane_bytes", &gpu::lane_bytes_for_workspace);
+  m.def("default_max_lanes", &gpu::default_max_lanes,
+        "The default lane cap on a local CUDA device: its SM count, at most kMaxLanes.");
   m.def("choose_lanes", [](int algo, size_t bytes, int nranks, int max_lanes) {
     return gpu::choose_lanes(Algorithm(algo), bytes, nranks, max_lanes);
   });

@@ -278,6 +278,16 @@ void finish_rank(Comm& comm, size_t i, int g, int n, size_t lane_bytes, int rank
 // rank's window, registers the windows and creates the device communicators (each phase in
 // one NCCL group for all local ranks), and fills the launch configurations. Appends the ranks
 // to comm.ranks.
+// Every rank of a group must run the same lanes (lane i talks to its peers' lane i only), but
+// the default cap is per device (its SM count): this process's ranks of the group take the
+// smallest. Across processes, the bootstrap compares each process's value (jax_gin's
+// gpu_launch_settings) and names a difference.
+void equalize_lanes(Comm& comm, size_t base, int k) {
+  int lanes = kMaxLanes;
+  for (int i = 0; i < k; ++i) lanes = std::min(lanes, comm.ranks[base + i].cfg.max_lanes);
+  for (int i = 0; i < k; ++i) comm.ranks[base + i].cfg.max_lanes = lanes;
+}
+
 void setup_ranks(Comm& comm, int g, int n, const std::vector<int>& ranks,
                  const std::vector<int>& devices, const std::vector<ncclComm_t>& comms,
                  size_t lane_bytes, double timeout_s, int fault_rank) {
@@ -307,6 +317,7 @@ void setup_ranks(Comm& comm, int g, int n, const std::vector<int>& ranks,
     comm.ranks[base + i].has_devcomm = true;
     finish_rank(comm, base + i, g, n, lane_bytes, 0, timeout_s, fault_rank);
   }
+  equalize_lanes(comm, base, k);
 }
 
 int64_t register_comm(std::unique_ptr<Comm> comm) {
@@ -573,6 +584,7 @@ void setup_spanning_group(Comm& comm, const GroupSpec& spec, std::vector<ncclCom
   register_windows(comm, base, comms, wbytes, spec.group, n, spec.ranks, timeout_s);
   for (int i = 0; i < k; ++i)
     finish_rank(comm, base + i, spec.group, n, lane_bytes, lsa_size, timeout_s, fault_rank);
+  equalize_lanes(comm, base, k);
 }
 
 // Communicators not handed to setup_ranks yet: destroyed, or aborted if an operation is still

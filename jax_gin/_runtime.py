@@ -208,10 +208,16 @@ _GPU_LAUNCH_ENV = ("JAX_GIN_CHUNK_BYTES", "JAX_GIN_LANE_GRAIN_BYTES", "JAX_GIN_M
                    "JAX_GIN_LL_MAX_BYTES", "JAX_GIN_EXPERIMENTAL_GIN")
 
 
-def gpu_launch_settings(workspace_bytes: int) -> dict:
-    """What must be equal in every process of a GPU group (checked at bootstrap)."""
+def gpu_launch_settings(workspace_bytes: int, default_max_lanes: int | None = None) -> dict:
+    """What must be equal in every process of a GPU group (checked at bootstrap).
+
+    default_max_lanes: the smallest default lane cap (SM count, at most 128) of this process's
+    devices in the group; it decides the lanes unless JAX_GIN_MAX_LANES is set."""
     out = {"workspace_bytes": int(workspace_bytes)}
     out.update({k: os.environ.get(k) for k in _GPU_LAUNCH_ENV})
+    if default_max_lanes is not None and not os.environ.get("JAX_GIN_MAX_LANES"):
+        out["default max lanes (SM count; set JAX_GIN_MAX_LANES alike to override)"] = \
+            int(default_max_lanes)
     return out
 
 
@@ -227,8 +233,11 @@ def _create_cuda_comm_processes(mesh, devices, layout: GroupLayout, ws: int, key
     shape = ", ".join(f"{n!r}: {mesh.shape[n]}" for n in mesh.axis_names)
     what = (f"the GPU communicator for axes {key[4]} of the mesh {{{shape}}} "
             f"({len(set(procs))} processes)")
+    mine = [int(d.local_hardware_id) for d, p in zip(devices, procs) if p == me]
+    lanes = min((_native.cuda.default_max_lanes(o) for o in mine), default=None) \
+        if hasattr(_native.cuda, "default_max_lanes") else None
     ids = _distributed.gpu_unique_ids(layout, procs, me, key, generation, settings.timeout_s,
-                                      what, _native.cuda.unique_id, gpu_launch_settings(ws))
+                                      what, _native.cuda.unique_id, gpu_launch_settings(ws, lanes))
     local: dict = {}  # group -> [(rank, local CUDA ordinal)]
     for logical, d in enumerate(devices):
         if procs[logical] == me:

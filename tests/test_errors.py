@@ -65,3 +65,21 @@ def test_cuda_lowering_without_cuda_build(monkeypatch):
     f = smap(lambda v: jax_gin.psum(v, "i"), mesh_1d(), P("i"))
     with pytest.raises(Exception, match="not compiled with CUDA support"):
         f.trace(x).lower(lowering_platforms=("cuda",))
+
+
+def test_gpu_launch_settings_must_match_across_processes(monkeypatch):
+    """The GPU bootstrap compares every process's launch settings: a different workspace, env
+    setting or default lane cap (SM count: different GPU models) is named, not run."""
+    from jax_gin import _distributed
+    from jax_gin._runtime import gpu_launch_settings
+    monkeypatch.delenv("JAX_GIN_MAX_LANES", raising=False)
+    mine = gpu_launch_settings(64 << 20, 128)
+    _distributed.check_same_settings(mine, gpu_launch_settings(64 << 20, 128), 1, "group 0")
+    with pytest.raises(ValueError, match=r"default max lanes.*128.*here but 108 in process 1"):
+        _distributed.check_same_settings(mine, gpu_launch_settings(64 << 20, 108), 1, "group 0")
+    with pytest.raises(ValueError, match=r"workspace_bytes=67108864 here but 33554432"):
+        _distributed.check_same_settings(mine, gpu_launch_settings(32 << 20, 128), 1, "group 0")
+    # JAX_GIN_MAX_LANES set alike everywhere decides the lanes: the SM counts may then differ
+    monkeypatch.setenv("JAX_GIN_MAX_LANES", "64")
+    _distributed.check_same_settings(gpu_launch_settings(64 << 20, 128),
+                                     gpu_launch_settings(64 << 20, 108), 1, "group 0")
