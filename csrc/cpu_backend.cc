@@ -223,7 +223,7 @@ bool dispatch_op(HostTransport& tp, RedOp op, Algorithm algo, const void* in, vo
 namespace {
 
 constexpr uint64_t kWorkspaceMagic = 0x314e49475f58414aull;  // "JAX_GIN1", little-endian
-constexpr uint32_t kWorkspaceVersion = 3;  // 2: three flag kinds per (lane, sender); 3: kMaxLanes 132
+constexpr uint32_t kWorkspaceVersion = 3;  // 2: three flag kinds per (lane, sender); 3: kMaxLanes 128
 constexpr size_t kHeaderBytes = 4096;
 constexpr size_t kPageBytes = 4096;
 

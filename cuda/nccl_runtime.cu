@@ -273,11 +273,6 @@ void finish_rank(Comm& comm, size_t i, int g, int n, size_t lane_bytes, int rank
   if (const char* v = std::getenv("JAX_GIN_LANE_GRAIN_BYTES")) c.lane_grain_bytes = std::strtoull(v, nullptr, 10);
 }
 
-// Sets up this process's ranks of group `g` (of `n` ranks), whose NCCL communicators exist:
-// rank ranks[i] runs on local device devices[i] with communicator comms[i]. Allocates each
-// rank's window, registers the windows and creates the device communicators (each phase in
-// one NCCL group for all local ranks), and fills the launch configurations. Appends the ranks
-// to comm.ranks.
 // Every rank of a group must run the same lanes (lane i talks to its peers' lane i only), but
 // the default cap is per device (its SM count): this process's ranks of the group take the
 // smallest. Across processes, the bootstrap compares each process's value (jax_gin's
@@ -288,6 +283,11 @@ void equalize_lanes(Comm& comm, size_t base, int k) {
   for (int i = 0; i < k; ++i) comm.ranks[base + i].cfg.max_lanes = lanes;
 }
 
+// Sets up this process's ranks of group `g` (of `n` ranks), whose NCCL communicators exist:
+// rank ranks[i] runs on local device devices[i] with communicator comms[i]. Allocates each
+// rank's window, registers the windows and creates the device communicators (each phase in
+// one NCCL group for all local ranks), and fills the launch configurations. Appends the ranks
+// to comm.ranks.
 void setup_ranks(Comm& comm, int g, int n, const std::vector<int>& ranks,
                  const std::vector<int>& devices, const std::vector<ncclComm_t>& comms,
                  size_t lane_bytes, double timeout_s, int fault_rank) {
