@@ -11,6 +11,7 @@
 #   record2: the results of record (table sweep, tune, record sweep, bench_mlp)
 #   smallrec / autocheck: 4 KiB - 4 MiB with a chain of 100 (every algorithm / auto vs lax)
 #   final3: the 2-process tests and benchmark, and the two chain steps at small sizes
+#   decompose: kernel alone (harness) next to the per-op time in XLA, 4 KiB - 16 MiB
 #   multiproc: 2 processes x 1 GPU on localhost (jax.distributed), tests/test_gpu_multiprocess.py
 #              and the float32 benchmark in that mode (bench_2proc.txt)
 #   single: what a 1-GPU machine can check (every rank of the harness on GPU 0, the GPU tests
@@ -266,7 +267,21 @@ smallrec() {
   log "small sizes bfloat16 K=100 rc=$?"
 }
 
+# Issue 3's small and mid sizes: where does the per-op time go? The kernel alone (native
+# harness, 2000 back-to-back calls, no XLA) next to the per-op time in XLA (chain of 100),
+# both libraries, 4 KiB - 16 MiB. Per-op minus kernel = what XLA's program adds per op.
+decompose() {
+  log "kernel alone, 2 ranks on 2 GPUs"
+  $H --ranks 2 --counts 1024,4096,16384,65536,262144,1048576,4194304 --algos one_shot,two_shot,ring \
+    --dtypes f32 --ops sum --iters 1 --time-iters 2000 | grep -E "^time|FAIL" > "$OUT/decompose.txt"
+  log "harness rc=$?"
+  JAX_PLATFORMS=cuda $PY -m jax_gin.bench -b 4K -e 16M -f 4 -d float32 -a one_shot,two_shot,ring,lax \
+    -n 30 -w 5 -k 100 --quiet >> "$OUT/decompose.txt" 2>> "$OUT/build.log"
+  log "bench rc=$?"; cat "$OUT/decompose.txt"
+}
+
 case "$MODE" in
+  decompose) decompose ;;
   smallrec) smallrec ;;
   autocheck)  # auto with the rebuilt table against lax and one_shot, small sizes, chain of 100
     JAX_PLATFORMS=cuda $PY -m jax_gin.bench -b 4K -e 4M -f 4 -d float32,bfloat16 -a auto,one_shot,lax \
