@@ -94,6 +94,54 @@ def global_input(mesh, spec, per_device, dtype, seed):
     return jax.make_array_from_callback((n,), NamedSharding(mesh, spec), lambda idx: full[idx])
 
 
+def check_parity(mesh, axes, dtype, per_device, seed, same_bits, split_large=False):
+    """Every algorithm x op of jax_gin against lax's, over `axes`, bit for bit (`same_bits`
+    compares two global arrays). One program holds every case, unless `split_large` and a
+    buffer exceeds 512 bytes: then one program per case. (XLA:CPU runs the independent
+    operations of a program concurrently once it has more than 8 of them and one buffer
+    exceeds 512 bytes; jax_gin's calls on one communicator must not run concurrently -- they
+    fail loudly if they do.)"""
+    import jax
+    import numpy as np
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+    import jax_gin
+    algos = ("auto",) + tuple(jax_gin.ALGORITHMS)
+    ops = (("psum", jax_gin.psum, lax.psum), ("pmax", jax_gin.pmax, lax.pmax),
+           ("pmin", jax_gin.pmin, lax.pmin))
+    spec = P(tuple(mesh.axis_names))
+    x = global_input(mesh, spec, per_device, dtype, seed)
+    cases = [(a, j) for a in algos for j in range(len(ops))]
+    one_program = not split_large or per_device * np.dtype(dtype).itemsize <= 512
+    for batch in ([cases] if one_program else [[c] for c in cases]):
+        def body(v, batch=batch):
+            return (tuple(ops[j][1](v, axes, algorithm=a) for a, j in batch) +
+                    tuple(ops[j][2](v, axes) for _, j in batch))
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,),
+                                  out_specs=(spec,) * (2 * len(batch))))
+        outs = f(x)
+        for k, (a, j) in enumerate(batch):
+            same_bits(outs[k], outs[len(batch) + k],
+                      f"{ops[j][0]} {a} {dtype} x{per_device} over {axes} of {mesh.shape}")
+
+
+def check_grad(mesh, same_bits):
+    """grad of a loss through jax_gin.psum and through lax.psum over axis "i" of `mesh`, with
+    check_vma on and off, bit for bit (small integers: every value is exact)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+    import jax_gin
+    for check_vma in (True, False):
+        def loss(red):
+            g = jax.shard_map(lambda v: red(v * v, "i"), mesh=mesh, in_specs=P("i"),
+                              out_specs=P(), check_vma=check_vma)
+            return jax.jit(jax.grad(lambda v: jnp.sum(g(v) ** 2)))
+        x = global_input(mesh, P("i"), 64, "float32", 9)
+        same_bits(loss(jax_gin.psum)(x), loss(lax.psum)(x), f"grad check_vma={check_vma}")
+
+
 def local_shards(a) -> list:
     """This process's shards of a global array, in device order."""
     import numpy as np

@@ -21,9 +21,9 @@ import sys
 
 import pytest
 
-from multiproc import (assert_same_shards, clean_env, free_port as _free_port,
-                       gpu_count as _gpu_count, global_input, launch, reports as _reports,
-                       tail as _tail)
+from multiproc import (assert_same_shards, check_grad, check_parity, clean_env,
+                       free_port as _free_port, gpu_count as _gpu_count, global_input, launch,
+                       reports as _reports, tail as _tail)
 
 NPROC = 2
 CPU_DEVICES = 4  # per process, in the bootstrap tests
@@ -237,7 +237,6 @@ def _bootstrap_worker(pid, devices, report, _distributed, _native, _runtime):
 
 
 def _gpu_worker(pid, devices, report, jax_gin, _distributed):
-    import jax.numpy as jnp
     import jax
     from jax import lax
     from jax.sharding import Mesh, PartitionSpec as P
@@ -250,24 +249,8 @@ def _gpu_worker(pid, devices, report, jax_gin, _distributed):
         assert_same_shards(a, b, what)
         report["checked"] += 1
 
-    algos = ("auto",) + tuple(jax_gin.ALGORITHMS)
-    ops = (("psum", jax_gin.psum, lax.psum), ("pmax", jax_gin.pmax, lax.pmax),
-           ("pmin", jax_gin.pmin, lax.pmin))
-
     def parity(mesh, axes, dtype, per_device, seed):
-        spec = P(tuple(mesh.axis_names))
-        x = global_input(mesh, spec, per_device, dtype, seed)
-        cases = [(a, j) for a in algos for j in range(len(ops))]
-
-        def body(v):
-            return (tuple(ops[j][1](v, axes, algorithm=a) for a, j in cases) +
-                    tuple(ops[j][2](v, axes) for _, j in cases))
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,),
-                                  out_specs=(spec,) * (2 * len(cases))))
-        outs = f(x)
-        for k, (a, j) in enumerate(cases):
-            same_bits(outs[k], outs[len(cases) + k],
-                      f"{ops[j][0]} {a} {dtype} x{per_device} over {axes} of {mesh.shape}")
+        check_parity(mesh, axes, dtype, per_device, seed, same_bits)
 
     for dtype in ("float32", "bfloat16", "int32"):
         for per_device in (1, 37, 4099, (1 << 20) + 3):
@@ -283,13 +266,7 @@ def _gpu_worker(pid, devices, report, jax_gin, _distributed):
     parity(mesh2, ("x", "y"), "bfloat16", 4099, 4)
     parity(mesh2, ("y", "x"), "int32", 4099, 5)
 
-    for check_vma in (True, False):
-        def loss(red):
-            g = jax.shard_map(lambda v: red(v * v, "i"), mesh=mesh1, in_specs=P("i"),
-                              out_specs=P(), check_vma=check_vma)
-            return jax.jit(jax.grad(lambda v: jnp.sum(g(v) ** 2)))
-        x = global_input(mesh1, P("i"), 64, "float32", 9)
-        same_bits(loss(jax_gin.psum)(x), loss(lax.psum)(x), f"grad check_vma={check_vma}")
+    check_grad(mesh1, same_bits)  # check_vma on and off
 
     # Repeated calls: one communicator, a scan of 200 dependent all-reduces, 20 times.
     def scanned(v):

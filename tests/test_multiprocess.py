@@ -20,8 +20,9 @@ import signal
 import sys
 import time
 
-from multiproc import (assert_same_shards, clean_env, free_port as _free_port, global_input,
-                       launch, reports as _reports, tail as _tail)
+from multiproc import (assert_same_shards, check_grad, check_parity, clean_env,
+                       free_port as _free_port, global_input, launch, reports as _reports,
+                       tail as _tail)
 
 WORKER_DEVICES = 4
 NPROC = 2
@@ -128,7 +129,6 @@ def _worker(scenario: str, pid: int, port: int) -> None:
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=NPROC, process_id=pid,
                                coordinator_bind_address=f"127.0.0.1:{port}",
                                initialization_timeout=60)
-    import jax.numpy as jnp
     import numpy as np
     from jax import lax
     from jax.sharding import Mesh, PartitionSpec as P
@@ -151,30 +151,8 @@ def _worker(scenario: str, pid: int, port: int) -> None:
         token = report.get("token")
         return sorted(n for n in os.listdir("/dev/shm") if token and token in n)
 
-    algos = ("auto",) + tuple(jax_gin.ALGORITHMS)
-    ops = (("psum", jax_gin.psum, lax.psum), ("pmax", jax_gin.pmax, lax.pmax),
-           ("pmin", jax_gin.pmin, lax.pmin))
-
     def parity(mesh, axes, dtype, per_device, seed):
-        """Every algorithm x op of jax_gin against lax's, over `axes`, bit for bit."""
-        spec = P(tuple(mesh.axis_names))
-        x = global_input(mesh, spec, per_device, dtype, seed)
-        cases = [(a, j) for a in algos for j in range(len(ops))]
-        # One program for all cases when the buffers are small; else one program per case.
-        # (XLA:CPU runs the independent operations of a program concurrently once it has more
-        # than 8 of them and one buffer exceeds 512 bytes; jax_gin's calls on one communicator
-        # must not run concurrently -- they fail loudly if they do.)
-        small = per_device * np.dtype(dtype).itemsize <= 512
-        for batch in ([cases] if small else [[c] for c in cases]):
-            def body(v, batch=batch):
-                outs = [ops[j][1](v, axes, algorithm=a) for a, j in batch]
-                return tuple(outs) + tuple(ops[j][2](v, axes) for _, j in batch)
-            f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,),
-                                      out_specs=(spec,) * (2 * len(batch))))
-            outs = f(x)
-            for k, (a, j) in enumerate(batch):
-                same_bits(outs[k], outs[len(batch) + k],
-                          f"{ops[j][0]} {a} {dtype} x{per_device} over {axes} of {mesh.shape}")
+        check_parity(mesh, axes, dtype, per_device, seed, same_bits, split_large=True)
 
     if scenario == "parity":
         big = (1 << 20) // 2 + 4099  # > the 1 MiB workspace per device, even in bfloat16
@@ -191,16 +169,7 @@ def _worker(scenario: str, pid: int, port: int) -> None:
         parity(mesh2, ("x", "y"), "float32", 37, 7)  # 1 group of 8
         parity(mesh2, ("y", "x"), "int32", big, 8)
 
-        # grad, with check_vma on and off (small integers: every value is exact)
-        for check_vma in (True, False):
-            def loss(red):
-                def body(v):
-                    return red(v * v, "i")
-                g = jax.shard_map(body, mesh=mesh1, in_specs=P("i"), out_specs=P(),
-                                  check_vma=check_vma)
-                return jax.jit(jax.grad(lambda v: jnp.sum(g(v) ** 2)))
-            x = global_input(mesh1, P("i"), 64, "float32", 9)
-            same_bits(loss(jax_gin.psum)(x), loss(lax.psum)(x), f"grad check_vma={check_vma}")
+        check_grad(mesh1, same_bits)  # check_vma on and off
 
         # repeated calls of one compiled program reuse one communicator
         f = jax.jit(jax.shard_map(lambda v: (jax_gin.psum(v, "i"), lax.psum(v, "i")),
