@@ -174,8 +174,8 @@ int main(int argc, char** argv) {
       CK(cudaSetDevice(R.dev));
       CK(cudaMalloc(&R.window, wbytes));
       CK(cudaMemset(R.window, 0, wbytes));
-      CK(cudaMalloc(&R.rounds, 2 * kMaxLanes * sizeof(uint64_t)));
-      CK(cudaMemset(R.rounds, 0, 2 * kMaxLanes * sizeof(uint64_t)));
+      CK(cudaMalloc(&R.rounds, gpu::kRoundCountersBytes));
+      CK(cudaMemset(R.rounds, 0, gpu::kRoundCountersBytes));
       CK(cudaHostAlloc(&R.diag_host, sizeof(Diagnostic), cudaHostAllocMapped | cudaHostAllocPortable));
       std::memset(R.diag_host, 0, sizeof(Diagnostic));
       CK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&R.diag_dev), R.diag_host, 0));
@@ -197,7 +197,7 @@ int main(int argc, char** argv) {
         CK(cudaSetDevice(rk[r].dev));
         CK(cudaDeviceSynchronize());
         CK(cudaMemset(rk[r].window, 0, wbytes));
-        CK(cudaMemset(rk[r].rounds, 0, 2 * kMaxLanes * sizeof(uint64_t)));
+        CK(cudaMemset(rk[r].rounds, 0, gpu::kRoundCountersBytes));
         CK(cudaDeviceSynchronize());
       }
       for (const auto& ds : dtypes_s) {

@@ -26,6 +26,9 @@ struct PeerAccess {
   const ncclDevComm* devcomm = nullptr;
 };
 
+// Bytes of LaunchConfig::rounds: each lane's round counter for the simple protocol, then for LL.
+constexpr size_t kRoundCountersBytes = 2 * size_t(kMaxLanes) * sizeof(uint64_t);
+
 struct LaunchConfig {
   int rank = 0, nranks = 1, group = 0;
   size_t flags_offset = 0;   // bytes, inside each window
@@ -38,7 +41,7 @@ struct LaunchConfig {
   // H200 with 1 MiB lanes, 128 KiB chunks were 1-3% slower than whole steps at 4-64 MiB and
   // 512 KiB within 2% either way (harness, 2026-11-30): chunks only split larger lanes.
   size_t chunk_bytes = 512 << 10;
-  uint64_t* rounds = nullptr;   // device: 2 * kMaxLanes round counters (simple, then LL)
+  uint64_t* rounds = nullptr;   // device: kRoundCountersBytes (simple, then LL)
   Diagnostic* diag = nullptr;   // host-mapped (device pointer of it)
   uint64_t timeout_ns = 30ull * 1000 * 1000 * 1000;
   int fault_rank = -1;

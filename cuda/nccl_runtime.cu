@@ -209,8 +209,8 @@ void alloc_rank(RankState& s, size_t wbytes) {
   JG_CUDA(cudaSetDevice(s.device));
   JG_NCCL(ncclMemAlloc(&s.window_ptr, wbytes));
   JG_CUDA(cudaMemset(s.window_ptr, 0, wbytes));
-  JG_CUDA(cudaMalloc(&s.rounds, 2 * kMaxLanes * sizeof(uint64_t)));
-  JG_CUDA(cudaMemset(s.rounds, 0, 2 * kMaxLanes * sizeof(uint64_t)));
+  JG_CUDA(cudaMalloc(&s.rounds, kRoundCountersBytes));
+  JG_CUDA(cudaMemset(s.rounds, 0, kRoundCountersBytes));
   JG_CUDA(cudaHostAlloc(&s.diag_host, sizeof(Diagnostic), cudaHostAllocMapped | cudaHostAllocPortable));
   std::memset(s.diag_host, 0, sizeof(Diagnostic));
   JG_CUDA(cudaDeviceSynchronize());
