@@ -234,6 +234,7 @@ def _create_cuda_comm_processes(mesh, devices, layout: GroupLayout, ws: int, key
     what = (f"the GPU communicator for axes {key[4]} of the mesh {{{shape}}} "
             f"({len(set(procs))} processes)")
     mine = [int(d.local_hardware_id) for d, p in zip(devices, procs) if p == me]
+    # (the CPU bootstrap tests stand a fake CUDA module in, without default_max_lanes)
     lanes = min((_native.cuda.default_max_lanes(o) for o in mine), default=None) \
         if hasattr(_native.cuda, "default_max_lanes") else None
     ids = _distributed.gpu_unique_ids(layout, procs, me, key, generation, settings.timeout_s,
