@@ -97,6 +97,10 @@ int main(int argc, char** argv) {
   std::vector<std::string> rpn_s;
   bool algos_given = false;
   int iters = 3, fault_rank = -1, time_iters = 0, max_lanes_arg = -1;  // -1: as the runtime
+  // --time-graph 1: time the kernels as CUDA-graph replays (every rank's time_iters launches
+  // captured into one graph per rank), so that the host's launch rate does not bound the
+  // figure; this is the device-side time per call that XLA's command buffers would see.
+  int time_graph = 0;
   size_t lane_bytes = 256 << 10;
   size_t ll_max_bytes = 64 << 10;
   size_t chunk_bytes = gpu::LaunchConfig().chunk_bytes;
@@ -115,6 +119,7 @@ int main(int argc, char** argv) {
     else if (k == "--timeout-s") timeout_s = std::atof(v.c_str());
     else if (k == "--fault-rank") fault_rank = std::atoi(v.c_str());
     else if (k == "--time-iters") time_iters = std::atoi(v.c_str());
+    else if (k == "--time-graph") time_graph = std::atoi(v.c_str());
     else if (k == "--ll-max-bytes") ll_max_bytes = std::strtoull(v.c_str(), nullptr, 10);
     else if (k == "--chunk-bytes") chunk_bytes = std::strtoull(v.c_str(), nullptr, 10);
     else { std::fprintf(stderr, "unknown flag %s\n", k.c_str()); return 2; }
@@ -275,11 +280,48 @@ int main(int argc, char** argv) {
                 // Kernel-level latency without XLA: back-to-back launches on every rank, timed
                 // on the host around the whole batch after a synchronized start.
                 for (int r = 0; r < N; ++r) { CK(cudaSetDevice(rk[r].dev)); CK(cudaStreamSynchronize(rk[r].stream)); }
-                auto t0 = std::chrono::steady_clock::now();
-                for (int it = 0; it < time_iters; ++it) CK(launch_all());
-                for (int r = 0; r < N; ++r) { CK(cudaSetDevice(rk[r].dev)); CK(cudaStreamSynchronize(rk[r].stream)); }
-                us_per_iter = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / time_iters;
-                std::printf("time ranks=%d%s dtype=%s op=%s algo=%s bytes=%zu: %.2f us/call\n", N,
+                if (time_graph) {
+                  // Capture every rank's stream at once (relaxed mode: cudaSetDevice between
+                  // launches is allowed), then replay one graph per rank, all in flight together.
+                  std::vector<cudaGraphExec_t> execs(N);
+                  for (int r = 0; r < N; ++r) {
+                    CK(cudaSetDevice(rk[r].dev));
+                    CK(cudaStreamBeginCapture(rk[r].stream, cudaStreamCaptureModeRelaxed));
+                  }
+                  for (int it = 0; it < time_iters; ++it) CK(launch_all());
+                  for (int r = 0; r < N; ++r) {
+                    cudaGraph_t g;
+                    CK(cudaSetDevice(rk[r].dev));
+                    CK(cudaStreamEndCapture(rk[r].stream, &g));
+                    CK(cudaGraphInstantiate(&execs[r], g, 0));
+                    CK(cudaGraphDestroy(g));
+                  }
+                  auto replay = [&]() -> cudaError_t {
+                    for (int r = 0; r < N; ++r) {
+                      cudaError_t e = cudaSetDevice(rk[r].dev);
+                      if (e == cudaSuccess) e = cudaGraphLaunch(execs[r], rk[r].stream);
+                      if (e != cudaSuccess) return e;
+                    }
+                    for (int r = 0; r < N; ++r) {
+                      cudaError_t e = cudaSetDevice(rk[r].dev);
+                      if (e == cudaSuccess) e = cudaStreamSynchronize(rk[r].stream);
+                      if (e != cudaSuccess) return e;
+                    }
+                    return cudaSuccess;
+                  };
+                  CK(replay());  // warm-up (uploads the graphs)
+                  auto t0 = std::chrono::steady_clock::now();
+                  CK(replay());
+                  us_per_iter = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / time_iters;
+                  for (int r = 0; r < N; ++r) { CK(cudaSetDevice(rk[r].dev)); CK(cudaGraphExecDestroy(execs[r])); }
+                } else {
+                  auto t0 = std::chrono::steady_clock::now();
+                  for (int it = 0; it < time_iters; ++it) CK(launch_all());
+                  for (int r = 0; r < N; ++r) { CK(cudaSetDevice(rk[r].dev)); CK(cudaStreamSynchronize(rk[r].stream)); }
+                  us_per_iter = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / time_iters;
+                }
+                std::printf("time%s ranks=%d%s dtype=%s op=%s algo=%s bytes=%zu: %.2f us/call\n",
+                            time_graph ? "(graph)" : "", N,
                             rpn ? (" ranks_per_node=" + std::to_string(rpn)).c_str() : "", dt->name,
                             os_.c_str(), as.c_str(), count * dt->size, us_per_iter);
               }

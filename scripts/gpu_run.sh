@@ -271,13 +271,25 @@ smallrec() {
 # harness, 2000 back-to-back calls, no XLA) next to the per-op time in XLA (chain of 100),
 # both libraries, 4 KiB - 16 MiB. Per-op minus kernel = what XLA's program adds per op.
 decompose() {
-  log "kernel alone, 2 ranks on 2 GPUs"
-  $H --ranks 2 --counts 1024,4096,16384,65536,262144,1048576,4194304 --algos one_shot,two_shot,ring \
+  local C=1024,4096,16384,65536,262144,1048576,4194304
+  log "kernel alone, 2 ranks on 2 GPUs: host launch loop, then CUDA-graph replay"
+  $H --ranks 2 --counts $C --algos one_shot,two_shot,ring \
     --dtypes f32 --ops sum --iters 1 --time-iters 2000 | grep -E "^time|FAIL" > "$OUT/decompose.txt"
+  $H --ranks 2 --counts $C --algos one_shot,two_shot,ring \
+    --dtypes f32 --ops sum --iters 1 --time-iters 2000 --time-graph 1 | grep -E "^time|FAIL" >> "$OUT/decompose.txt"
   log "harness rc=$?"
-  JAX_PLATFORMS=cuda $PY -m jax_gin.bench -b 4K -e 16M -f 4 -d float32 -a one_shot,two_shot,ring,lax \
-    -n 30 -w 5 -k 100 --quiet >> "$OUT/decompose.txt" 2>> "$OUT/build.log"
-  log "bench rc=$?"; cat "$OUT/decompose.txt"
+  local ON="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,COLLECTIVES --xla_gpu_graph_min_graph_size=1"
+  $PY scripts/xla_chain_hlo.py --tag default >> "$OUT/decompose.txt" 2>> "$OUT/build.log"
+  XLA_FLAGS="$ON" $PY scripts/xla_chain_hlo.py --tag cmdbuf_on >> "$OUT/decompose.txt" 2>> "$OUT/build.log"
+  log "hlo rc=$?"
+  tar czf "$OUT/hlo.tgz" -C "$OUT" $(cd "$OUT" && ls hlo_*.txt) && rm -f "$OUT"/hlo_*.txt
+  for mode in default on; do
+    local flags=""; [ $mode = on ] && flags="$ON"
+    XLA_FLAGS="$flags" JAX_PLATFORMS=cuda $PY -m jax_gin.bench -b 4K -e 16M -f 4 -d float32 \
+      -a one_shot,two_shot,ring,lax -n 20 -w 5 -k 100 --quiet > "$OUT/bench_decompose_$mode.txt" 2>> "$OUT/build.log"
+    log "bench ($mode command buffers) rc=$?"
+  done
+  cat "$OUT/decompose.txt"
 }
 
 case "$MODE" in
