@@ -11,6 +11,8 @@
 #   record2: the results of record (table sweep, tune, record sweep, bench_mlp)
 #   smallrec / autocheck: 4 KiB - 4 MiB with a chain of 100 (every algorithm / auto vs lax)
 #   final3: the 2-process tests and benchmark, and the two chain steps at small sizes
+#   cmdprobe: does XLA capture jax_gin's calls in command buffers (verbose compiler log, dump,
+#             pure chains of jax_gin calls with nothing between them)
 #   decompose: kernel alone (harness) next to the per-op time in XLA, 4 KiB - 16 MiB
 #   multiproc: 2 processes x 1 GPU on localhost (jax.distributed), tests/test_gpu_multiprocess.py
 #              and the float32 benchmark in that mode (bench_2proc.txt)
@@ -292,8 +294,28 @@ decompose() {
   cat "$OUT/decompose.txt"
 }
 
+cmdprobe() {
+  # Does XLA put jax_gin's calls in command buffers here? The compiler's own log of the
+  # command-buffer passes, the dumped program, and pure chains (nothing between the calls).
+  local ON="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,COLLECTIVES --xla_gpu_graph_min_graph_size=1"
+  log "XLA command-buffer passes, verbose (default flags)"
+  mkdir -p "$OUT/dump"
+  TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=3,command_buffer_scheduling=3,command_buffer_thunk=1,custom_call_thunk=2 \
+    XLA_FLAGS="--xla_dump_to=$OUT/dump --xla_dump_hlo_module_re=chain" \
+    $PY scripts/xla_chain_hlo.py --tag vlog > "$OUT/cmdprobe.txt" 2> "$OUT/vlog.txt"
+  log "vlog rc=$? lines=$(wc -l < "$OUT/vlog.txt")"
+  grep -i -E "command|graph|custom" "$OUT/vlog.txt" | cut -c1-400 | head -150 >> "$OUT/cmdprobe.txt"
+  tar czf "$OUT/dump.tgz" -C "$OUT" dump vlog.txt $(cd "$OUT" && ls hlo_*.txt) && rm -rf "$OUT/dump" "$OUT"/hlo_*.txt "$OUT/vlog.txt"
+  for flags in "" "$ON"; do
+    XLA_FLAGS="$flags" JAX_PLATFORMS=cuda $PY scripts/xla_chain_probe.py >> "$OUT/cmdprobe.txt" 2>> "$OUT/build.log"
+    log "probe rc=$?"
+  done
+  grep -v "^I\|^W" "$OUT/cmdprobe.txt" | grep -E "^#|pure|slice|vlog" | tee -a "$OUT/summary.txt"
+}
+
 case "$MODE" in
   decompose) decompose ;;
+  cmdprobe) cmdprobe ;;
   smallrec) smallrec ;;
   autocheck)  # auto with the rebuilt table against lax and one_shot, small sizes, chain of 100
     JAX_PLATFORMS=cuda $PY -m jax_gin.bench -b 4K -e 4M -f 4 -d float32,bfloat16 -a auto,one_shot,lax \
