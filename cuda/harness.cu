@@ -104,6 +104,7 @@ int main(int argc, char** argv) {
   size_t lane_bytes = 256 << 10;
   size_t ll_max_bytes = 64 << 10;
   size_t chunk_bytes = gpu::LaunchConfig().chunk_bytes;
+  size_t lane_grain = gpu::LaunchConfig().lane_grain_bytes;
   double timeout_s = 20.0;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
@@ -122,6 +123,7 @@ int main(int argc, char** argv) {
     else if (k == "--time-graph") time_graph = std::atoi(v.c_str());
     else if (k == "--ll-max-bytes") ll_max_bytes = std::strtoull(v.c_str(), nullptr, 10);
     else if (k == "--chunk-bytes") chunk_bytes = std::strtoull(v.c_str(), nullptr, 10);
+    else if (k == "--lane-grain") lane_grain = std::strtoull(v.c_str(), nullptr, 10);
     else { std::fprintf(stderr, "unknown flag %s\n", k.c_str()); return 2; }
   }
   if (!rpn_s.empty() && !algos_given) algos_s = {"hierarchical"};
@@ -264,6 +266,7 @@ int main(int argc, char** argv) {
                   cfg.max_lanes = max_lanes;
                   cfg.ll_max_bytes = std::min(cfg.ll_max_bytes, ll_max_bytes);
                   cfg.chunk_bytes = chunk_bytes;
+                  cfg.lane_grain_bytes = lane_grain;
                   cfg.rounds = R.rounds;
                   cfg.diag = R.diag_dev;
                   cfg.timeout_ns = uint64_t(timeout_s * 1e9);

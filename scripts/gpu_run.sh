@@ -13,6 +13,7 @@
 #   final3: the 2-process tests and benchmark, and the two chain steps at small sizes
 #   cmdprobe: does XLA capture jax_gin's calls in command buffers (verbose compiler log, dump,
 #             pure chains of jax_gin calls with nothing between them)
+#   kprobe: kernel device times (LL limit, lane grain) and XLA's command-buffer log per execution
 #   decompose: kernel alone (harness) next to the per-op time in XLA, 4 KiB - 16 MiB
 #   multiproc: 2 processes x 1 GPU on localhost (jax.distributed), tests/test_gpu_multiprocess.py
 #              and the float32 benchmark in that mode (bench_2proc.txt)
@@ -313,9 +314,37 @@ cmdprobe() {
   grep -v "^I\|^W" "$OUT/cmdprobe.txt" | grep -E "^#|pure|slice|vlog" | tee -a "$OUT/summary.txt"
 }
 
+kprobe() {
+  # Kernel device time (graph replay, the runtime's 512 KiB lanes): LL one_shot up to 256 KiB,
+  # and the lane grain at 1 - 16 MiB; then what XLA's command-buffer thunk does per execution.
+  local G="--ranks 2 --dtypes f32 --ops sum --iters 1 --time-iters 1000 --time-graph 1 --lane-bytes 524288"
+  log "one_shot, LL up to 64 KiB (default) and up to 256 KiB"
+  for ll in 65536 262144; do
+    $H $G --counts 16384,32768,65536 --algos one_shot --ll-max-bytes $ll | grep -E "^time|FAIL" | sed "s/^/ll=$ll /" >> "$OUT/kprobe.txt"
+  done
+  log "lane grain 16/32/64 KiB at 1 - 16 MiB"
+  for g in 16384 32768 65536; do
+    $H $G --counts 262144,1048576,4194304 --algos one_shot,two_shot,ring --lane-grain $g | grep -E "^time|FAIL" | sed "s/^/grain=$g /" >> "$OUT/kprobe.txt"
+  done
+  log "harness rc=$?"
+  for keep in "" "--keep"; do
+    echo "# vlog $keep" >> "$OUT/kprobe.txt"
+    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_cmd=3,command_buffer_cmd_emitter=1 \
+      $PY scripts/xla_cmdbuf_vlog.py $keep > /dev/null 2> "$OUT/vlog$keep.txt"
+    awk '/=== MARK/{m=$0} !/=== MARK/{ if (m != "") { sub(/^[IWE][0-9]+ [0-9:.]+ +[0-9]+ /, ""); gsub(/0x[0-9a-f]+/, "P"); gsub(/[0-9]+/, "N"); print m " | " substr($0, 1, 160) } }' \
+      "$OUT/vlog$keep.txt" | sort | uniq -c | sort -k2 | head -80 >> "$OUT/kprobe.txt"
+  done
+  tar czf "$OUT/vlog.tgz" -C "$OUT" vlog.txt vlog--keep.txt && rm -f "$OUT"/vlog*.txt
+  XLA_FLAGS="" JAX_PLATFORMS=cuda $PY scripts/xla_chain_probe.py --sizes 1048576,4194304,16777216 \
+    --algos one_shot,two_shot,ring >> "$OUT/kprobe.txt" 2>> "$OUT/build.log"
+  log "probe rc=$?"
+  cat "$OUT/kprobe.txt"
+}
+
 case "$MODE" in
   decompose) decompose ;;
   cmdprobe) cmdprobe ;;
+  kprobe) kprobe ;;
   smallrec) smallrec ;;
   autocheck)  # auto with the rebuilt table against lax and one_shot, small sizes, chain of 100
     JAX_PLATFORMS=cuda $PY -m jax_gin.bench -b 4K -e 4M -f 4 -d float32,bfloat16 -a auto,one_shot,lax \
