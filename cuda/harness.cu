@@ -264,7 +264,7 @@ int main(int argc, char** argv) {
                   cfg.nranks = N;
                   gpu::set_window_layout(cfg, N, lane_bytes, rpn);
                   cfg.max_lanes = max_lanes;
-                  cfg.ll_max_bytes = std::min(cfg.ll_max_bytes, ll_max_bytes);
+                  if (cfg.ll_max_bytes > 0) cfg.ll_max_bytes = ll_max_bytes;  // 0: no LL area
                   cfg.chunk_bytes = chunk_bytes;
                   cfg.lane_grain_bytes = lane_grain;
                   cfg.rounds = R.rounds;

@@ -267,8 +267,10 @@ void finish_rank(Comm& comm, size_t i, int g, int n, size_t lane_bytes, int rank
   c.fault_rank = fault_rank;
   c.max_lanes = default_max_lanes(s.device);
   if (const char* v = std::getenv("JAX_GIN_MAX_LANES")) c.max_lanes = std::atoi(v);
-  if (const char* v = std::getenv("JAX_GIN_LL_MAX_BYTES"))
-    c.ll_max_bytes = std::min<size_t>(c.ll_max_bytes, std::strtoull(v, nullptr, 10));
+  // The LL limit may be lowered or raised (the launch caps it at the LL area's 256 KiB), but
+  // never turned on where the window has no LL area (set_window_layout left it 0).
+  if (const char* v = std::getenv("JAX_GIN_LL_MAX_BYTES"); v && c.ll_max_bytes > 0)
+    c.ll_max_bytes = std::strtoull(v, nullptr, 10);
   if (const char* v = std::getenv("JAX_GIN_CHUNK_BYTES")) c.chunk_bytes = std::strtoull(v, nullptr, 10);
   if (const char* v = std::getenv("JAX_GIN_LANE_GRAIN_BYTES")) c.lane_grain_bytes = std::strtoull(v, nullptr, 10);
 }
