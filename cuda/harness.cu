@@ -102,7 +102,7 @@ int main(int argc, char** argv) {
   // figure; this is the device-side time per call that XLA's command buffers would see.
   int time_graph = 0;
   size_t lane_bytes = 256 << 10;
-  size_t ll_max_bytes = 64 << 10;
+  size_t ll_max_bytes = gpu::LaunchConfig().ll_max_bytes;
   size_t chunk_bytes = gpu::LaunchConfig().chunk_bytes;
   size_t lane_grain = gpu::LaunchConfig().lane_grain_bytes;
   double timeout_s = 20.0;

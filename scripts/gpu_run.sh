@@ -14,6 +14,8 @@
 #   cmdprobe: does XLA capture jax_gin's calls in command buffers (verbose compiler log, dump,
 #             pure chains of jax_gin calls with nothing between them)
 #   kprobe: kernel device times (LL limit, lane grain) and XLA's command-buffer log per execution
+#   llcheck: one_shot over LL up to 256 KiB (harness correctness, fault, times), chunk sweep,
+#            then the harness, sanitizers and the GPU pytest files
 #   decompose: kernel alone (harness) next to the per-op time in XLA, 4 KiB - 16 MiB
 #   multiproc: 2 processes x 1 GPU on localhost (jax.distributed), tests/test_gpu_multiprocess.py
 #              and the float32 benchmark in that mode (bench_2proc.txt)
@@ -341,10 +343,33 @@ kprobe() {
   cat "$OUT/kprobe.txt"
 }
 
+llcheck() {
+  # one_shot over LL up to 256 KiB: correctness on every group size and dtype around the
+  # limits, the timeout report on the LL path, kernel times; then the pipelining chunk at
+  # 1 - 16 MiB (graph replay, the runtime's 512 KiB lanes).
+  log "harness: one_shot around the LL limits (N = 2, 3, 4, 8)"
+  $H --ranks 2,3,4,8 --counts 1,7,1000,16383,16384,32769,65535,65536,65537,131072 --algos one_shot \
+    --dtypes f32,bf16,f16,i32,f64 --ops sum,max,min --iters 3 > "$OUT/harness_ll.log" 2>&1
+  log "harness LL rc=$? $(tail -1 "$OUT/harness_ll.log")"
+  grep FAIL "$OUT/harness_ll.log" | head -5
+  $H --ranks 2 --counts 50000 --algos one_shot --dtypes f32 --ops sum --iters 1 --timeout-s 1 \
+    --fault-rank 1 >> "$OUT/harness_ll.log" 2>&1
+  log "LL fault rc=$? (3 expected): $(grep -m1 'timed out' "$OUT/harness_ll.log")"
+  local G="--ranks 2 --dtypes f32 --ops sum --iters 1 --time-iters 1000 --time-graph 1 --lane-bytes 524288"
+  $H $G --counts 1024,4096,16384,32768,65536 --algos one_shot | grep -E "^time|FAIL" | tee -a "$OUT/summary.txt"
+  log "pipelining chunk 16/32/64/512 KiB at 1 - 16 MiB"
+  for c in 16384 32768 65536 524288; do
+    $H $G --counts 262144,1048576,4194304 --algos two_shot,ring --chunk-bytes $c | grep -E "^time|FAIL" \
+      | sed "s/^/chunk=$c /" | tee -a "$OUT/summary.txt"
+  done
+}
+
 case "$MODE" in
   decompose) decompose ;;
   cmdprobe) cmdprobe ;;
   kprobe) kprobe ;;
+  llcheck) llcheck; harness; sanitizer
+    PYTEST_FILES="tests/test_gpu.py tests/test_parity.py tests/test_rules.py tests/test_gpu_init_timeout.py" tests ;;
   smallrec) smallrec ;;
   autocheck)  # auto with the rebuilt table against lax and one_shot, small sizes, chain of 100
     JAX_PLATFORMS=cuda $PY -m jax_gin.bench -b 4K -e 4M -f 4 -d float32,bfloat16 -a auto,one_shot,lax \
