@@ -105,6 +105,8 @@ int main(int argc, char** argv) {
   size_t ll_max_bytes = gpu::LaunchConfig().ll_max_bytes;
   size_t chunk_bytes = gpu::LaunchConfig().chunk_bytes;
   size_t lane_grain = gpu::LaunchConfig().lane_grain_bytes;
+  size_t one_shot_chunk = gpu::LaunchConfig().one_shot_chunk_bytes;
+  bool one_shot_chunk_set = false;
   double timeout_s = 20.0;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
@@ -124,6 +126,7 @@ int main(int argc, char** argv) {
     else if (k == "--ll-max-bytes") ll_max_bytes = std::strtoull(v.c_str(), nullptr, 10);
     else if (k == "--chunk-bytes") chunk_bytes = std::strtoull(v.c_str(), nullptr, 10);
     else if (k == "--lane-grain") lane_grain = std::strtoull(v.c_str(), nullptr, 10);
+    else if (k == "--one-shot-chunk-bytes") one_shot_chunk = std::strtoull(v.c_str(), nullptr, 10), one_shot_chunk_set = true;
     else { std::fprintf(stderr, "unknown flag %s\n", k.c_str()); return 2; }
   }
   if (!rpn_s.empty() && !algos_given) algos_s = {"hierarchical"};
@@ -267,6 +270,8 @@ int main(int argc, char** argv) {
                   if (cfg.ll_max_bytes > 0) cfg.ll_max_bytes = ll_max_bytes;  // 0: no LL area
                   cfg.chunk_bytes = chunk_bytes;
                   cfg.lane_grain_bytes = lane_grain;
+                  // --chunk-bytes alone (tiny-chunk runs) sets one_shot's chunk too
+                  cfg.one_shot_chunk_bytes = one_shot_chunk_set ? one_shot_chunk : std::min(one_shot_chunk, chunk_bytes);
                   cfg.rounds = R.rounds;
                   cfg.diag = R.diag_dev;
                   cfg.timeout_ns = uint64_t(timeout_s * 1e9);

@@ -98,7 +98,7 @@ LaneParams lane_params(const LaunchConfig& cfg, RedOp op, Algorithm algo) {
   p.algorithm = int32_t(algo);
   p.ll_offset = cfg.ll_offset;
   p.ll = 0;
-  p.chunk_bytes = cfg.chunk_bytes;
+  p.chunk_bytes = algo == Algorithm::kOneShot ? cfg.one_shot_chunk_bytes : cfg.chunk_bytes;
   p.ranks_per_node = cfg.ranks_per_node;
   p.rail_offset = cfg.rail_offset;
   p.outbox_offset = cfg.outbox_offset;

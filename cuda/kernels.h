@@ -44,6 +44,9 @@ struct LaunchConfig {
   // H200 with 1 MiB lanes, 128 KiB chunks were 1-3% slower than whole steps at 4-64 MiB and
   // 512 KiB within 2% either way (harness, 2026-11-30): chunks only split larger lanes.
   size_t chunk_bytes = 512 << 10;
+  // one_shot's pipelining chunk (JAX_GIN_ONE_SHOT_CHUNK_BYTES): smaller, because its point is
+  // to overlap the local reduction with the transfer inside one lane's slice.
+  size_t one_shot_chunk_bytes = 32 << 10;
   uint64_t* rounds = nullptr;   // device: kRoundCountersBytes (simple, then LL)
   Diagnostic* diag = nullptr;   // host-mapped (device pointer of it)
   uint64_t timeout_ns = 30ull * 1000 * 1000 * 1000;

@@ -272,6 +272,8 @@ void finish_rank(Comm& comm, size_t i, int g, int n, size_t lane_bytes, int rank
   if (const char* v = std::getenv("JAX_GIN_LL_MAX_BYTES"); v && c.ll_max_bytes > 0)
     c.ll_max_bytes = std::strtoull(v, nullptr, 10);
   if (const char* v = std::getenv("JAX_GIN_CHUNK_BYTES")) c.chunk_bytes = std::strtoull(v, nullptr, 10);
+  if (const char* v = std::getenv("JAX_GIN_ONE_SHOT_CHUNK_BYTES"))
+    c.one_shot_chunk_bytes = std::strtoull(v, nullptr, 10);
   if (const char* v = std::getenv("JAX_GIN_LANE_GRAIN_BYTES")) c.lane_grain_bytes = std::strtoull(v, nullptr, 10);
 }
 

@@ -204,8 +204,8 @@ def _create_cuda_comm(mesh, layout: GroupLayout, ws: int, key=None) -> int:
 
 # Environment variables that the CUDA runtime reads (cuda/nccl_runtime.cu) and that shape
 # every kernel launch of a group: they must agree over the processes of a group.
-_GPU_LAUNCH_ENV = ("JAX_GIN_CHUNK_BYTES", "JAX_GIN_LANE_GRAIN_BYTES", "JAX_GIN_MAX_LANES",
-                   "JAX_GIN_LL_MAX_BYTES", "JAX_GIN_EXPERIMENTAL_GIN")
+_GPU_LAUNCH_ENV = ("JAX_GIN_CHUNK_BYTES", "JAX_GIN_ONE_SHOT_CHUNK_BYTES", "JAX_GIN_LANE_GRAIN_BYTES",
+                   "JAX_GIN_MAX_LANES", "JAX_GIN_LL_MAX_BYTES", "JAX_GIN_EXPERIMENTAL_GIN")
 
 
 def gpu_launch_settings(workspace_bytes: int, default_max_lanes: int | None = None) -> dict:

@@ -16,6 +16,7 @@
 #   kprobe: kernel device times (LL limit, lane grain) and XLA's command-buffer log per execution
 #   llcheck: one_shot over LL up to 256 KiB (harness correctness, fault, times), chunk sweep,
 #            then the harness, sanitizers and the GPU pytest files
+#   oneshot: pipelined one_shot: harness correctness over chunk sizes, kernel times per chunk
 #   decompose: kernel alone (harness) next to the per-op time in XLA, 4 KiB - 16 MiB
 #   multiproc: 2 processes x 1 GPU on localhost (jax.distributed), tests/test_gpu_multiprocess.py
 #              and the float32 benchmark in that mode (bench_2proc.txt)
@@ -116,7 +117,7 @@ tests() {
 bench() {
   log "benchmark"
   JAX_PLATFORMS=cuda $PY -m jax_gin.bench -b 4K -e ${BENCH_MAX:-1G} -f 4 -d float32,bfloat16 \
-    -a ${BENCH_ALGOS:-auto,one_shot,two_shot,ring,tree,lax} -n ${BENCH_ITERS:-20} -w 5 -k 20 --json "$OUT/bench.json" \
+    -a ${BENCH_ALGOS:-auto,one_shot,two_shot,ring,tree,lax} -n ${BENCH_ITERS:-20} -w 5 ${BENCH_K:+-k $BENCH_K} --json "$OUT/bench.json" \
     ${BENCH_DTYPES:+-d $BENCH_DTYPES} \
     --plot "$OUT/bench.png" > "$OUT/bench.txt" 2>> "$OUT/build.log"
   log "bench rc=$?"
@@ -364,10 +365,30 @@ llcheck() {
   done
 }
 
+oneshot() {
+  # one_shot pipelined in chunks (the reduction of chunk c overlaps the transfer of c+1):
+  # correctness with several chunk sizes on every group size, then kernel times (graph replay)
+  # against the chunk, 256 KiB (non-LL lanes) to 64 MiB.
+  log "harness: one_shot with 4 KiB and 32 KiB chunks (N = 2, 3, 4, 8)"
+  for c in 4096 32768; do
+    $H --ranks 2,3,4,8 --counts 1000,65537,300001,1048576,4194305 --algos one_shot --ll-max-bytes 0 \
+      --dtypes f32,bf16,f64,i32 --ops sum,max --iters 3 --one-shot-chunk-bytes $c > "$OUT/harness_os.log" 2>&1
+    log "one_shot chunk=$c rc=$? $(tail -1 "$OUT/harness_os.log")"
+    grep FAIL "$OUT/harness_os.log" | head -5
+  done
+  local G="--ranks 2 --dtypes f32 --ops sum --iters 1 --time-iters 500 --time-graph 1 --lane-bytes 524288"
+  for c in 8192 16384 32768 65536 524288; do
+    $H $G --counts 65536,262144,1048576,4194304,16777216 --algos one_shot --ll-max-bytes 0 --one-shot-chunk-bytes $c \
+      | grep -E "^time|FAIL" | sed "s/^/os_chunk=$c /" | tee -a "$OUT/summary.txt"
+  done
+}
+
 case "$MODE" in
   decompose) decompose ;;
   cmdprobe) cmdprobe ;;
   kprobe) kprobe ;;
+  oneshot) oneshot; harness ;;
+  record4) BENCH_ITERS=15 bench; BENCH_2PROC=0 multiproc ;;  # chain: 100 up to 4 MiB, 20 above (bench default)
   llcheck) llcheck; harness; sanitizer
     PYTEST_FILES="tests/test_gpu.py tests/test_parity.py tests/test_rules.py tests/test_gpu_init_timeout.py" tests ;;
   smallrec) smallrec ;;

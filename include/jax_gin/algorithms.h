@@ -86,23 +86,48 @@ JG_HD void give_credit(Tp& tp, uint64_t round) {
 // ---------------------------------------------------------------------------------------
 // one_shot. Purpose: smallest latency: one synchronization step. Every rank pushes its whole
 // round to every peer and reduces all N contributions locally in rank order.
-// Moves (N-1)*S per rank: best for small S or N = 2.
+// Moves (N-1)*S per rank: best for small S or N = 2. Pipelined: the round is cut into chunks,
+// and chunk c+1 is stored to the peers before chunk c is reduced, so that the local reduction
+// overlaps the NVLink transfer; chunk c+1's flag follows the reduction of chunk c (a release
+// right after the stores would wait for their acknowledgements and undo the overlap).
+template <class T, class Tp>
+JG_HD void one_shot_push(Tp& tp, const T* in, size_t n, int C, int c) {
+  const int r = tp.rank(), N = tp.nranks();
+  const schedule::Range ch = schedule::chunk(schedule::Range{0, n}, C, c, schedule::align_elems(sizeof(T)));
+  for (int k = 1; k < N; ++k) {
+    const int p = schedule::mod(r + k, N);  // stagger so that peers are not all hit at once
+    tp.copy(tp.template slot<T>(p, r) + ch.offset, in + ch.offset, ch.count);
+  }
+}
+
+template <class Tp>
+JG_HD void one_shot_signal(Tp& tp, uint64_t round, int C, int c) {
+  const int r = tp.rank(), N = tp.nranks();
+  for (int k = 1; k < N; ++k)
+    tp.signal(schedule::mod(r + k, N), kData, data_tag(round, schedule::kOneShotStep * C + c));
+}
+
 template <class T, class Op, class Tp>
 JG_HD bool one_shot_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, uint64_t round) {
   const int r = tp.rank(), N = tp.nranks();
-  // step 0: push my data into slot r of every peer
-  for (int k = 1; k < N; ++k) {
-    int p = schedule::mod(r + k, N);  // stagger so that peers are not all hit at once
-    if (!await_credit(tp, p, round)) return false;
-    tp.copy(tp.template slot<T>(p, r), in, n);
-    tp.signal(p, kData, data_tag(round, schedule::kOneShotStep));
+  const size_t al = schedule::align_elems(sizeof(T));
+  const int C = schedule::chunks_for(n, sizeof(T), tp.chunk_bytes());
+  for (int k = 1; k < N; ++k)
+    if (!await_credit(tp, schedule::mod(r + k, N), round)) return false;
+  one_shot_push(tp, in, n, C, 0);
+  one_shot_signal(tp, round, C, 0);
+  for (int c = 0; c < C; ++c) {
+    if (c + 1 < C) one_shot_push(tp, in, n, C, c + 1);
+    // Chunk c of every peer (their chunk c+1 was pushed before they waited for ours: no
+    // cycle), then the N contributions in rank order.
+    for (int p = 0; p < N; ++p)
+      if (p != r && !tp.wait(p, kData, data_tag(round, schedule::kOneShotStep * C + c), schedule::kOneShotStep))
+        return false;
+    const schedule::Range ch = schedule::chunk(schedule::Range{0, n}, C, c, al);
+    SlotSources<T> src{tp.template slot<T>(r, 0) + ch.offset, slot, r, in + ch.offset, N};
+    tp.template reduce<T, Op>(out + ch.offset, src, ch.count);
+    if (c + 1 < C) one_shot_signal(tp, round, C, c + 1);
   }
-  for (int p = 0; p < N; ++p)
-    if (p != r && !tp.wait(p, kData, data_tag(round, schedule::kOneShotStep), schedule::kOneShotStep))
-      return false;
-  // reduce the N contributions in rank order
-  SlotSources<T> src{tp.template slot<T>(r, 0), slot, r, in, N};
-  tp.template reduce<T, Op>(out, src, n);
   give_credit(tp, round);
   return true;
 }
