@@ -388,6 +388,12 @@ case "$MODE" in
   cmdprobe) cmdprobe ;;
   kprobe) kprobe ;;
   oneshot) oneshot; harness ;;
+  final4)  # small sizes: auto with the shipped table against lax, then pure chains in XLA
+    JAX_PLATFORMS=cuda $PY -m jax_gin.bench -b 4K -e 4M -f 4 -d float32,bfloat16 -a auto,lax \
+      -n 20 -w 5 -k 100 --quiet --json "$OUT/bench_auto_k100.json" > "$OUT/bench_auto_k100.txt" 2>> "$OUT/build.log"
+    log "auto check rc=$?"
+    JAX_PLATFORMS=cuda $PY scripts/xla_chain_probe.py --sizes 4096,65536,262144 --algos one_shot \
+      > "$OUT/probe.txt" 2>> "$OUT/build.log"; log "probe rc=$?"; cat "$OUT/probe.txt" ;;
   record4) BENCH_ITERS=15 bench; BENCH_2PROC=0 multiproc ;;  # chain: 100 up to 4 MiB, 20 above (bench default)
   llcheck) llcheck; harness; sanitizer
     PYTEST_FILES="tests/test_gpu.py tests/test_parity.py tests/test_rules.py tests/test_gpu_init_timeout.py" tests ;;
