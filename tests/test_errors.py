@@ -83,3 +83,9 @@ def test_gpu_launch_settings_must_match_across_processes(monkeypatch):
     monkeypatch.setenv("JAX_GIN_MAX_LANES", "64")
     _distributed.check_same_settings(gpu_launch_settings(64 << 20, 128),
                                      gpu_launch_settings(64 << 20, 108), 1, "group 0")
+    # one_shot's chunk decides its flag tags: a difference is named too
+    monkeypatch.setenv("JAX_GIN_ONE_SHOT_CHUNK_BYTES", "16384")
+    theirs = gpu_launch_settings(64 << 20, 128)
+    monkeypatch.setenv("JAX_GIN_ONE_SHOT_CHUNK_BYTES", "32768")
+    with pytest.raises(ValueError, match=r"JAX_GIN_ONE_SHOT_CHUNK_BYTES='32768' here but '16384'"):
+        _distributed.check_same_settings(gpu_launch_settings(64 << 20, 128), theirs, 1, "group 0")
