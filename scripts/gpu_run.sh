@@ -394,6 +394,7 @@ case "$MODE" in
     log "auto check rc=$?"
     JAX_PLATFORMS=cuda $PY scripts/xla_chain_probe.py --sizes 4096,65536,262144 --algos one_shot \
       > "$OUT/probe.txt" 2>> "$OUT/build.log"; log "probe rc=$?"; cat "$OUT/probe.txt" ;;
+  gpytest) PYTEST_FILES="tests/test_gpu.py tests/test_parity.py tests/test_rules.py tests/test_gpu_init_timeout.py" tests ;;
   record4) BENCH_ITERS=15 bench; BENCH_2PROC=0 multiproc ;;  # chain: 100 up to 4 MiB, 20 above (bench default)
   llcheck) llcheck; harness; sanitizer
     PYTEST_FILES="tests/test_gpu.py tests/test_parity.py tests/test_rules.py tests/test_gpu_init_timeout.py" tests ;;
