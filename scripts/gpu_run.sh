@@ -397,12 +397,12 @@ case "$MODE" in
   turns)  # why six algorithms in turns slow jax_gin's small sizes: XLA's command-buffer log
     for algos in auto,lax auto,one_shot,two_shot,ring,tree,lax; do
       TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 JAX_PLATFORMS=cuda $PY -m jax_gin.bench \
-        -b 4K -e 16K -f 4 -d float32 -a $algos -n 10 -w 3 -k 100 --quiet > "$OUT/turns_$algos.txt" 2> "$OUT/vlog.txt"
+        -b 4K -e 16K -f 4 -d float32 -a $algos -n 10 -w 3 -k 100 --quiet > "$OUT/turns_$(echo $algos | tr , _).txt" 2> "$OUT/vlog.txt"
       echo "# $algos: $(grep -c 'Initialized command buffer' "$OUT/vlog.txt") initializations," \
         "$(grep -c 'Updated command buffer' "$OUT/vlog.txt") updates, $(grep -c 'Evict' "$OUT/vlog.txt") evictions" | tee -a "$OUT/summary.txt"
       grep -oE "(Initialized|Updated) command buffer.* in [0-9]+ [^ ]+ num_commands=[0-9]+" "$OUT/vlog.txt" \
         | sed -E 's/on device #[0-9]+ //' | awk '{n[$1" "$NF]++; t[$1" "$NF]+=$(NF-2)} END {for (k in n) print "  ", k, n[k], "calls, mean", t[k]/n[k], "us"}' | tee -a "$OUT/summary.txt"
-      grep -E "^ +[0-9]" "$OUT/turns_$algos.txt" | tee -a "$OUT/summary.txt"
+      grep -E "^ +[0-9]" "$OUT/turns_$(echo $algos | tr , _).txt" | tee -a "$OUT/summary.txt"
     done; rm -f "$OUT/vlog.txt" ;;
   gpytest) PYTEST_FILES="tests/test_gpu.py tests/test_parity.py tests/test_rules.py tests/test_gpu_init_timeout.py" tests ;;
   record4) BENCH_ITERS=15 bench; BENCH_2PROC=0 multiproc ;;  # chain: 100 up to 4 MiB, 20 above (bench default)
