@@ -118,8 +118,9 @@ JG_HD bool one_shot_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, ui
   one_shot_signal(tp, round, C, 0);
   for (int c = 0; c < C; ++c) {
     if (c + 1 < C) one_shot_push(tp, in, n, C, c + 1);
-    // Chunk c of every peer (their chunk c+1 was pushed before they waited for ours: no
-    // cycle), then the N contributions in rank order.
+    // Chunk c of every peer, then the N contributions in rank order. A peer flags chunk c
+    // after reducing its chunk c-1, which needed only our chunk c-1's flag (sent one
+    // iteration ago, or before the loop), so no two ranks ever wait for each other.
     for (int p = 0; p < N; ++p)
       if (p != r && !tp.wait(p, kData, data_tag(round, schedule::kOneShotStep * C + c), schedule::kOneShotStep))
         return false;
