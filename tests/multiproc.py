@@ -81,6 +81,15 @@ def reports(results, scenario) -> list:
 # Worker side: global inputs and bitwise checks of the shards this process holds.
 
 
+def error_of(fn) -> str:
+    """'Type: message' of what fn() raised, for a worker's report; 'no error' if nothing."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - any failure belongs in the report
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def global_input(mesh, spec, per_device, dtype, seed):
     """A global (mesh.size * per_device,) array of exact small integers, each process putting
     only its own shards (every process computes the same values from `seed`)."""

@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from multiproc import (assert_same_shards, check_grad, check_parity, clean_env,
+from multiproc import (assert_same_shards, check_grad, check_parity, clean_env, error_of,
                        free_port as _free_port, gpu_count as _gpu_count, global_input, launch,
                        reports as _reports, tail as _tail)
 
@@ -198,13 +198,6 @@ def _bootstrap_worker(pid, devices, report, _distributed, _native, _runtime):
     case("2d_xy", mesh2, ("x", "y"))
     _runtime.reset()
     case("1d_again", mesh1, ("i",))
-
-    def error_of(fn):
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001
-            return f"{type(e).__name__}: {e}"
-        return "no error"
 
     # A missing peer: process 0 sets up a communicator that process 1 never comes to.
     client = _distributed.distributed_client()

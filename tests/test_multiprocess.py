@@ -20,7 +20,7 @@ import signal
 import sys
 import time
 
-from multiproc import (assert_same_shards, check_grad, check_parity, clean_env,
+from multiproc import (assert_same_shards, check_grad, check_parity, clean_env, error_of,
                        free_port as _free_port, global_input, launch, reports as _reports,
                        tail as _tail)
 
@@ -191,13 +191,6 @@ def _worker(scenario: str, pid: int, port: int) -> None:
 
     elif scenario == "errors":
         from jax._src.lib import _jax
-
-        def error_of(fn):
-            try:
-                fn()
-            except Exception as e:  # noqa: BLE001
-                return f"{type(e).__name__}: {e}"
-            return "no error"
 
         def program(mesh, axes, timeout_tag):
             spec = P(tuple(mesh.axis_names))
