@@ -324,6 +324,21 @@ void setup_ranks(Comm& comm, int g, int n, const std::vector<int>& ranks,
   equalize_lanes(comm, base, k);
 }
 
+// What comm_create and comm_create_ranks both start with: an NCCL new enough for the device
+// API, an empty Comm with no device mapped, and lanes that fit the workspace.
+std::unique_ptr<Comm> new_comm() {
+  if (std::string why = check_nccl_version(); !why.empty()) throw std::runtime_error(why);
+  auto comm = std::make_unique<Comm>();
+  for (int& d : comm->by_device) d = -1;
+  return comm;
+}
+
+size_t lane_bytes_checked(size_t workspace_bytes) {
+  const size_t lane_bytes = lane_bytes_for_workspace(workspace_bytes);
+  if (lane_bytes == 0) throw std::runtime_error("jax_gin: GPU workspace too small");
+  return lane_bytes;
+}
+
 int64_t register_comm(std::unique_ptr<Comm> comm) {
   std::unique_lock<std::shared_mutex> lock(g_mu);
   comm->id = g_next++;
@@ -336,11 +351,8 @@ int64_t register_comm(std::unique_ptr<Comm> comm) {
 
 int64_t comm_create(const std::vector<std::vector<int>>& groups, size_t workspace_bytes,
                     double timeout_s, int fault_rank) {
-  if (std::string why = check_nccl_version(); !why.empty()) throw std::runtime_error(why);
-  auto comm = std::make_unique<Comm>();
-  for (int& d : comm->by_device) d = -1;
-  const size_t lane_bytes = lane_bytes_for_workspace(workspace_bytes);
-  if (lane_bytes == 0) throw std::runtime_error("jax_gin: GPU workspace too small");
+  std::unique_ptr<Comm> comm = new_comm();
+  const size_t lane_bytes = lane_bytes_checked(workspace_bytes);
   try {
     for (size_t g = 0; g < groups.size(); ++g) {
       const int n = int(groups[g].size());
@@ -604,11 +616,8 @@ void destroy_comms(std::vector<ncclComm_t>& comms) {
 
 int64_t comm_create_ranks(const std::vector<GroupSpec>& groups, size_t workspace_bytes,
                           double timeout_s, int fault_rank) {
-  if (std::string why = check_nccl_version(); !why.empty()) throw std::runtime_error(why);
-  auto comm = std::make_unique<Comm>();
-  for (int& d : comm->by_device) d = -1;
-  const size_t lane_bytes = lane_bytes_for_workspace(workspace_bytes);
-  if (lane_bytes == 0) throw std::runtime_error("jax_gin: GPU workspace too small");
+  std::unique_ptr<Comm> comm = new_comm();
+  const size_t lane_bytes = lane_bytes_checked(workspace_bytes);
   std::vector<ncclComm_t> pending;  // initialized, not yet handed to setup_ranks
   try {
     for (const GroupSpec& spec : groups) {
