@@ -36,50 +36,55 @@ cudaError_t table_occupancy(Algorithm algo, int threads, int* per_sm);
 
 namespace {
 
-// The one list of instantiations: dtype x op x peer access (the algorithm is a run-time
-// argument of each kernel).
+// The one map from DType to its element type: with_type calls f(Tag<T>{}) with dtype's T.
+// Instantiations are dtype x op x peer access (the algorithm is a run-time argument of each
+// kernel); kernels_<type>.cu instantiate them.
+template <class T> struct Tag { using type = T; };
+
+template <class F>
+cudaError_t with_type(DType dt, F&& f) {
+  switch (dt) {
+    case DType::kF32: return f(Tag<float>{});
+    case DType::kF64: return f(Tag<double>{});
+    case DType::kBF16: return f(Tag<__nv_bfloat16>{});
+    case DType::kF16: return f(Tag<__half>{});
+    case DType::kS32: return f(Tag<int32_t>{});
+    case DType::kS64: return f(Tag<int64_t>{});
+    case DType::kU32: return f(Tag<uint32_t>{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+// f for every element type, stopping at the first error.
+template <class F>
+cudaError_t for_each_type(F&& f) {
+  for (DType dt : {DType::kF32, DType::kF64, DType::kBF16, DType::kF16, DType::kS32, DType::kS64,
+                   DType::kU32})
+    if (cudaError_t e = with_type(dt, f); e != cudaSuccess) return e;
+  return cudaSuccess;
+}
+
 template <class Peers>
 cudaError_t launch_dtype(DType dt, RedOp op, const Peers& peers, const LaneParams& p, int lanes,
                          int threads, Algorithm algo, const void* in, void* out, size_t count,
                          cudaStream_t s) {
-  switch (dt) {
-    case DType::kF32: return launch_op<float>(op, peers, p, lanes, threads, algo, in, out, count, s);
-    case DType::kF64: return launch_op<double>(op, peers, p, lanes, threads, algo, in, out, count, s);
-    case DType::kBF16: return launch_op<__nv_bfloat16>(op, peers, p, lanes, threads, algo, in, out, count, s);
-    case DType::kF16: return launch_op<__half>(op, peers, p, lanes, threads, algo, in, out, count, s);
-    case DType::kS32: return launch_op<int32_t>(op, peers, p, lanes, threads, algo, in, out, count, s);
-    case DType::kS64: return launch_op<int64_t>(op, peers, p, lanes, threads, algo, in, out, count, s);
-    case DType::kU32: return launch_op<uint32_t>(op, peers, p, lanes, threads, algo, in, out, count, s);
-  }
-  return cudaErrorInvalidValue;
+  return with_type(dt, [&](auto t) {
+    return launch_op<typename decltype(t)::type>(op, peers, p, lanes, threads, algo, in, out, count, s);
+  });
 }
 
 template <class Peers, class Rail>
 cudaError_t launch_hier_dtype(DType dt, RedOp op, const Peers& peers, const Rail& rail,
                               const LaneParams& p, int lanes, int threads, const void* in,
                               void* out, size_t count, cudaStream_t s) {
-  switch (dt) {
-    case DType::kF32: return launch_hier_op<float>(op, peers, rail, p, lanes, threads, in, out, count, s);
-    case DType::kF64: return launch_hier_op<double>(op, peers, rail, p, lanes, threads, in, out, count, s);
-    case DType::kBF16: return launch_hier_op<__nv_bfloat16>(op, peers, rail, p, lanes, threads, in, out, count, s);
-    case DType::kF16: return launch_hier_op<__half>(op, peers, rail, p, lanes, threads, in, out, count, s);
-    case DType::kS32: return launch_hier_op<int32_t>(op, peers, rail, p, lanes, threads, in, out, count, s);
-    case DType::kS64: return launch_hier_op<int64_t>(op, peers, rail, p, lanes, threads, in, out, count, s);
-    case DType::kU32: return launch_hier_op<uint32_t>(op, peers, rail, p, lanes, threads, in, out, count, s);
-  }
-  return cudaErrorInvalidValue;
+  return with_type(dt, [&](auto t) {
+    return launch_hier_op<typename decltype(t)::type>(op, peers, rail, p, lanes, threads, in, out, count, s);
+  });
 }
 
 template <class Peers, class Rail>
 cudaError_t preload_hier() {
-  cudaError_t e;
-  if ((e = preload_hier_type<float, Peers, Rail>()) != cudaSuccess) return e;
-  if ((e = preload_hier_type<double, Peers, Rail>()) != cudaSuccess) return e;
-  if ((e = preload_hier_type<__nv_bfloat16, Peers, Rail>()) != cudaSuccess) return e;
-  if ((e = preload_hier_type<__half, Peers, Rail>()) != cudaSuccess) return e;
-  if ((e = preload_hier_type<int32_t, Peers, Rail>()) != cudaSuccess) return e;
-  if ((e = preload_hier_type<int64_t, Peers, Rail>()) != cudaSuccess) return e;
-  return preload_hier_type<uint32_t, Peers, Rail>();
+  return for_each_type([](auto t) { return preload_hier_type<typename decltype(t)::type, Peers, Rail>(); });
 }
 
 LaneParams lane_params(const LaunchConfig& cfg, RedOp op, Algorithm algo) {
@@ -129,14 +134,7 @@ cudaError_t launch_hierarchical(const PeerAccess& peers, const LaunchConfig& cfg
 
 template <class Peers>
 cudaError_t preload_peers() {
-  cudaError_t e;
-  if ((e = preload_type<float, Peers>()) != cudaSuccess) return e;
-  if ((e = preload_type<double, Peers>()) != cudaSuccess) return e;
-  if ((e = preload_type<__nv_bfloat16, Peers>()) != cudaSuccess) return e;
-  if ((e = preload_type<__half, Peers>()) != cudaSuccess) return e;
-  if ((e = preload_type<int32_t, Peers>()) != cudaSuccess) return e;
-  if ((e = preload_type<int64_t, Peers>()) != cudaSuccess) return e;
-  return preload_type<uint32_t, Peers>();
+  return for_each_type([](auto t) { return preload_type<typename decltype(t)::type, Peers>(); });
 }
 
 }  // namespace
@@ -260,17 +258,9 @@ int default_max_lanes(int device) {
 
 cudaError_t resident_ctas(Algorithm algo, DType dtype, int threads, int* ctas) {
   int per_sm = 0, dev = 0, sms = 0;
-  cudaError_t e;
-  switch (dtype) {
-    case DType::kF32: e = table_occupancy<float>(algo, threads, &per_sm); break;
-    case DType::kF64: e = table_occupancy<double>(algo, threads, &per_sm); break;
-    case DType::kBF16: e = table_occupancy<__nv_bfloat16>(algo, threads, &per_sm); break;
-    case DType::kF16: e = table_occupancy<__half>(algo, threads, &per_sm); break;
-    case DType::kS32: e = table_occupancy<int32_t>(algo, threads, &per_sm); break;
-    case DType::kS64: e = table_occupancy<int64_t>(algo, threads, &per_sm); break;
-    case DType::kU32: e = table_occupancy<uint32_t>(algo, threads, &per_sm); break;
-    default: return cudaErrorInvalidValue;
-  }
+  cudaError_t e = with_type(dtype, [&](auto t) {
+    return table_occupancy<typename decltype(t)::type>(algo, threads, &per_sm);
+  });
   if (e != cudaSuccess) return e;
   if ((e = cudaGetDevice(&dev)) != cudaSuccess) return e;
   if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) return e;
