@@ -30,6 +30,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 log() { echo "== $(date +%H:%M:%S) $*" | tee -a "$OUT/summary.txt"; }
+# XLA's command buffers forced on for custom calls and collectives, even single ops
+# (decompose, cmdprobe); `graphs` keeps its own set, with CUBLAS, as its results were taken.
+CMDBUF_ON="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,COLLECTIVES --xla_gpu_graph_min_graph_size=1"
 
 log "machine"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvcc --version | tail -1;
@@ -284,13 +287,12 @@ decompose() {
   $H --ranks 2 --counts $C --algos one_shot,two_shot,ring \
     --dtypes f32 --ops sum --iters 1 --time-iters 2000 --time-graph 1 | grep -E "^time|FAIL" >> "$OUT/decompose.txt"
   log "harness rc=$?"
-  local ON="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,COLLECTIVES --xla_gpu_graph_min_graph_size=1"
   $PY scripts/xla_chain_hlo.py --tag default >> "$OUT/decompose.txt" 2>> "$OUT/build.log"
-  XLA_FLAGS="$ON" $PY scripts/xla_chain_hlo.py --tag cmdbuf_on >> "$OUT/decompose.txt" 2>> "$OUT/build.log"
+  XLA_FLAGS="$CMDBUF_ON" $PY scripts/xla_chain_hlo.py --tag cmdbuf_on >> "$OUT/decompose.txt" 2>> "$OUT/build.log"
   log "hlo rc=$?"
   tar czf "$OUT/hlo.tgz" -C "$OUT" $(cd "$OUT" && ls hlo_*.txt) && rm -f "$OUT"/hlo_*.txt
   for mode in default on; do
-    local flags=""; [ $mode = on ] && flags="$ON"
+    local flags=""; [ $mode = on ] && flags="$CMDBUF_ON"
     XLA_FLAGS="$flags" JAX_PLATFORMS=cuda $PY -m jax_gin.bench -b 4K -e 16M -f 4 -d float32 \
       -a one_shot,two_shot,ring,lax -n 20 -w 5 -k 100 --quiet > "$OUT/bench_decompose_$mode.txt" 2>> "$OUT/build.log"
     log "bench ($mode command buffers) rc=$?"
@@ -301,7 +303,6 @@ decompose() {
 cmdprobe() {
   # Does XLA put jax_gin's calls in command buffers here? The compiler's own log of the
   # command-buffer passes, the dumped program, and pure chains (nothing between the calls).
-  local ON="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,COLLECTIVES --xla_gpu_graph_min_graph_size=1"
   log "XLA command-buffer passes, verbose (default flags)"
   mkdir -p "$OUT/dump"
   TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=3,command_buffer_scheduling=3,command_buffer_thunk=1,custom_call_thunk=2 \
@@ -310,7 +311,7 @@ cmdprobe() {
   log "vlog rc=$? lines=$(wc -l < "$OUT/vlog.txt")"
   grep -i -E "command|graph|custom" "$OUT/vlog.txt" | cut -c1-400 | head -150 >> "$OUT/cmdprobe.txt"
   tar czf "$OUT/dump.tgz" -C "$OUT" dump vlog.txt $(cd "$OUT" && ls hlo_*.txt) && rm -rf "$OUT/dump" "$OUT"/hlo_*.txt "$OUT/vlog.txt"
-  for flags in "" "$ON"; do
+  for flags in "" "$CMDBUF_ON"; do
     XLA_FLAGS="$flags" JAX_PLATFORMS=cuda $PY scripts/xla_chain_probe.py >> "$OUT/cmdprobe.txt" 2>> "$OUT/build.log"
     log "probe rc=$?"
   done

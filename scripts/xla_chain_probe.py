@@ -14,7 +14,6 @@ XLA reads XLA_FLAGS once per process: run it once per flag setting.
 import argparse
 import os
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -36,12 +35,14 @@ def pure_chain(mesh, algorithm, k):
 
 
 def per_op(f1, fk, k, args, reps):
+    """The benchmark's per-op time (µs) after 5 warm-up calls, and the last outputs."""
     t1s, tks = [], []
     for i in range(5 + reps):
-        t0 = time.perf_counter(); o1 = jax.block_until_ready(f1(*args)); t1 = time.perf_counter() - t0
-        t0 = time.perf_counter(); ok = jax.block_until_ready(fk(*args)); tk = time.perf_counter() - t0
+        t1, o1 = bench.time_call(f1, args)
+        tk, ok = bench.time_call(fk, args)
         if i >= 5:
-            t1s.append(t1); tks.append(tk)
+            t1s.append(t1)
+            tks.append(tk)
     return (statistics.median(tks) - statistics.median(t1s)) / (k - 1) * 1e6, o1, ok
 
 
