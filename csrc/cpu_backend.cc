@@ -192,25 +192,32 @@ class HostTransport {
   std::string error_;
 };
 
-// One lane's rounds; hierarchical also needs the node size.
-// The whole message, in as many rounds as the window needs.
+// The whole message (one buffer, or several reduced as one), in as many rounds as the window
+// needs. hierarchical also needs the node size; it takes one buffer at a time (the GPU runs
+// it only for groups that span nodes, with one buffer per launch too).
 template <class T, class Op>
-bool run_all(HostTransport& tp, Algorithm algo, const T* in, T* out, size_t count,
-               size_t lane_bytes, int ranks_per_node, uint64_t& round) {
-  if (algo == Algorithm::kHierarchical)
-    return run_lane_hierarchical<T, Op>(tp, in, out, count, lane_bytes, ranks_per_node, round);
-  return run_lane<T, Op>(tp, algo, in, out, count, lane_bytes, round);
+bool run_all(HostTransport& tp, Algorithm algo, const Segment* seg, int nseg, size_t count,
+             size_t lane_bytes, int ranks_per_node, uint64_t& round) {
+  if (algo == Algorithm::kHierarchical) {
+    for (int s = 0; s < nseg; ++s)
+      if (!run_lane_hierarchical<T, Op>(tp, static_cast<const T*>(seg[s].in), static_cast<T*>(seg[s].out),
+                                        seg[s].count, lane_bytes, ranks_per_node, round))
+        return false;
+    return true;
+  }
+  if (nseg == 1)
+    return run_lane<T, Op>(tp, algo, Contiguous<T>{static_cast<const T*>(seg[0].in), static_cast<T*>(seg[0].out)},
+                           count, lane_bytes, round);
+  return run_lane<T, Op>(tp, algo, Segmented<T>{seg, nseg, 0}, count, lane_bytes, round);
 }
 
 template <class T>
-bool dispatch_op(HostTransport& tp, RedOp op, Algorithm algo, const void* in, void* out,
+bool dispatch_op(HostTransport& tp, RedOp op, Algorithm algo, const Segment* seg, int nseg,
                  size_t count, size_t lane_bytes, int ranks_per_node, uint64_t& round) {
-  const T* i = static_cast<const T*>(in);
-  T* o = static_cast<T*>(out);
   switch (op) {
-    case RedOp::kSum: return run_all<T, HostSum>(tp, algo, i, o, count, lane_bytes, ranks_per_node, round);
-    case RedOp::kMax: return run_all<T, HostMax>(tp, algo, i, o, count, lane_bytes, ranks_per_node, round);
-    case RedOp::kMin: return run_all<T, HostMin>(tp, algo, i, o, count, lane_bytes, ranks_per_node, round);
+    case RedOp::kSum: return run_all<T, HostSum>(tp, algo, seg, nseg, count, lane_bytes, ranks_per_node, round);
+    case RedOp::kMax: return run_all<T, HostMax>(tp, algo, seg, nseg, count, lane_bytes, ranks_per_node, round);
+    case RedOp::kMin: return run_all<T, HostMin>(tp, algo, seg, nseg, count, lane_bytes, ranks_per_node, round);
   }
   return false;
 }
@@ -461,6 +468,14 @@ int64_t num_comms() {
 
 std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Algorithm algo,
                       const void* in, void* out, size_t count) {
+  Segment seg{0, count, in, out};
+  return allreduce(comm, group, rank, dtype, op, algo, &seg, 1);
+}
+
+std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Algorithm algo,
+                      Segment* seg, int nseg) {
+  if (nseg < 1 || nseg > kMaxSegments) return "jax_gin: " + std::to_string(nseg) + " buffers in one call (1.." +
+                                              std::to_string(kMaxSegments) + " allowed)";
   if (group < 0 || group >= int(comm.groups.size()) || rank < 0 || rank >= comm.config.nranks ||
       !comm.groups[group]->ws) {
     Text os;
@@ -480,6 +495,7 @@ std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Al
   const int nranks = ws.nranks();
   const size_t lane_bytes = ws.lane_bytes();
   const size_t esize = dtype_size(dtype);
+  const size_t count = nseg == 1 ? seg[0].count : lay_out_segments(seg, nseg, esize);
   const int rpn = comm.config.ranks_per_node;
   if (int(algo) < 0 || int(algo) >= kNumInternalAlgorithms) {
     return "jax_gin: unknown algorithm id " + std::to_string(int(algo));
@@ -512,13 +528,13 @@ std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Al
   uint64_t& round = ctl.round;
   bool ok = false;
   switch (dtype) {
-    case DType::kF32: ok = dispatch_op<float>(tp, op, algo, in, out, count, lane_bytes, rpn, round); break;
-    case DType::kF64: ok = dispatch_op<double>(tp, op, algo, in, out, count, lane_bytes, rpn, round); break;
-    case DType::kBF16: ok = dispatch_op<bf16>(tp, op, algo, in, out, count, lane_bytes, rpn, round); break;
-    case DType::kF16: ok = dispatch_op<f16>(tp, op, algo, in, out, count, lane_bytes, rpn, round); break;
-    case DType::kS32: ok = dispatch_op<int32_t>(tp, op, algo, in, out, count, lane_bytes, rpn, round); break;
-    case DType::kS64: ok = dispatch_op<int64_t>(tp, op, algo, in, out, count, lane_bytes, rpn, round); break;
-    case DType::kU32: ok = dispatch_op<uint32_t>(tp, op, algo, in, out, count, lane_bytes, rpn, round); break;
+    case DType::kF32: ok = dispatch_op<float>(tp, op, algo, seg, nseg, count, lane_bytes, rpn, round); break;
+    case DType::kF64: ok = dispatch_op<double>(tp, op, algo, seg, nseg, count, lane_bytes, rpn, round); break;
+    case DType::kBF16: ok = dispatch_op<bf16>(tp, op, algo, seg, nseg, count, lane_bytes, rpn, round); break;
+    case DType::kF16: ok = dispatch_op<f16>(tp, op, algo, seg, nseg, count, lane_bytes, rpn, round); break;
+    case DType::kS32: ok = dispatch_op<int32_t>(tp, op, algo, seg, nseg, count, lane_bytes, rpn, round); break;
+    case DType::kS64: ok = dispatch_op<int64_t>(tp, op, algo, seg, nseg, count, lane_bytes, rpn, round); break;
+    case DType::kU32: ok = dispatch_op<uint32_t>(tp, op, algo, seg, nseg, count, lane_bytes, rpn, round); break;
   }
   if (ok) return std::string();
   {
@@ -529,7 +545,7 @@ std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Al
 }
 
 std::string allreduce_logical(Comm& comm, uint32_t logical_id, DType dtype, RedOp op,
-                              Algorithm algo, const void* in, void* out, size_t count) {
+                              Algorithm algo, Segment* seg, int nseg) {
   const auto& cfg = comm.config;
   if (logical_id >= cfg.group_of.size()) {
     Text os;
@@ -537,8 +553,8 @@ std::string allreduce_logical(Comm& comm, uint32_t logical_id, DType dtype, RedO
        << comm.id << " (" << cfg.group_of.size() << " devices)";
     return os.str();
   }
-  return allreduce(comm, cfg.group_of[logical_id], cfg.rank_of[logical_id], dtype, op, algo, in,
-                   out, count);
+  return allreduce(comm, cfg.group_of[logical_id], cfg.rank_of[logical_id], dtype, op, algo, seg,
+                   nseg);
 }
 
 }  // namespace cpu

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "jax_gin/common.h"
+#include "jax_gin/message.h"
 
 namespace jax_gin {
 namespace cpu {
@@ -137,9 +138,14 @@ int64_t num_comms();
 std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Algorithm algo,
                       const void* in, void* out, size_t count);
 
+// Several buffers of one dtype reduced as one message (message.h): `seg` holds each buffer's
+// count, in and out; this fills in their logical starts. 1 <= nseg <= kMaxSegments.
+std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Algorithm algo,
+                      Segment* seg, int nseg);
+
 // Same, addressed by the logical device id that XLA reports as the partition id.
 std::string allreduce_logical(Comm& comm, uint32_t logical_id, DType dtype, RedOp op,
-                              Algorithm algo, const void* in, void* out, size_t count);
+                              Algorithm algo, Segment* seg, int nseg);
 
 }  // namespace cpu
 }  // namespace jax_gin

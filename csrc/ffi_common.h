@@ -4,6 +4,7 @@
 #include <string>
 
 #include "jax_gin/common.h"
+#include "jax_gin/message.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_gin {
@@ -33,6 +34,35 @@ inline xla::ffi::Error check_enums(int32_t op, int32_t algorithm) {
     return xla::ffi::Error::InvalidArgument("jax_gin: unknown algorithm id " +
                                             std::to_string(algorithm));
   return xla::ffi::Error::Success();
+}
+
+// The buffers of one call: operand i is reduced into result i, all of one element type (the
+// lowering groups a pytree's leaves by dtype). Fills seg[0..*nseg) with counts and pointers.
+inline xla::ffi::Error collect_segments(const xla::ffi::RemainingArgs& args,
+                                        xla::ffi::RemainingRets& rets, Segment* seg, int* nseg,
+                                        DType* dtype) {
+  namespace ffi = xla::ffi;
+  const size_t n = args.size();
+  if (n < 1 || n > size_t(kMaxSegments) || rets.size() != n)
+    return ffi::Error::InvalidArgument("jax_gin: " + std::to_string(n) + " operands and " +
+                                       std::to_string(rets.size()) + " results in one call (1.." +
+                                       std::to_string(kMaxSegments) + " of each, as many results as operands)");
+  for (size_t i = 0; i < n; ++i) {
+    auto x = args.get<ffi::AnyBuffer>(i);
+    auto y = rets.get<ffi::AnyBuffer>(i);
+    if (x.has_error()) return x.error();
+    if (y.has_error()) return y.error();
+    DType t;
+    if (ffi::Error err = to_dtype(x->element_type(), &t); err.failure()) return err;
+    if (i == 0) *dtype = t;
+    if (t != *dtype || (*y)->element_type() != x->element_type() ||
+        (*y)->element_count() != x->element_count())
+      return ffi::Error::InvalidArgument("jax_gin: operand " + std::to_string(i) +
+                                         " differs in element type or size from the others or its result");
+    seg[i] = Segment{0, x->element_count(), x->untyped_data(), (*y)->untyped_data()};
+  }
+  *nseg = int(n);
+  return ffi::Error::Success();
 }
 
 }  // namespace jax_gin

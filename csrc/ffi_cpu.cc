@@ -12,14 +12,15 @@ namespace ffi = xla::ffi;
 namespace jax_gin {
 namespace {
 
-ffi::Error CpuAllReduceImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition_id,
-                            ffi::Buffer<ffi::U32> order_in, ffi::Result<ffi::AnyBuffer> out,
-                            ffi::Result<ffi::Buffer<ffi::U32>> order_out, int64_t comm, int32_t op,
-                            int32_t algorithm) {
+ffi::Error CpuAllReduceImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Buffer<ffi::U32> order_in,
+                            ffi::RemainingArgs xs, ffi::Result<ffi::Buffer<ffi::U32>> order_out,
+                            ffi::RemainingRets outs, int64_t comm, int32_t op, int32_t algorithm) {
   (void)order_in;
   order_out->typed_data()[0] = 0;
   DType dtype;
-  if (ffi::Error err = to_dtype(x.element_type(), &dtype); err.failure()) return err;
+  Segment seg[kMaxSegments];
+  int nseg = 0;
+  if (ffi::Error err = collect_segments(xs, outs, seg, &nseg, &dtype); err.failure()) return err;
   if (ffi::Error err = check_enums(op, algorithm); err.failure()) return err;
   auto c = cpu::find_comm(comm);
   if (!c) {
@@ -29,8 +30,7 @@ ffi::Error CpuAllReduceImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition_id
   }
   const uint32_t logical_id = partition_id.typed_data()[0];
   std::string err = cpu::allreduce_logical(*c, logical_id, dtype, RedOp(op), Algorithm(algorithm),
-                                           x.untyped_data(), out->untyped_data(),
-                                           x.element_count());
+                                           seg, nseg);
   if (!err.empty()) return ffi::Error::Internal(err);
   return ffi::Error::Success();
 }
@@ -40,11 +40,11 @@ ffi::Error CpuAllReduceImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition_id
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAllReduce, jax_gin::CpuAllReduceImpl,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()          // x: this device's block
                                   .Arg<ffi::Buffer<ffi::U32>>()   // partition id (logical id)
                                   .Arg<ffi::Buffer<ffi::U32>>()   // order token of the previous call
-                                  .Ret<ffi::AnyBuffer>()          // the reduced block
+                                  .RemainingArgs()                // x_0..x_k: buffers of one dtype
                                   .Ret<ffi::Buffer<ffi::U32>>()   // order token for the next call
+                                  .RemainingRets()                // their reductions, in order
                                   .Attr<int64_t>("comm")          // communicator id (runtime)
                                   .Attr<int32_t>("op")            // RedOp
                                   .Attr<int32_t>("algorithm"));   // Algorithm

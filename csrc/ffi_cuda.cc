@@ -14,18 +14,19 @@ namespace ffi = xla::ffi;
 namespace jax_gin {
 namespace {
 
-ffi::Error CudaAllReduceImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+ffi::Error CudaAllReduceImpl(cudaStream_t stream, int32_t device,
                              ffi::Buffer<ffi::U32> partition_id, ffi::Buffer<ffi::U32> order_in,
-                             ffi::Result<ffi::AnyBuffer> out,
-                             ffi::Result<ffi::Buffer<ffi::U32>> order_out, int64_t comm, int32_t op,
-                             int32_t algorithm) {
+                             ffi::RemainingArgs xs, ffi::Result<ffi::Buffer<ffi::U32>> order_out,
+                             ffi::RemainingRets outs, int64_t comm, int32_t op, int32_t algorithm) {
   (void)partition_id;  // the rank comes from the device ordinal's cached state
   // The order tokens only make XLA run jax_gin calls in program order (see _primitive.py);
   // their values are never read, and on the GPU one stream orders the calls anyway.
   (void)order_in;
   (void)order_out;
   DType dtype;
-  if (ffi::Error err = to_dtype(x.element_type(), &dtype); err.failure()) return err;
+  Segment seg[kMaxSegments];
+  int nseg = 0;
+  if (ffi::Error err = collect_segments(xs, outs, seg, &nseg, &dtype); err.failure()) return err;
   // kHierarchical (internal) is the one algorithm of groups that span nodes; _primitive.py
   // passes it for those only (comm_ranks_per_node).
   const bool hier = algorithm == int32_t(Algorithm::kHierarchical);
@@ -47,9 +48,9 @@ ffi::Error CudaAllReduceImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
     return ffi::Error::Internal("jax_gin: an earlier call failed: " + gpu::describe(d, st->nranks));
   }
   const gpu::PeerAccess peers{st->win, nullptr, hier ? &st->devcomm : nullptr};
-  cudaError_t e = gpu::launch_allreduce(peers, st->cfg, dtype,
-                                        RedOp(op), Algorithm(algorithm), x.untyped_data(),
-                                        out->untyped_data(), x.element_count(), stream);
+  // One launch for all the buffers of the call (one, or a pytree bucket).
+  cudaError_t e = gpu::launch_allreduce(peers, st->cfg, dtype, RedOp(op), Algorithm(algorithm),
+                                        seg, nseg, stream);
   if (e != cudaSuccess)
     return ffi::Error::Internal(std::string("jax_gin: kernel launch failed: ") + cudaGetErrorString(e));
   return ffi::Error::Success();
@@ -62,11 +63,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCudaAllReduce, jax_gin::CudaAllReduceImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
                                   .Ctx<ffi::DeviceOrdinal>()      // local CUDA ordinal
-                                  .Arg<ffi::AnyBuffer>()          // x: this device's block
                                   .Arg<ffi::Buffer<ffi::U32>>()   // partition id (unused on GPU)
                                   .Arg<ffi::Buffer<ffi::U32>>()   // order token of the previous call
-                                  .Ret<ffi::AnyBuffer>()          // the reduced block
+                                  .RemainingArgs()                // x_0..x_k: buffers of one dtype
                                   .Ret<ffi::Buffer<ffi::U32>>()   // order token for the next call
+                                  .RemainingRets()                // their reductions, in order
                                   .Attr<int64_t>("comm")          // communicator id (runtime)
                                   .Attr<int32_t>("op")            // RedOp
                                   .Attr<int32_t>("algorithm"),    // Algorithm

@@ -178,6 +178,8 @@ NB_MODULE(_jax_gin, m) {
         nb::arg("chunk_bytes") = cpu::CommConfig().chunk_bytes);
   // Internal algorithm ids (not in jax_gin.ALGORITHMS), for tests through threads_allreduce.
   m.attr("ALGORITHM_HIERARCHICAL") = int(Algorithm::kHierarchical);
+  // Most buffers one call reduces as one message (message.h); larger pytrees take more calls.
+  m.attr("MAX_SEGMENTS") = kMaxSegments;
 
   // Schedules (include/jax_gin/schedule.h), exposed for unit tests.
   nb::module_ s = m.def_submodule("schedule", "the shared schedule header, for tests");

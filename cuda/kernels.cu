@@ -25,6 +25,11 @@ cudaError_t launch_op(RedOp op, const Peers& peers, const LaneParams& p, int lan
                       Algorithm algo, const void* in, void* out, size_t count, cudaStream_t s);
 template <class T, class Peers>
 cudaError_t preload_type();
+template <class T, class Peers>
+cudaError_t launch_multi_op(RedOp op, const Peers& peers, const LaneParams& p, int lanes, int threads,
+                            Algorithm algo, const SegmentTable& table, size_t count, cudaStream_t s);
+template <class T, class Peers>
+cudaError_t preload_multi_type();
 template <class T, class Peers, class Rail>
 cudaError_t launch_hier_op(RedOp op, const Peers& peers, const Rail& rail, const LaneParams& p,
                            int lanes, int threads, const void* in, void* out, size_t count,
@@ -137,6 +142,16 @@ cudaError_t preload_peers() {
   return for_each_type([](auto t) { return preload_type<typename decltype(t)::type, Peers>(); });
 }
 
+// Whether one_shot takes the LL protocol for a message of `bytes`; the lanes of either kind.
+bool use_ll(const LaunchConfig& cfg, Algorithm algo, size_t bytes) {
+  return algo == Algorithm::kOneShot && bytes <= cfg.ll_max_bytes &&
+         bytes <= kLLLanePayload * kLLMaxLanes && cfg.nranks <= kLLMaxRanks && cfg.nranks > 1;
+}
+int lanes_for(const LaunchConfig& cfg, Algorithm algo, size_t bytes, bool ll) {
+  return ll ? int((bytes + kLLLanePayload - 1) / kLLLanePayload)
+            : choose_lanes(algo, bytes, cfg.nranks, cfg.max_lanes, cfg.lane_grain_bytes);
+}
+
 }  // namespace
 
 int choose_lanes(Algorithm algo, size_t bytes, int nranks, int max_lanes, size_t grain) {
@@ -164,17 +179,46 @@ cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, D
   LaneParams p = lane_params(cfg, op, algo);
   const size_t bytes = count * dtype_size(dtype);
   // Small one_shot messages take the LL protocol: no separate signal, fence or credit.
-  p.ll = algo == Algorithm::kOneShot && bytes <= cfg.ll_max_bytes &&
-         bytes <= kLLLanePayload * kLLMaxLanes && cfg.nranks <= kLLMaxRanks && cfg.nranks > 1;
-  const int lanes = p.ll ? int((bytes + kLLLanePayload - 1) / kLLLanePayload)
-                         : choose_lanes(algo, bytes, cfg.nranks, cfg.max_lanes, cfg.lane_grain_bytes);
+  p.ll = use_ll(cfg, algo, bytes);
+  const int lanes = lanes_for(cfg, algo, bytes, p.ll);
   if (lanes == 0) return cudaSuccess;  // nothing to reduce
   if (peers.table != nullptr)
     return launch_dtype(dtype, op, TablePeers{peers.table}, p, lanes, cfg.threads, algo, in, out, count, stream);
   return launch_dtype(dtype, op, NcclPeers{peers.win}, p, lanes, cfg.threads, algo, in, out, count, stream);
 }
 
+cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, DType dtype,
+                             RedOp op, Algorithm algo, Segment* seg, int nseg,
+                             cudaStream_t stream) {
+  if (nseg < 1 || nseg > kMaxSegments) return cudaErrorInvalidValue;
+  if (nseg == 1)
+    return launch_allreduce(peers, cfg, dtype, op, algo, seg[0].in, seg[0].out, seg[0].count, stream);
+  // hierarchical (groups that span nodes) takes one buffer per launch
+  if (algo == Algorithm::kHierarchical) {
+    for (int s = 0; s < nseg; ++s)
+      if (cudaError_t e = launch_hierarchical(peers, cfg, dtype, op, seg[s].in, seg[s].out, seg[s].count, stream))
+        return e;
+    return cudaSuccess;
+  }
+  if (int(algo) < 0 || int(algo) >= kNumAlgorithms || peers.win == nullptr) return cudaErrorInvalidValue;
+  SegmentTable table;
+  for (int s = 0; s < nseg; ++s) table.seg[s] = seg[s];
+  table.n = nseg;
+  const size_t count = lay_out_segments(table.seg, nseg, dtype_size(dtype));
+  LaneParams p = lane_params(cfg, op, algo);
+  const size_t bytes = count * dtype_size(dtype);
+  p.ll = use_ll(cfg, algo, bytes);
+  const int lanes = lanes_for(cfg, algo, bytes, p.ll);
+  if (lanes == 0 || count == 0) return cudaSuccess;
+  return with_type(dtype, [&](auto t) {
+    return launch_multi_op<typename decltype(t)::type>(op, NcclPeers{peers.win}, p, lanes, cfg.threads,
+                                                       algo, table, count, stream);
+  });
+}
+
 cudaError_t preload_kernels() {
+  if (cudaError_t e = for_each_type([](auto t) { return preload_multi_type<typename decltype(t)::type, NcclPeers>(); }))
+    return e;
   cudaError_t e = preload_peers<NcclPeers>();
   if (e != cudaSuccess) return e;
   if ((e = preload_peers<TablePeers>()) != cudaSuccess) return e;

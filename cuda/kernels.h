@@ -11,6 +11,7 @@ struct ncclDevComm;  // nccl_device.h
 #include <cstdint>
 
 #include "jax_gin/common.h"
+#include "jax_gin/message.h"
 
 namespace jax_gin {
 namespace gpu {
@@ -74,6 +75,13 @@ int choose_lanes(Algorithm algo, size_t bytes, int nranks, int max_lanes, size_t
 // `table` (GIN emulated over P2P) or `win` + `devcomm` (NCCL GIN).
 cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, DType dtype,
                              RedOp op, Algorithm algo, const void* in, void* out, size_t count,
+                             cudaStream_t stream);
+
+// Several buffers of one dtype reduced as one message (message.h), in one launch: `seg` holds
+// each buffer's count, in and out (their logical starts are filled in here). Over an NCCL
+// window only; 1 <= nseg <= kMaxSegments. kHierarchical launches once per buffer.
+cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, DType dtype,
+                             RedOp op, Algorithm algo, Segment* seg, int nseg,
                              cudaStream_t stream);
 
 // Loads every kernel on the current device now, so that no lazy module load (which takes a

@@ -5,15 +5,16 @@
 #include "kernels.h"
 #include "transport.cuh"
 
+#include "jax_gin/message.h"
 #include "jax_gin/schedule.h"
 
 namespace jax_gin {
 namespace gpu {
 
-template <class T, class Op, class Peers>
-__global__ void __launch_bounds__(512)
-    allreduce_kernel(Peers peers, LaneParams p, int algorithm, const T* __restrict__ in,
-                     T* __restrict__ out, size_t count) {
+// One lane (CTA) of a message `io` of `count` elements (message.h: one buffer, or several).
+template <class T, class Op, class Peers, class IO>
+__device__ __forceinline__ void allreduce_lane(const Peers& peers, const LaneParams& p,
+                                               int algorithm, const IO& io, size_t count) {
   const int lane = blockIdx.x;
   const Algorithm algo = Algorithm(algorithm);
   const schedule::Range mine = schedule::piece(count, gridDim.x, lane, schedule::align_elems(sizeof(T)));
@@ -22,8 +23,24 @@ __global__ void __launch_bounds__(512)
   // Every thread keeps its own copy of the lane's round counter; all threads follow the
   // same control flow, so the copies agree, and thread 0 writes it back.
   uint64_t round = p.rounds[lane];
-  run_lane<T, Op>(tp, algo, in + mine.offset, out + mine.offset, mine.count, p.lane_bytes, round);
+  run_lane<T, Op>(tp, algo, io.at(mine.offset), mine.count, p.lane_bytes, round);
   if (threadIdx.x == 0) p.rounds[lane] = round;
+}
+
+template <class T, class Op, class Peers>
+__global__ void __launch_bounds__(512)
+    allreduce_kernel(Peers peers, LaneParams p, int algorithm, const T* __restrict__ in,
+                     T* __restrict__ out, size_t count) {
+  allreduce_lane<T, Op>(peers, p, algorithm, Contiguous<T>{in, out}, count);
+}
+
+// Several buffers of one dtype as one message (a pytree bucket): the segment table travels in
+// the kernel's parameters (__grid_constant__: read in place, never copied per thread).
+template <class T, class Op, class Peers>
+__global__ void __launch_bounds__(512)
+    allreduce_multi_kernel(Peers peers, LaneParams p, int algorithm,
+                           const __grid_constant__ SegmentTable table, size_t count) {
+  allreduce_lane<T, Op>(peers, p, algorithm, Segmented<T>{table.seg, table.n, 0}, count);
 }
 
 // hierarchical (groups that span nodes): run_lane_hierarchical over HierTransport, which
@@ -63,10 +80,34 @@ __device__ __forceinline__ void ll_store8(char* base, size_t line, size_t nbytes
   for (size_t b = 0; off + b < nbytes; ++b) base[off + b] = char(uint8_t(v >> (8 * b)));
 }
 
-template <class T, class Op, class Peers>
-__global__ void __launch_bounds__(512)
-    one_shot_ll_kernel(Peers peers, LaneParams p, const T* __restrict__ in, T* __restrict__ out,
-                       size_t count) {
+// The 8 bytes of the message at byte `b` (a multiple of 8) of `total`: zero-padded past the
+// end of a buffer, zero in the padding between segments; stores there are dropped.
+template <class T>
+__device__ __forceinline__ uint64_t ll_read(const Contiguous<T>& io, size_t b, size_t total) {
+  return ll_load8(reinterpret_cast<const char*>(io.in), b / 8, total);
+}
+template <class T>
+__device__ __forceinline__ void ll_write(const Contiguous<T>& io, size_t b, size_t total, uint64_t v) {
+  ll_store8(reinterpret_cast<char*>(io.out), b / 8, total, v);
+}
+template <class T>
+__device__ __forceinline__ uint64_t ll_read(const Segmented<T>& io, size_t b, size_t) {
+  const int s = io.locate(b / sizeof(T));
+  if (s < 0) return 0;
+  const Segment& g = io.seg[s];
+  return ll_load8(static_cast<const char*>(g.in), (b - g.start * sizeof(T)) / 8, g.count * sizeof(T));
+}
+template <class T>
+__device__ __forceinline__ void ll_write(const Segmented<T>& io, size_t b, size_t, uint64_t v) {
+  const int s = io.locate(b / sizeof(T));
+  if (s < 0) return;
+  const Segment& g = io.seg[s];
+  ll_store8(static_cast<char*>(g.out), (b - g.start * sizeof(T)) / 8, g.count * sizeof(T), v);
+}
+
+template <class T, class Op, class Peers, class IO>
+__device__ __forceinline__ void one_shot_ll_lane(const Peers& peers, const LaneParams& p,
+                                                 const IO& io, size_t count) {
   const int lane = blockIdx.x, r = p.rank, N = p.nranks;
   __shared__ uint64_t s_round;
   if (threadIdx.x == 0) s_round = p.rounds[kMaxLanes + lane] + 1;
@@ -78,12 +119,10 @@ __global__ void __launch_bounds__(512)
   const size_t lo = size_t(lane) * kLLLanePayload;
   const size_t nbytes = total > lo ? (total - lo < kLLLanePayload ? total - lo : kLLLanePayload) : 0;
   const size_t nlines = (nbytes + 7) / 8;
-  const char* inb = reinterpret_cast<const char*>(in) + lo;
-  char* outb = reinterpret_cast<char*>(out) + lo;
   const uint64_t hi = uint64_t(flag) << 32;
   constexpr int E = 8 / sizeof(T);
   for (size_t i = threadIdx.x; i < nlines; i += blockDim.x) {
-    const uint64_t mine = ll_load8(inb, i, nbytes);
+    const uint64_t mine = ll_read(io, lo + 8 * i, total);
     // step 0: push my line, tagged with the round's flag, to every peer
     if (r != p.fault_rank) {
       for (int k = 1; k < N; ++k) {
@@ -123,9 +162,23 @@ __global__ void __launch_bounds__(512)
         for (int j = 0; j < E; ++j) acc.e[j] = Op::apply(acc.e[j], x.e[j]);
       }
     }
-    ll_store8(outb, i, nbytes, acc.u);
+    ll_write(io, lo + 8 * i, total, acc.u);
   }
   if (threadIdx.x == 0) p.rounds[kMaxLanes + lane] = round;
+}
+
+template <class T, class Op, class Peers>
+__global__ void __launch_bounds__(512)
+    one_shot_ll_kernel(Peers peers, LaneParams p, const T* __restrict__ in, T* __restrict__ out,
+                       size_t count) {
+  one_shot_ll_lane<T, Op>(peers, p, Contiguous<T>{in, out}, count);
+}
+
+template <class T, class Op, class Peers>
+__global__ void __launch_bounds__(512)
+    one_shot_ll_multi_kernel(Peers peers, LaneParams p, const __grid_constant__ SegmentTable table,
+                             size_t count) {
+  one_shot_ll_lane<T, Op>(peers, p, Segmented<T>{table.seg, table.n, 0}, count);
 }
 
 template <class T, class Op, class Peers>
@@ -139,6 +192,28 @@ cudaError_t launch_typed(const Peers& peers, const LaneParams& p, int lanes, int
         peers, p, int(algo), static_cast<const T*>(in), static_cast<T*>(out), count);
   }
   return cudaGetLastError();
+}
+
+template <class T, class Op, class Peers>
+cudaError_t launch_multi_typed(const Peers& peers, const LaneParams& p, int lanes, int threads,
+                               Algorithm algo, const SegmentTable& table, size_t count, cudaStream_t s) {
+  if (p.ll) {
+    one_shot_ll_multi_kernel<T, Op, Peers><<<lanes, threads, 0, s>>>(peers, p, table, count);
+  } else {
+    allreduce_multi_kernel<T, Op, Peers><<<lanes, threads, 0, s>>>(peers, p, int(algo), table, count);
+  }
+  return cudaGetLastError();
+}
+
+template <class T, class Peers>
+cudaError_t launch_multi_op(RedOp op, const Peers& peers, const LaneParams& p, int lanes, int threads,
+                            Algorithm algo, const SegmentTable& table, size_t count, cudaStream_t s) {
+  switch (op) {
+    case RedOp::kSum: return launch_multi_typed<T, DevSum>(peers, p, lanes, threads, algo, table, count, s);
+    case RedOp::kMax: return launch_multi_typed<T, DevMax>(peers, p, lanes, threads, algo, table, count, s);
+    case RedOp::kMin: return launch_multi_typed<T, DevMin>(peers, p, lanes, threads, algo, table, count, s);
+  }
+  return cudaErrorInvalidValue;
 }
 
 template <class T, class Peers>
@@ -209,6 +284,18 @@ cudaError_t preload_type() {
   return cudaFuncGetAttributes(&a, allreduce_kernel<T, DevMin, Peers>);
 }
 
+template <class T, class Peers>
+cudaError_t preload_multi_type() {
+  cudaFuncAttributes a;
+  cudaError_t e;
+  if ((e = cudaFuncGetAttributes(&a, allreduce_multi_kernel<T, DevSum, Peers>)) != cudaSuccess) return e;
+  if ((e = cudaFuncGetAttributes(&a, allreduce_multi_kernel<T, DevMax, Peers>)) != cudaSuccess) return e;
+  if ((e = cudaFuncGetAttributes(&a, allreduce_multi_kernel<T, DevMin, Peers>)) != cudaSuccess) return e;
+  if ((e = cudaFuncGetAttributes(&a, one_shot_ll_multi_kernel<T, DevSum, Peers>)) != cudaSuccess) return e;
+  if ((e = cudaFuncGetAttributes(&a, one_shot_ll_multi_kernel<T, DevMax, Peers>)) != cudaSuccess) return e;
+  return cudaFuncGetAttributes(&a, one_shot_ll_multi_kernel<T, DevMin, Peers>);
+}
+
 
 // Explicit instantiation of everything one element type needs.
 #define JAX_GIN_INSTANTIATE(T)                                                                   \
@@ -219,6 +306,10 @@ cudaError_t preload_type() {
                                                 int, int, Algorithm, const void*, void*, size_t, \
                                                 cudaStream_t);                                   \
   template cudaError_t preload_type<T, NcclPeers>();                                             \
+  template cudaError_t launch_multi_op<T, NcclPeers>(RedOp, const NcclPeers&, const LaneParams&, \
+                                                     int, int, Algorithm, const SegmentTable&,   \
+                                                     size_t, cudaStream_t);                      \
+  template cudaError_t preload_multi_type<T, NcclPeers>();                                       \
   template cudaError_t preload_type<T, TablePeers>();                                            \
   template cudaError_t launch_hier_op<T, NcclNodePeers, GinRail>(                                \
       RedOp, const NcclNodePeers&, const GinRail&, const LaneParams&, int, int, const void*,     \

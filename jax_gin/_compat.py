@@ -74,12 +74,12 @@ def pcast_varying(x, axes: tuple):
     return jax.lax.pvary(x, tuple(axes))
 
 
-def xla_allreduce_lowering(ctx, x, op: str, axes: tuple):
-    """Lower an all-reduce of `x` over mesh `axes` as XLA's own all-reduce: exactly what
+def xla_allreduce_lowering(ctx, xs, op: str, axes: tuple):
+    """Lower an all-reduce of the operands `xs` over mesh `axes` as XLA's own all-reduce: what
     lax.psum / pmax / pmin lower to (their registered lowering rule), for `auto`'s fallback."""
     from jax import lax
     from jax._src.lax import parallel as _parallel
     prim, reduce = {"sum": (lax.add_p, lax.reduce_sum), "max": (lax.max_p, lax.reduce_max),
                     "min": (lax.min_p, lax.reduce_min)}[op]
-    return _parallel._all_reduce_lowering(prim, reduce, ctx, x, axes=tuple(axes),
+    return _parallel._all_reduce_lowering(prim, reduce, ctx, *xs, axes=tuple(axes),
                                           axis_index_groups=None)

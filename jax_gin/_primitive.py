@@ -1,6 +1,7 @@
 """The all-reduce primitive and the public psum/pmax/pmin.
 
-One primitive, `jax_gin_allreduce`, with params:
+One primitive, `jax_gin_allreduce`, with one or more operands of one dtype (a bucket of a
+pytree's leaves, reduced in one custom call and, on GPUs, one kernel launch) and params:
   axes       tuple of mesh axis names reduced over
   op         "sum" | "max" | "min"
   algorithm  "auto" or a name in ALGORITHMS (resolved at lowering, when the platform is known)
@@ -25,30 +26,41 @@ from . import _compat, _native, _runtime, _select
 from ._ops import OP_API_NAMES, OP_CODES, check_dtype
 
 allreduce_p = Primitive("jax_gin_allreduce")
+allreduce_p.multiple_results = True
+
+# Most leaves one call takes (message.h's kMaxSegments: the GPU passes their table in the
+# kernel's parameters).
+MAX_OPERANDS = int(_native.cpu.MAX_SEGMENTS)
 
 
 # ---------------------------------------------------------------------------------------
 # Public API
 
 
-def psum(x, axis_name, *, algorithm: str = "auto"):
+def psum(x, axis_name, *, algorithm: str = "auto", bucket_bytes: int | None = None):
     """All-reduce sum over mesh axis `axis_name` (a name or a tuple of names).
 
     A drop-in for ``jax.lax.psum`` inside ``shard_map``: same semantics for pytrees, scalars,
     tuples of axes and varying-manual-axes typing, computed by jax_gin's own collectives.
     `algorithm` is "auto" or one of jax_gin.ALGORITHMS.
+
+    A pytree is reduced as few collectives: its leaves of one dtype go into buckets of at most
+    `bucket_bytes` (default ``jax_gin.runtime.settings.bucket_bytes``, JAX_GIN_BUCKET_BYTES,
+    64 MiB) and at most 64 leaves, in leaf order, and each bucket is one call. A leaf larger
+    than `bucket_bytes` is a bucket of its own. The result is the same, bit for bit, as
+    reducing every leaf on its own.
     """
-    return _allreduce(x, axis_name, "sum", algorithm)
+    return _allreduce(x, axis_name, "sum", algorithm, bucket_bytes)
 
 
-def pmax(x, axis_name, *, algorithm: str = "auto"):
+def pmax(x, axis_name, *, algorithm: str = "auto", bucket_bytes: int | None = None):
     """All-reduce max over mesh axis `axis_name`; a drop-in for ``jax.lax.pmax``."""
-    return _allreduce(x, axis_name, "max", algorithm)
+    return _allreduce(x, axis_name, "max", algorithm, bucket_bytes)
 
 
-def pmin(x, axis_name, *, algorithm: str = "auto"):
+def pmin(x, axis_name, *, algorithm: str = "auto", bucket_bytes: int | None = None):
     """All-reduce min over mesh axis `axis_name`; a drop-in for ``jax.lax.pmin``."""
-    return _allreduce(x, axis_name, "min", algorithm)
+    return _allreduce(x, axis_name, "min", algorithm, bucket_bytes)
 
 
 def _normalize_axes(axis_name, api: str) -> tuple:
@@ -68,15 +80,41 @@ def _normalize_axes(axis_name, api: str) -> tuple:
     return axes
 
 
-def _allreduce(x, axis_name, op: str, algorithm: str):
+def _check_bucket_bytes(bucket_bytes, api: str) -> int:
+    if bucket_bytes is None:
+        bucket_bytes = _runtime.settings.bucket_bytes
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes < 1:
+        raise ValueError(f"jax_gin.{api}: bucket_bytes must be a positive integer, got {bucket_bytes!r}")
+    return int(bucket_bytes)
+
+
+def buckets(sizes, bucket_bytes: int, max_operands: int = MAX_OPERANDS) -> list:
+    """Greedy buckets of consecutive items: lists of indices into `sizes` (bytes), each of at
+    most `bucket_bytes` (an item larger than that alone) and `max_operands` items."""
+    out, cur, cur_bytes = [], [], 0
+    for i, b in enumerate(sizes):
+        if cur and (cur_bytes + b > bucket_bytes or len(cur) == max_operands):
+            out.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append(i)
+        cur_bytes += b
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _allreduce(x, axis_name, op: str, algorithm: str, bucket_bytes):
     api = OP_API_NAMES[op]
     algorithm = _select.validate(algorithm, api)
+    bucket_bytes = _check_bucket_bytes(bucket_bytes, api)
     axes = _normalize_axes(axis_name, api)
     if not axes:
         return x
     invariant = _compat.check_vma_enabled()
-
-    def one(leaf):
+    leaves, treedef = tree_util.tree_flatten(x)
+    out = [None] * len(leaves)
+    by_dtype: dict = {}  # dtype -> indices of the leaves that communicate, in leaf order
+    for i, leaf in enumerate(leaves):
         leaf = jnp.asarray(leaf) if not hasattr(leaf, "dtype") else leaf
         if leaf.dtype == np.bool_:
             leaf = leaf.astype(np.int32)  # as lax.psum does
@@ -88,98 +126,129 @@ def _allreduce(x, axis_name, op: str, algorithm: str):
                 size = 1
                 for a in axes:
                     size *= _compat.axis_size(a)
-                return leaf * jnp.asarray(size, leaf.dtype)
-            return leaf
+                leaf = leaf * jnp.asarray(size, leaf.dtype)
+            out[i] = leaf
+            continue
         if invariant:
             manual = _compat.manual_mesh_axes()
             vma = _compat.varying_axes(jax.typeof(leaf))
             missing = tuple(a for a in axes if a in manual and a not in vma)
             leaf = _compat.pcast_varying(leaf, missing)
-        return allreduce_p.bind(leaf, axes=axes, op=op, algorithm=algorithm, invariant=invariant)
+        leaves[i] = leaf
+        by_dtype.setdefault(np.dtype(leaf.dtype), []).append(i)
+    for dtype, idx in by_dtype.items():
+        sizes = [int(np.prod(np.shape(leaves[i]), dtype=np.int64)) * dtype.itemsize for i in idx]
+        for bucket in buckets(sizes, bucket_bytes):
+            members = [idx[j] for j in bucket]
+            res = allreduce_p.bind(*[leaves[i] for i in members], axes=axes, op=op,
+                                   algorithm=algorithm, invariant=invariant)
+            for i, r in zip(members, res):
+                out[i] = r
+    return tree_util.tree_unflatten(treedef, out)
 
-    return tree_util.tree_map(one, x)
 
-
-def _bind_like(x, params, **override):
+def _bind_like(xs, params, **override):
     p = dict(params)
     p.update(override)
-    return allreduce_p.bind(x, **p)
+    return allreduce_p.bind(*xs, **p)
 
 
 # ---------------------------------------------------------------------------------------
 # Rules
 
 
-def _abstract_eval(aval, *, axes, op, algorithm, invariant):
+def _abstract_eval(*avals, axes, op, algorithm, invariant):
     for a in axes:
         if not _compat.axis_exists(a):
             raise NameError(f"jax_gin.{OP_API_NAMES[op]}: unknown axis name {a!r}")
-    if invariant:
-        vma = _compat.varying_axes(aval)
-        mesh_axes = set(axes) & _compat.manual_mesh_axes()
-        if not mesh_axes <= vma:
-            raise ValueError(
-                f"jax_gin.{OP_API_NAMES[op]}: with check_vma=True the input must vary over "
-                f"the reduced axes {axes}; it varies over {sorted(vma)}")
-        out = _compat.with_varying_axes(aval, vma - frozenset(axes))
-    else:
-        out = aval
-    return out, {_compat.NamedAxisEffect(a) for a in axes}
+    outs = []
+    for aval in avals:
+        if invariant:
+            vma = _compat.varying_axes(aval)
+            mesh_axes = set(axes) & _compat.manual_mesh_axes()
+            if not mesh_axes <= vma:
+                raise ValueError(
+                    f"jax_gin.{OP_API_NAMES[op]}: with check_vma=True the input must vary over "
+                    f"the reduced axes {axes}; it varies over {sorted(vma)}")
+            outs.append(_compat.with_varying_axes(aval, vma - frozenset(axes)))
+        else:
+            outs.append(aval)
+    return outs, {_compat.NamedAxisEffect(a) for a in axes}
 
 
 def _jvp(primals, tangents, **params):
-    (x,), (t,) = primals, tangents
-    out = allreduce_p.bind(x, **params)
-    if type(t) is ad.Zero:
-        return out, ad.Zero.from_primal_value(out)
+    outs = allreduce_p.bind(*primals, **params)
+    tan_out = [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in outs]
     if params["op"] == "sum":
-        return out, allreduce_p.bind(t, **params)
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        return out, ad.Zero.from_primal_value(out)
+        # one call for every nonzero tangent
+        nz = [i for i, t in enumerate(tangents) if type(t) is not ad.Zero]
+        if nz:
+            for i, t in zip(nz, allreduce_p.bind(*[tangents[i] for i in nz], **params)):
+                tan_out[i] = t
+        return outs, tan_out
     # max/min: the tangent of the winning element(s); ties share it equally, as jnp.max does.
+    nz = [i for i, (x, t) in enumerate(zip(primals, tangents))
+          if type(t) is not ad.Zero and jnp.issubdtype(x.dtype, jnp.floating)]
+    if not nz:
+        return outs, tan_out
     axes = params["axes"]
-    out_v = _compat.pcast_varying(out, axes) if params["invariant"] else out
-    hit = (x == out_v).astype(t.dtype)
-    num = _bind_like(t * hit, params, op="sum")
-    cnt = _bind_like(hit, params, op="sum")
-    return out, num / cnt
+    hits, weighted = [], []
+    for i in nz:
+        out_v = _compat.pcast_varying(outs[i], axes) if params["invariant"] else outs[i]
+        hit = (primals[i] == out_v).astype(tangents[i].dtype)
+        hits.append(hit)
+        weighted.append(tangents[i] * hit)
+    num = _bind_like(weighted, params, op="sum")
+    cnt = _bind_like(hits, params, op="sum")
+    for i, n, c in zip(nz, num, cnt):
+        tan_out[i] = n / c
+    return outs, tan_out
 
 
-def _transpose(ct, x, *, axes, op, algorithm, invariant):
+def _transpose(cts, *xs, axes, op, algorithm, invariant):
     if op != "sum":
         raise NotImplementedError(f"jax_gin.{OP_API_NAMES[op]} is not linear and has no transpose")
-    assert ad.is_undefined_primal(x)
-    if type(ct) is ad.Zero:
-        return [ad.Zero(x.aval)]
+    assert all(ad.is_undefined_primal(x) for x in xs)
+    res = [ad.Zero(x.aval) for x in xs]
+    nz = [i for i, ct in enumerate(cts) if type(ct) is not ad.Zero]
+    if not nz:
+        return res
     if invariant:
         # psum under check_vma is varying -> invariant: its transpose only re-marks the
         # cotangent as varying, with no communication (lax.psum does the same).
-        return [_compat.pcast_varying(ct, axes)]
+        for i in nz:
+            res[i] = _compat.pcast_varying(cts[i], axes)
+        return res
     # check_vma=False: psum is psum followed by a broadcast, so it transposes to a psum.
-    return [allreduce_p.bind(ct, axes=axes, op=op, algorithm=algorithm, invariant=invariant)]
+    outs = allreduce_p.bind(*[cts[i] for i in nz], axes=axes, op=op, algorithm=algorithm,
+                            invariant=invariant)
+    for i, o in zip(nz, outs):
+        res[i] = o
+    return res
 
 
 def _batch(axis_data, vals_in, dims_in, *, axes, op, algorithm, invariant):
-    (x,), (d,) = vals_in, dims_in
     params = dict(axes=axes, op=op, algorithm=algorithm, invariant=invariant)
     if axis_data.name not in axes:
         # vmap inside shard_map: the batch dimension is just more data to reduce elementwise.
-        return allreduce_p.bind(x, **params), d
+        return allreduce_p.bind(*vals_in, **params), list(dims_in)
     # Reducing over the vmapped axis itself: reduce the batch dimension locally, then the
     # remaining (mesh) axes with jax_gin. The result is the same for every batch element.
     rest = tuple(a for a in axes if a != axis_data.name)
-    if d is None:
-        out = allreduce_p.bind(x, **dict(params, axes=rest)) if rest else x
-        if op == "sum":
-            out = out * jnp.asarray(axis_data.size, out.dtype)
-        return out, None
-    local = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}[op](x, axis=d).astype(x.dtype)
-    out = allreduce_p.bind(local, **dict(params, axes=rest)) if rest else local
-    return out, None
+    local = []
+    for x, d in zip(vals_in, dims_in):
+        if d is None:
+            local.append(x)
+        else:
+            local.append({"sum": jnp.sum, "max": jnp.max, "min": jnp.min}[op](x, axis=d).astype(x.dtype))
+    outs = allreduce_p.bind(*local, **dict(params, axes=rest)) if rest else local
+    outs = [o * jnp.asarray(axis_data.size, o.dtype) if (d is None and op == "sum") else o
+            for o, d in zip(outs, dims_in)]
+    return outs, [None] * len(outs)
 
 
-def _lowering(ctx, x, *, axes, op, algorithm, invariant, platform):
-    aval = ctx.avals_in[0]
+def _lowering(ctx, *xs, axes, op, algorithm, invariant, platform):
+    avals = ctx.avals_in
     api = OP_API_NAMES[op]
     axis_ctx = ctx.module_context.axis_context
     mesh = getattr(axis_ctx, "mesh", None)
@@ -195,14 +264,15 @@ def _lowering(ctx, x, *, axes, op, algorithm, invariant, platform):
             "make every mesh axis manual")
     layout = _runtime.group_layout(tuple(mesh.axis_names),
                                    tuple(int(mesh.shape[n]) for n in mesh.axis_names), axes)
-    nbytes = int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+    itemsize = np.dtype(avals[0].dtype).itemsize
+    nbytes = sum(int(np.prod(a.shape, dtype=np.int64)) for a in avals) * itemsize
     requested = algorithm
     if algorithm == "auto":
         kind = np.asarray(mesh.devices).flat[0].device_kind
         algorithm, _ = _select.choose(platform, nbytes, layout.nranks, kind)
     if algorithm == _select.XLA_FALLBACK:
-        return _compat.xla_allreduce_lowering(ctx, x, op, axes)
-    _runtime.check_workspace(platform, algorithm, layout.nranks, np.dtype(aval.dtype).itemsize, api)
+        return _compat.xla_allreduce_lowering(ctx, xs, op, axes)
+    _runtime.check_workspace(platform, algorithm, layout.nranks, itemsize, api)
     if platform != "cpu" and _native.cuda is None:
         raise RuntimeError(
             f"jax_gin.{api}: a CUDA lowering was requested but jax_gin was not compiled with "
@@ -212,13 +282,13 @@ def _lowering(ctx, x, *, axes, op, algorithm, invariant, platform):
     target = _native.CPU_TARGET if platform == "cpu" else _native.CUDA_TARGET
     tok_aval = jax.core.ShapedArray((), np.uint32)
     rule = jax.ffi.ffi_lowering(target)
-    out, tok = rule(ctx.replace(avals_in=[aval, tok_aval, tok_aval],
-                                avals_out=[ctx.avals_out[0], tok_aval]),
-                    x, hlo.partition_id(), _chain_token(ctx),
-                    comm=np.int64(comm), op=np.int32(OP_CODES[op]),
-                    algorithm=np.int32(code))
+    tok, *outs = rule(ctx.replace(avals_in=[tok_aval, tok_aval, *avals],
+                                  avals_out=[tok_aval, *ctx.avals_out]),
+                      hlo.partition_id(), _chain_token(ctx), *xs,
+                      comm=np.int64(comm), op=np.int32(OP_CODES[op]),
+                      algorithm=np.int32(code))
     _set_chain_token(ctx, tok)
-    return [out]
+    return outs
 
 
 # Ordering. All jax_gin calls of one communicator must run in the same order on every rank,
@@ -253,7 +323,7 @@ def _set_chain_token(ctx, tok):
 # ---------------------------------------------------------------------------------------
 # Registration: every rule of the primitive, in one place.
 
-def _impl(x, **params):
+def _impl(*xs, **params):
     raise NameError(
         f"jax_gin.{OP_API_NAMES[params['op']]} must be called inside jax.shard_map "
         f"(axes {params['axes']} are not bound here)")
@@ -264,7 +334,7 @@ allreduce_p.def_effectful_abstract_eval(_abstract_eval)
 ad.primitive_jvps[allreduce_p] = _jvp
 ad.primitive_transposes[allreduce_p] = _transpose
 _compat.batching.fancy_primitive_batchers[allreduce_p] = _batch
-mlir.register_lowering(allreduce_p, lambda ctx, x, **p: _lowering(ctx, x, platform="cpu", **p),
+mlir.register_lowering(allreduce_p, lambda ctx, *xs, **p: _lowering(ctx, *xs, platform="cpu", **p),
                        platform="cpu")
-mlir.register_lowering(allreduce_p, lambda ctx, x, **p: _lowering(ctx, x, platform="cuda", **p),
+mlir.register_lowering(allreduce_p, lambda ctx, *xs, **p: _lowering(ctx, *xs, platform="cuda", **p),
                        platform="cuda")

@@ -29,6 +29,7 @@ from ._ops import ALGORITHM_CODES
 
 _DEFAULT_CPU_WORKSPACE = 1 << 20  # bytes per rank
 _DEFAULT_GPU_WORKSPACE = 64 << 20  # bytes per rank, split among the kernel's lanes
+_DEFAULT_BUCKET_BYTES = 64 << 20  # bytes of one pytree call (Settings.bucket_bytes)
 
 
 def _env_float(name: str, default: float) -> float:
@@ -58,6 +59,9 @@ class Settings:
     workspace_bytes: symmetric workspace per rank (JAX_GIN_WORKSPACE_BYTES); messages larger
         than one round's capacity are pipelined through it in chunks.
     timeout_s: how long any wait may spin before the call fails (JAX_GIN_TIMEOUT_S).
+    bucket_bytes: a pytree's leaves of one dtype are reduced together, in one call per
+        bucket of at most this many bytes (JAX_GIN_BUCKET_BYTES; a leaf larger than that is
+        a bucket of its own), as XLA's all-reduce combiner and PyTorch DDP's buckets do.
     fault_rank: testing only -- this rank drops all its signals, so its peers time out.
     """
 
@@ -66,6 +70,8 @@ class Settings:
     gpu_workspace_bytes: int = dataclasses.field(
         default_factory=lambda: _env_int("JAX_GIN_WORKSPACE_BYTES", _DEFAULT_GPU_WORKSPACE))
     timeout_s: float = dataclasses.field(default_factory=lambda: _env_float("JAX_GIN_TIMEOUT_S", 30.0))
+    bucket_bytes: int = dataclasses.field(
+        default_factory=lambda: _env_int("JAX_GIN_BUCKET_BYTES", _DEFAULT_BUCKET_BYTES))
     fault_rank: int = -1
 
 

@@ -27,9 +27,14 @@
 //   bool needs_credit(peer)          whether `peer` may write into this rank's window, so that
 //                                    it awaits this rank's credits (load/store: every peer)
 // Flags are monotonic (see common.h): rounds are never reset, so no flag is ever cleared.
+//
+// The caller's input and output are a message `io` (message.h): one buffer or several of one
+// dtype. Every step names a range of the message and works on its pieces (io.each), so the
+// windows see one logical message either way.
 #pragma once
 
 #include "jax_gin/common.h"
+#include "jax_gin/message.h"
 #include "jax_gin/schedule.h"
 
 namespace jax_gin {
@@ -90,13 +95,14 @@ JG_HD void give_credit(Tp& tp, uint64_t round) {
 // and chunk c+1 is stored to the peers before chunk c is reduced, so that the local reduction
 // overlaps the NVLink transfer; chunk c+1's flag follows the reduction of chunk c (a release
 // right after the stores would wait for their acknowledgements and undo the overlap).
-template <class T, class Tp>
-JG_HD void one_shot_push(Tp& tp, const T* in, size_t n, int C, int c) {
+template <class T, class Tp, class IO>
+JG_HD void one_shot_push(Tp& tp, const IO& io, size_t n, int C, int c) {
   const int r = tp.rank(), N = tp.nranks();
   const schedule::Range ch = schedule::chunk(schedule::Range{0, n}, C, c, schedule::align_elems(sizeof(T)));
   for (int k = 1; k < N; ++k) {
     const int p = schedule::mod(r + k, N);  // stagger so that peers are not all hit at once
-    tp.copy(tp.template slot<T>(p, r) + ch.offset, in + ch.offset, ch.count);
+    T* dst = tp.template slot<T>(p, r) + ch.offset;
+    io.each(ch.offset, ch.count, [&](size_t rel, const T* in, T*, size_t m) { tp.copy(dst + rel, in, m); });
   }
 }
 
@@ -107,17 +113,17 @@ JG_HD void one_shot_signal(Tp& tp, uint64_t round, int C, int c) {
     tp.signal(schedule::mod(r + k, N), kData, data_tag(round, schedule::kOneShotStep * C + c));
 }
 
-template <class T, class Op, class Tp>
-JG_HD bool one_shot_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, uint64_t round) {
+template <class T, class Op, class Tp, class IO>
+JG_HD bool one_shot_round(Tp& tp, const IO& io, size_t n, size_t slot, uint64_t round) {
   const int r = tp.rank(), N = tp.nranks();
   const size_t al = schedule::align_elems(sizeof(T));
   const int C = schedule::chunks_for(n, sizeof(T), tp.chunk_bytes());
   for (int k = 1; k < N; ++k)
     if (!await_credit(tp, schedule::mod(r + k, N), round)) return false;
-  one_shot_push(tp, in, n, C, 0);
+  one_shot_push<T>(tp, io, n, C, 0);
   one_shot_signal(tp, round, C, 0);
   for (int c = 0; c < C; ++c) {
-    if (c + 1 < C) one_shot_push(tp, in, n, C, c + 1);
+    if (c + 1 < C) one_shot_push<T>(tp, io, n, C, c + 1);
     // Chunk c of every peer, then the N contributions in rank order. A peer flags chunk c
     // after reducing its chunk c-1, which needed only our chunk c-1's flag (sent one
     // iteration ago, or before the loop), so no two ranks ever wait for each other.
@@ -125,8 +131,11 @@ JG_HD bool one_shot_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, ui
       if (p != r && !tp.wait(p, kData, data_tag(round, schedule::kOneShotStep * C + c), schedule::kOneShotStep))
         return false;
     const schedule::Range ch = schedule::chunk(schedule::Range{0, n}, C, c, al);
-    SlotSources<T> src{tp.template slot<T>(r, 0) + ch.offset, slot, r, in + ch.offset, N};
-    tp.template reduce<T, Op>(out + ch.offset, src, ch.count);
+    const T* slots = tp.template slot<T>(r, 0) + ch.offset;
+    io.each(ch.offset, ch.count, [&](size_t rel, const T* in, T* out, size_t m) {
+      SlotSources<T> src{slots + rel, slot, r, in, N};
+      tp.template reduce<T, Op>(out, src, m);
+    });
     if (c + 1 < C) one_shot_signal(tp, round, C, c + 1);
   }
   give_credit(tp, round);
@@ -139,8 +148,8 @@ JG_HD bool one_shot_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, ui
 // Moves 2(N-1)/N * S per rank in two synchronization steps. Pipelined: segments are cut into
 // chunks, each signalled on its own, so the owner reduces chunk c while chunk c+1 is still
 // arriving, and the reduction writes my output and every peer's gather slot in one pass.
-template <class T, class Op, class Tp>
-JG_HD bool two_shot_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, uint64_t round) {
+template <class T, class Op, class Tp, class IO>
+JG_HD bool two_shot_round(Tp& tp, const IO& io, size_t n, size_t slot, uint64_t round) {
   const int r = tp.rank(), N = tp.nranks();
   const size_t al = schedule::align_elems(sizeof(T));
   const int C = schedule::chunks_for(schedule::piece_size(n, N, al), sizeof(T), tp.chunk_bytes());
@@ -153,7 +162,8 @@ JG_HD bool two_shot_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, ui
       const int p = schedule::mod(r + k, N);
       const schedule::Range seg = schedule::piece(n, N, p, al);
       const schedule::Range ch = schedule::chunk(seg, C, c, al);
-      tp.copy(tp.template slot<T>(p, r) + (ch.offset - seg.offset), in + ch.offset, ch.count);
+      T* dst = tp.template slot<T>(p, r) + (ch.offset - seg.offset);
+      io.each(ch.offset, ch.count, [&](size_t rel, const T* in, T*, size_t m) { tp.copy(dst + rel, in, m); });
       tp.signal(p, kData, data_tag(round, S0 * C + c));
     }
   }
@@ -166,14 +176,16 @@ JG_HD bool two_shot_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, ui
       if (p != r && !tp.wait(p, kData, data_tag(round, S0 * C + c), S0)) return false;
     const schedule::Range ch = schedule::chunk(mine, C, c, al);
     const size_t rel = ch.offset - mine.offset;
-    SlotSources<T> src{tp.template slot<T>(r, 0) + rel, slot, r, in + ch.offset, N};
-    Dests<T, kFused> dst;
-    dst.add(out + ch.offset);
-    for (int k = 1; k < N && dst.count() < kFused; ++k)
-      dst.add(tp.template slot<T>(schedule::mod(r + k, N), N + r) + rel);
-    tp.template reduce_to<T, Op>(dst, src, ch.count);
-    for (int k = kFused; k < N; ++k)
-      tp.copy(tp.template slot<T>(schedule::mod(r + k, N), N + r) + rel, out + ch.offset, ch.count);
+    io.each(ch.offset, ch.count, [&](size_t sub, const T* in, T* out, size_t m) {
+      SlotSources<T> src{tp.template slot<T>(r, 0) + rel + sub, slot, r, in, N};
+      Dests<T, kFused> dst;
+      dst.add(out);
+      for (int k = 1; k < N && dst.count() < kFused; ++k)
+        dst.add(tp.template slot<T>(schedule::mod(r + k, N), N + r) + rel + sub);
+      tp.template reduce_to<T, Op>(dst, src, m);
+      for (int k = kFused; k < N; ++k)
+        tp.copy(tp.template slot<T>(schedule::mod(r + k, N), N + r) + rel + sub, out, m);
+    });
     for (int k = 1; k < N; ++k) tp.signal(schedule::mod(r + k, N), kData, data_tag(round, S1 * C + c));
   }
   // receive every peer's reduced segment, chunk by chunk, into my output
@@ -183,7 +195,8 @@ JG_HD bool two_shot_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, ui
       if (!tp.wait(p, kData, data_tag(round, S1 * C + c), S1)) return false;
       const schedule::Range seg = schedule::piece(n, N, p, al);
       const schedule::Range ch = schedule::chunk(seg, C, c, al);
-      tp.copy(out + ch.offset, tp.template slot<T>(r, N + p) + (ch.offset - seg.offset), ch.count);
+      const T* src = tp.template slot<T>(r, N + p) + (ch.offset - seg.offset);
+      io.each(ch.offset, ch.count, [&](size_t rel, const T*, T* out, size_t m) { tp.copy(out, src + rel, m); });
     }
   }
   give_credit(tp, round);
@@ -197,8 +210,8 @@ JG_HD bool two_shot_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, ui
 // my output) and put into the next rank's window in the same pass, and every step is cut
 // into chunks signalled one by one, so a chunk travels on while the next one arrives and
 // all links stay busy. Step s lands in slot s of the next rank's window.
-template <class T, class Op, class Tp>
-JG_HD bool ring_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, uint64_t round) {
+template <class T, class Op, class Tp, class IO>
+JG_HD bool ring_round(Tp& tp, const IO& io, size_t n, size_t slot, uint64_t round) {
   (void)slot;
   const int r = tp.rank(), N = tp.nranks();
   const int next = schedule::ring_next(r, N), prev = schedule::ring_prev(r, N);
@@ -212,7 +225,8 @@ JG_HD bool ring_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, uint64
     const schedule::Range snd = schedule::piece(n, N, schedule::ring_rs_send(r, 0, N), al);
     for (int c = 0; c < C; ++c) {
       const schedule::Range ch = schedule::chunk(snd, C, c, al);
-      tp.copy(tp.template slot<T>(next, 0) + (ch.offset - snd.offset), in + ch.offset, ch.count);
+      T* dst = tp.template slot<T>(next, 0) + (ch.offset - snd.offset);
+      io.each(ch.offset, ch.count, [&](size_t rel, const T* in, T*, size_t m) { tp.copy(dst + rel, in, m); });
       tp.signal(next, kData, tag(0, c));
     }
   }
@@ -228,18 +242,20 @@ JG_HD bool ring_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, uint64
       if (!tp.wait(prev, kData, tag(rs, c), rs)) return false;
       const schedule::Range ch = schedule::chunk(rcv, C, c, al);
       const size_t rel = ch.offset - rcv.offset;
-      const T* arrived = tp.template slot<T>(r, rs) + rel;
-      Dests<T, 2> dst;
-      if (s <= last) dst.add(tp.template slot<T>(next, s) + rel);  // forward
-      if (s >= N - 1) dst.add(out + ch.offset);                   // final value
-      if (rs < N - 1) {
-        ListSources<T, 2> srcs;
-        srcs.add(arrived);          // partial sum from upstream
-        srcs.add(in + ch.offset);   // my contribution
-        tp.template reduce_to<T, Op>(dst, srcs, ch.count);
-      } else {
-        tp.copy_to(dst, arrived, ch.count);
-      }
+      io.each(ch.offset, ch.count, [&](size_t sub, const T* in, T* out, size_t m) {
+        const T* arrived = tp.template slot<T>(r, rs) + rel + sub;
+        Dests<T, 2> dst;
+        if (s <= last) dst.add(tp.template slot<T>(next, s) + rel + sub);  // forward
+        if (s >= N - 1) dst.add(out);                                      // final value
+        if (rs < N - 1) {
+          ListSources<T, 2> srcs;
+          srcs.add(arrived);  // partial sum from upstream
+          srcs.add(in);       // my contribution
+          tp.template reduce_to<T, Op>(dst, srcs, m);
+        } else {
+          tp.copy_to(dst, arrived, m);
+        }
+      });
       if (s <= last) tp.signal(next, kData, tag(s, c));
     }
   }
@@ -256,8 +272,8 @@ JG_HD bool ring_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, uint64
 // children's windows in one pass; the others forward each chunk down as it arrives. All
 // ranks first send every chunk up, then pass every chunk down: up never waits for down, so
 // no cycle of waits exists.
-template <class T, class Op, class Tp>
-JG_HD bool tree_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, uint64_t round) {
+template <class T, class Op, class Tp, class IO>
+JG_HD bool tree_round(Tp& tp, const IO& io, size_t n, size_t slot, uint64_t round) {
   (void)slot;
   const int r = tp.rank(), N = tp.nranks();
   const size_t al = schedule::align_elems(sizeof(T));
@@ -280,25 +296,28 @@ JG_HD bool tree_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, uint64
       const schedule::Range half = schedule::tree_half(n, t, al);
       const schedule::Range ch = schedule::chunk(half, C, c, al);
       const int parent = schedule::tree_parent(r, N, t);
-      ListSources<T, 3> srcs;
-      srcs.add(in + ch.offset);
       for (int k = 0; k < 2; ++k) {
         const int child = schedule::tree_child(r, k, N, t);
-        if (child < 0) continue;
-        if (!tp.wait(child, kind[t], up(c), schedule::kTreeUpStep)) return false;
-        srcs.add(tp.template slot<T>(r, k) + ch.offset);
+        if (child >= 0 && !tp.wait(child, kind[t], up(c), schedule::kTreeUpStep)) return false;
       }
-      Dests<T, 3> dst;
-      if (parent >= 0) {
-        dst.add(tp.template slot<T>(parent, schedule::tree_child_index(r, N, t)) + ch.offset);
-      } else {
-        dst.add(out + ch.offset);
-        for (int k = 0; k < 2; ++k) {
-          const int child = schedule::tree_child(r, k, N, t);
-          if (child >= 0) dst.add(tp.template slot<T>(child, schedule::kTreeDownSlot) + ch.offset);
+      io.each(ch.offset, ch.count, [&](size_t rel, const T* in, T* out, size_t m) {
+        const size_t at = ch.offset + rel;
+        ListSources<T, 3> srcs;  // [own, child 0, child 1]
+        srcs.add(in);
+        for (int k = 0; k < 2; ++k)
+          if (schedule::tree_child(r, k, N, t) >= 0) srcs.add(tp.template slot<T>(r, k) + at);
+        Dests<T, 3> dst;
+        if (parent >= 0) {
+          dst.add(tp.template slot<T>(parent, schedule::tree_child_index(r, N, t)) + at);
+        } else {
+          dst.add(out);
+          for (int k = 0; k < 2; ++k) {
+            const int child = schedule::tree_child(r, k, N, t);
+            if (child >= 0) dst.add(tp.template slot<T>(child, schedule::kTreeDownSlot) + at);
+          }
         }
-      }
-      tp.template reduce_to<T, Op>(dst, srcs, ch.count);
+        tp.template reduce_to<T, Op>(dst, srcs, m);
+      });
       if (parent >= 0) {
         tp.signal(parent, kind[t], up(c));
       } else {
@@ -316,13 +335,16 @@ JG_HD bool tree_round(Tp& tp, const T* in, T* out, size_t n, size_t slot, uint64
       if (parent < 0) continue;
       const schedule::Range ch = schedule::chunk(schedule::tree_half(n, t, al), C, c, al);
       if (!tp.wait(parent, kind[t], down(c), schedule::kTreeDownStep)) return false;
-      Dests<T, 3> dst;
-      dst.add(out + ch.offset);
-      for (int k = 0; k < 2; ++k) {
-        const int child = schedule::tree_child(r, k, N, t);
-        if (child >= 0) dst.add(tp.template slot<T>(child, schedule::kTreeDownSlot) + ch.offset);
-      }
-      tp.copy_to(dst, tp.template slot<T>(r, schedule::kTreeDownSlot) + ch.offset, ch.count);
+      io.each(ch.offset, ch.count, [&](size_t rel, const T*, T* out, size_t m) {
+        const size_t at = ch.offset + rel;
+        Dests<T, 3> dst;
+        dst.add(out);
+        for (int k = 0; k < 2; ++k) {
+          const int child = schedule::tree_child(r, k, N, t);
+          if (child >= 0) dst.add(tp.template slot<T>(child, schedule::kTreeDownSlot) + at);
+        }
+        tp.copy_to(dst, tp.template slot<T>(r, schedule::kTreeDownSlot) + at, m);
+      });
       for (int k = 0; k < 2; ++k) {
         const int child = schedule::tree_child(r, k, N, t);
         if (child >= 0) tp.signal(child, kind[t], down(c));
@@ -427,11 +449,11 @@ JG_HD bool hierarchical_round(Tp& tp, const T* in, T* out, size_t n, size_t slot
 // ---------------------------------------------------------------------------------------
 // One lane's whole message: rounds of at most `capacity` elements through the lane's window.
 // `round` is the lane's persistent round counter; it advances by the number of rounds run.
-template <class T, class Op, class Tp>
-JG_HD bool run_lane(Tp& tp, Algorithm algo, const T* in, T* out, size_t count, size_t lane_bytes,
+template <class T, class Op, class Tp, class IO>
+JG_HD bool run_lane(Tp& tp, Algorithm algo, const IO& io, size_t count, size_t lane_bytes,
                     uint64_t& round) {
   if (tp.nranks() == 1) {
-    tp.copy(out, in, count);
+    io.each(0, count, [&](size_t, const T* in, T* out, size_t m) { tp.copy(out, in, m); });
     return true;
   }
   const size_t slot = schedule::slot_elems(algo, tp.nranks(), lane_bytes, sizeof(T));
@@ -441,10 +463,10 @@ JG_HD bool run_lane(Tp& tp, Algorithm algo, const T* in, T* out, size_t count, s
     const uint64_t rd = ++round;
     bool ok = false;
     switch (algo) {
-      case Algorithm::kOneShot: ok = one_shot_round<T, Op>(tp, in + off, out + off, n, slot, rd); break;
-      case Algorithm::kTwoShot: ok = two_shot_round<T, Op>(tp, in + off, out + off, n, slot, rd); break;
-      case Algorithm::kRing: ok = ring_round<T, Op>(tp, in + off, out + off, n, slot, rd); break;
-      case Algorithm::kTree: ok = tree_round<T, Op>(tp, in + off, out + off, n, slot, rd); break;
+      case Algorithm::kOneShot: ok = one_shot_round<T, Op>(tp, io.at(off), n, slot, rd); break;
+      case Algorithm::kTwoShot: ok = two_shot_round<T, Op>(tp, io.at(off), n, slot, rd); break;
+      case Algorithm::kRing: ok = ring_round<T, Op>(tp, io.at(off), n, slot, rd); break;
+      case Algorithm::kTree: ok = tree_round<T, Op>(tp, io.at(off), n, slot, rd); break;
       case Algorithm::kHierarchical: break;  // needs ranks_per_node: run_lane_hierarchical()
     }
     if (!ok) return false;

@@ -1,0 +1,151 @@
+"""A pytree is reduced as few collectives: one call per dtype and bucket, bit for bit equal to
+lax and to reducing every leaf on its own."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jax_gin
+from jax_gin._primitive import MAX_OPERANDS, buckets
+from conftest import mesh_1d, mesh_2d, ndev
+from helpers import assert_bitwise, exact_input
+
+OPS = {"psum": (jax_gin.psum, lax.psum), "pmax": (jax_gin.pmax, lax.pmax),
+       "pmin": (jax_gin.pmin, lax.pmin)}
+
+# Leaves of odd sizes and shapes in several dtypes; the float32 ones (1000 + 4097 + 105 + 1 +
+# 3 + 2 elements) straddle 16-byte boundaries everywhere. (No empty leaf: on 8 CPU devices,
+# jax 0.11.2 crashes compiling any shard_map with an empty sharded input, lax.psum or none.)
+LEAF_SHAPES = {"a": ((1000,), "float32"), "b": ((7,), "bfloat16"), "c": ((4097,), "float32"),
+               "d": ((3, 5, 7), "float32"), "e": ((2,), "float32"), "f": ((1,), "float32"),
+               "g": ((13,), "int32"), "h": ((3,), "float32"), "i": ((999,), "bfloat16")}
+
+
+def _tree(seed=0, shapes=LEAF_SHAPES, ndevices=None):
+    n = ndevices or ndev()
+    return {k: exact_input(s, n, dt, seed=seed + j) for j, (k, (s, dt)) in enumerate(shapes.items())}
+
+
+def _calls(f, *args) -> int:
+    return f.lower(*args).as_text().count("jax_gin_all_reduce")
+
+
+def test_bucket_partition():
+    assert buckets([], 10) == []
+    assert buckets([4, 4, 4], 8) == [[0, 1], [2]]
+    assert buckets([20, 1, 1], 8) == [[0], [1, 2]]  # a leaf larger than a bucket: alone
+    assert buckets([1] * 5, 100, max_operands=2) == [[0, 1], [2, 3], [4]]
+    assert buckets([0, 0, 5], 5) == [[0, 1, 2]]
+
+
+@pytest.mark.parametrize("algo", jax_gin.ALGORITHMS + ("auto",))
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("bucket_bytes", [1, 4096, None])
+def test_pytree_bitwise(op, algo, bucket_bytes):
+    mesh = mesh_1d()
+    ours, ref = OPS[op]
+    tree = _tree()
+    spec = jax.tree.map(lambda _: P("i"), tree)
+
+    def f(t):
+        return (ours(t, "i", algorithm=algo, bucket_bytes=bucket_bytes), ref(t, "i"),
+                ours(t, "i", algorithm=algo, bucket_bytes=1))
+
+    sf = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec,), out_specs=(spec,) * 3))
+    got, want, per_leaf = sf(tree)
+    jax.tree.map(assert_bitwise, got, want)
+    jax.tree.map(assert_bitwise, got, per_leaf)
+
+
+def test_one_call_per_dtype_and_bucket():
+    mesh = mesh_1d()
+    tree = _tree()
+    spec = jax.tree.map(lambda _: P("i"), tree)
+    for bucket_bytes, expected in [(1 << 30, 3), (1, 9)]:
+        sf = jax.jit(jax.shard_map(lambda t: jax_gin.psum(t, "i", bucket_bytes=bucket_bytes),
+                                   mesh=mesh, in_specs=(spec,), out_specs=spec))
+        # float32, bfloat16, int32: three calls; with 1-byte buckets, one call per leaf
+        assert _calls(sf, tree) == expected
+
+
+def test_many_leaves_split_at_max_operands():
+    mesh = mesh_1d()
+    n = MAX_OPERANDS + 7
+    tree = [exact_input((k % 5 + 1,), ndev(), "float32", seed=k) for k in range(n)]
+    spec = [P("i")] * n
+    sf = jax.jit(jax.shard_map(lambda t: (jax_gin.psum(t, "i"), lax.psum(t, "i")),
+                               mesh=mesh, in_specs=(spec,), out_specs=(spec, spec)))
+    got, want = sf(tree)
+    jax.tree.map(assert_bitwise, got, want)
+    assert _calls(jax.jit(jax.shard_map(lambda t: jax_gin.psum(t, "i"), mesh=mesh,
+                                        in_specs=(spec,), out_specs=spec)), tree) == 2
+
+
+@pytest.mark.parametrize("algo", jax_gin.ALGORITHMS)
+def test_bucket_larger_than_workspace(algo):
+    # 2.4 MB per device: several rounds through the 1 MiB CPU workspace, whose boundaries
+    # fall inside leaves and between them.
+    mesh = mesh_1d()
+    shapes = {"x": ((300_001,), "float32"), "y": ((5,), "float32"), "z": ((299_999,), "float32")}
+    tree = _tree(seed=5, shapes=shapes)
+    spec = jax.tree.map(lambda _: P("i"), tree)
+    sf = jax.jit(jax.shard_map(lambda t: (jax_gin.psum(t, "i", algorithm=algo), lax.psum(t, "i")),
+                               mesh=mesh, in_specs=(spec,), out_specs=(spec, spec)))
+    got, want = sf(tree)
+    jax.tree.map(assert_bitwise, got, want)
+
+
+@pytest.mark.parametrize("axes", [("x", "y"), "y"])
+def test_pytree_2d_mesh(axes):
+    mesh = mesh_2d()
+    nx, ny = mesh.devices.shape
+    tree = {"w": exact_input((nx * 5, 3 * ny), 1, "float32").reshape(nx * 5, 3 * ny),
+            "b": exact_input((nx * 2, ny * 9), 1, "bfloat16", seed=4).reshape(nx * 2, ny * 9)}
+    spec = {"w": P("x", "y"), "b": P("x", "y")}
+    sf = jax.jit(jax.shard_map(lambda t: (jax_gin.psum(t, axes), lax.psum(t, axes)),
+                               mesh=mesh, in_specs=(spec,), out_specs=(spec, spec)))
+    got, want = sf(tree)
+    jax.tree.map(assert_bitwise, got, want)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_pytree_grad(check_vma):
+    mesh = mesh_1d()
+    tree = {"w": exact_input((6,), ndev(), "float32"), "v": exact_input((3, 2), ndev(), "float32", seed=2)}
+    spec = jax.tree.map(lambda _: P("i"), tree)
+
+    def loss(psum_fn, t):
+        s = psum_fn(jax.tree.map(lambda a: a * a, t), "i")
+        return sum(jnp.sum(x * y) for x, y in zip(jax.tree.leaves(s), jax.tree.leaves(t)))
+
+    def grads(t):
+        return (jax.grad(lambda u: loss(jax_gin.psum, u))(t), jax.grad(lambda u: loss(lax.psum, u))(t))
+
+    sf = jax.jit(jax.shard_map(grads, mesh=mesh, in_specs=(spec,), out_specs=(spec, spec),
+                               check_vma=check_vma))
+    got, want = sf(tree)
+    jax.tree.map(assert_bitwise, got, want)
+
+
+def test_pytree_vmap():
+    mesh = mesh_1d()
+    tree = {"w": exact_input((4, 6), ndev(), "float32"), "b": exact_input((4, 5), ndev(), "bfloat16", seed=1)}
+    spec = jax.tree.map(lambda _: P("i"), tree)
+
+    def f(t):
+        return (jax.vmap(lambda u: jax_gin.psum(u, "i"))(t), jax.vmap(lambda u: lax.psum(u, "i"))(t))
+
+    sf = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec,), out_specs=(spec, spec)))
+    got, want = sf(tree)
+    jax.tree.map(assert_bitwise, got, want)
+
+
+def test_bad_bucket_bytes():
+    mesh = mesh_1d()
+    x = exact_input((4,), ndev(), "float32")
+    for bad in (0, -5, 1.5, "64M"):
+        with pytest.raises(ValueError, match="bucket_bytes"):
+            jax.jit(jax.shard_map(lambda v: jax_gin.psum(v, "i", bucket_bytes=bad), mesh=mesh,
+                                  in_specs=P("i"), out_specs=P("i")))(x)
