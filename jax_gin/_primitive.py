@@ -334,7 +334,9 @@ allreduce_p.def_effectful_abstract_eval(_abstract_eval)
 ad.primitive_jvps[allreduce_p] = _jvp
 ad.primitive_transposes[allreduce_p] = _transpose
 _compat.batching.fancy_primitive_batchers[allreduce_p] = _batch
+# Not cacheable: JAX would lower the first of several identical calls once and re-emit it for
+# the others, with the first call's order token, which breaks the chain above.
 mlir.register_lowering(allreduce_p, lambda ctx, *xs, **p: _lowering(ctx, *xs, platform="cpu", **p),
-                       platform="cpu")
+                       platform="cpu", cacheable=False)
 mlir.register_lowering(allreduce_p, lambda ctx, *xs, **p: _lowering(ctx, *xs, platform="cuda", **p),
-                       platform="cuda")
+                       platform="cuda", cacheable=False)

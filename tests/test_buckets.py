@@ -149,3 +149,18 @@ def test_bad_bucket_bytes():
         with pytest.raises(ValueError, match="bucket_bytes"):
             jax.jit(jax.shard_map(lambda v: jax_gin.psum(v, "i", bucket_bytes=bad), mesh=mesh,
                                   in_specs=P("i"), out_specs=P("i")))(x)
+
+
+def test_identical_calls_are_chained_in_program_order():
+    # Calls of one communicator must run in program order on every rank; each takes the
+    # previous call's order token. Identical calls (same shapes and params, as in a layer
+    # repeated L times) are lowered one by one, not re-emitted from the first with its token.
+    mesh = mesh_1d()
+    x = exact_input((4,), ndev(), "float32")
+    f = jax.jit(jax.shard_map(lambda v: jax_gin.psum(v, "i") + jax_gin.psum(v * 2, "i"),
+                              mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+    calls = [l for l in f.lower(x).as_text().splitlines() if "jax_gin_all_reduce" in l]
+    assert len(calls) == 2
+    first = calls[0].split("=")[0].strip()  # "%N:2"
+    token = first.split(":")[0] + "#0"
+    assert token in calls[1], calls
