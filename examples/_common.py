@@ -33,3 +33,35 @@ def median_us(f, *args, iters: int = 20) -> float:
         jax.block_until_ready(f(*args))
         times.append(time.perf_counter() - t0)
     return float(np.median(times)) * 1e6
+
+
+def workload_parser(description: str):
+    """The options of the step examples (dp_train, tp_train, tp_decode): which all-reduce,
+    the sizes (None: the workload's defaults for the platform), steps and timing rounds."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--reduce", choices=("all", "jax_gin", "lax", "none"), default="all",
+                   help="the all-reduce of the step: jax_gin.psum, lax.psum or none (compute "
+                        "only); 'all' times the three in turns (default)")
+    p.add_argument("--algorithm", default="auto", help="jax_gin's algorithm (default auto)")
+    p.add_argument("--layers", type=int)
+    p.add_argument("--d-model", type=int)
+    p.add_argument("--seq", type=int)
+    p.add_argument("--batch", "--tokens", type=int, dest="batch")
+    p.add_argument("--steps", type=int, default=3, help="steps run before the timing")
+    p.add_argument("--rounds", type=int, default=10, help="timed rounds (default 10)")
+    return p
+
+
+def report_step_times(workload: str, mesh, cfg, args) -> None:
+    """Times the step built with args.reduce (or all three) in turns with the compute-only
+    one, and prints the step times and the exposed communication."""
+    from jax_gin import workloads
+
+    chosen = workloads.REDUCES if args.reduce == "all" else \
+        tuple(dict.fromkeys(("none", args.reduce)))
+    result = workloads.measure(workload, mesh, cfg, algorithm=args.algorithm, reduces=chosen,
+                               rounds=args.rounds)
+    print()
+    print("\n".join(workloads.format_report(result)))

@@ -58,6 +58,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_gin
+from jax_gin import workloads
 
 AXIS = "i"
 LAX_NAME = "lax"
@@ -168,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check every result against a numpy reference (default on)")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar or notes on stderr (the table still goes to stdout)")
+    p.add_argument("--workload", choices=workloads.NAMES,
+                   help="instead of the sweep, time a whole step with lax, jax_gin and no "
+                        "all-reduce (jax_gin.workloads; its options: --workload W --help)")
     g = p.add_argument_group(
         "several processes (jax.distributed; run the same command in every process, "
         "process 0 prints)")
@@ -725,6 +729,11 @@ def run_table(mesh, dtype: str, op: str, sizes: list, args, platform, progress, 
 
 def main(argv=None) -> int:
     """Run the benchmark; returns 0, or 1 when any result was wrong or any run failed."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    workload = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    workload.add_argument("--workload")
+    if workload.parse_known_args(argv)[0].workload is not None:
+        return workloads.main(argv)
     args = parse_args(argv)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast must stay off (findings.md)
     init_distributed(args)

@@ -1,0 +1,665 @@
+"""Whole steps of real workloads, timed with lax.psum, with jax_gin.psum and with no all-reduce.
+
+    python -m jax_gin.bench --workload dp-train     # or tp-train, tp-decode; --help for sizes
+
+docs/performance.md: an op that wins in a chain can lose in a step. Each step here is written
+once, as a function of `reduce`, and built three ways:
+  lax       jax.lax.psum
+  jax_gin   jax_gin.psum (with `algorithm=`)
+  none      the identity: the compute-only baseline. Its numbers are wrong; its time is what
+            the compute costs, so step - compute-only is the communication a step exposes.
+
+The workloads (jax.jit of jax.shard_map, bfloat16 by default):
+  dp-train   GPT-style training step, data-parallel over the mesh axis "data": embeddings,
+             L pre-norm (RMSNorm) blocks of attention and MLP, tied output head,
+             cross-entropy; the per-device gradients (9 leaves per block + 3) are
+             all-reduced by ONE pytree call, psum(grads, "data"), then SGD.
+  tp-train   Megatron tensor-parallel training step over the axis "tensor": column-parallel
+             QKV and MLP-up, row-parallel attention-out and MLP-down, a psum after each
+             row-parallel matmul: 2 psums per block forward, 2 backward (their transposes).
+  tp-decode  Llama-shaped tensor-parallel decode step (forward only): one new token per
+             sequence attends to a cached context; SwiGLU MLP; 2 psums per block, each
+             followed by the residual add and an RMSNorm.
+
+Inputs are deterministic (jax.random with a fixed seed; for a given global shape the same
+values on any mesh), and the three variants of a step run on the very same arrays.
+`measure` compiles the variants, counts the collectives in their compiled HLO, times them in
+turns and compares lax's results with jax_gin's; `main` is the command line.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import math
+import os
+import platform as _platform
+import re
+import statistics
+import sys
+import time
+from typing import Callable
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jax_gin
+
+DATA, TENSOR = "data", "tensor"
+REDUCES = ("none", "lax", "jax_gin")   # the order of every turn
+
+
+def reducer(reduce: str, algorithm: str = "auto") -> Callable:
+    """(pytree, axis_name) -> pytree: the all-reduce sum a step is built with."""
+    if reduce == "lax":
+        return jax.lax.psum
+    if reduce == "jax_gin":
+        return functools.partial(jax_gin.psum, algorithm=algorithm)
+    if reduce == "none":
+        return lambda tree, axis_name: tree
+    raise ValueError(f"reduce must be one of {', '.join(REDUCES)}, got {reduce!r}")
+
+
+# ---------------------------------------------------------------------------------------
+# Sizes and inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    layers: int
+    d_model: int
+    heads: int
+    ffn: int        # MLP hidden size
+    seq: int        # sequence length; tp-decode: length of the cached context
+    batch: int      # sequences; dp-train: per device; tp-decode: tokens decoded, one per sequence
+    vocab: int = 0  # dp-train only
+    dtype: str = "bfloat16"
+    lr: float = 1e-2
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.heads
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One input array: global shape, PartitionSpec, and values: `normal` (times scale),
+    `ones`, `zeros`, or `tokens` (int32 in [0, scale))."""
+    shape: tuple
+    spec: P
+    init: str = "normal"
+    scale: float = 1.0
+
+
+def materialize(mesh: Mesh, layout, dtype, seed: int = 0):
+    """The arrays of a pytree of Leaf, made on the devices with their shardings. Leaf i draws
+    from fold_in(key(seed), i), and JAX's partitionable threefry makes the values the same
+    for any mesh."""
+    leaves, treedef = jax.tree.flatten(layout)
+
+    def make():
+        key = jax.random.key(seed)
+        out = []
+        for i, leaf in enumerate(leaves):
+            k = jax.random.fold_in(key, i)
+            if leaf.init == "normal":
+                values = leaf.scale * jax.random.normal(k, leaf.shape, jnp.float32)
+                out.append(values.astype(dtype))
+            elif leaf.init == "ones":
+                out.append(jnp.ones(leaf.shape, dtype))
+            elif leaf.init == "zeros":
+                out.append(jnp.zeros(leaf.shape, dtype))
+            elif leaf.init == "tokens":
+                out.append(jax.random.randint(k, leaf.shape, 0, int(leaf.scale), jnp.int32))
+            else:
+                raise ValueError(f"unknown init {leaf.init!r}")
+        return out
+
+    shardings = [NamedSharding(mesh, leaf.spec) for leaf in leaves]
+    return treedef.unflatten(jax.jit(make, out_shardings=shardings)())
+
+
+def specs(layout):
+    """The PartitionSpecs of a pytree of Leaf, for shard_map's in_specs."""
+    return jax.tree.map(lambda leaf: leaf.spec, layout)
+
+
+def _norm(x, scale=None, eps: float = 1e-6):
+    """RMSNorm, statistics in float32."""
+    x32 = x.astype(jnp.float32)
+    y = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + eps)).astype(x.dtype)
+    return y if scale is None else y * scale
+
+
+def _sgd(params, grads, lr: float):
+    def update(p, g):
+        return (p.astype(jnp.float32) - lr * g.astype(jnp.float32)).astype(p.dtype)
+    return jax.tree.map(update, params, grads)
+
+
+# Every step below is a shard_map with check_vma=False, for two reasons.
+# - With check_vma=True, JAX inserts a pvary wherever a replicated value meets a per-device
+#   one, and the transpose of pvary is lax's own psum (psum_invariant). The backward pass
+#   would then hold lax all-reduces whichever `reduce` the step was built with.
+# - The `none` variant returns per-device values where the others return replicated ones;
+#   only an unchecked out_specs=P() accepts both.
+
+
+# ---------------------------------------------------------------------------------------
+# dp-train: GPT-style data-parallel training step
+
+
+def gpt_layout(cfg: Config) -> dict:
+    """GPT parameters, replicated: 9 leaves per block, plus the embeddings and final norm."""
+    d, f, rep = cfg.d_model, cfg.ffn, P()
+    std, out_std = 0.02, 0.02 / math.sqrt(2 * cfg.layers)
+
+    def block():
+        return {"ln1": Leaf((d,), rep, "ones"),
+                "qkv": Leaf((d, 3 * d), rep, "normal", std), "bqkv": Leaf((3 * d,), rep, "zeros"),
+                "o": Leaf((d, d), rep, "normal", out_std), "bo": Leaf((d,), rep, "zeros"),
+                "ln2": Leaf((d,), rep, "ones"),
+                "fc1": Leaf((d, f), rep, "normal", std), "b1": Leaf((f,), rep, "zeros"),
+                "fc2": Leaf((f, d), rep, "normal", out_std)}
+
+    return {"emb": Leaf((cfg.vocab, d), rep, "normal", std),
+            "pos": Leaf((cfg.seq, d), rep, "normal", 0.01),
+            "lnf": Leaf((d,), rep, "ones"),
+            "layers": [block() for _ in range(cfg.layers)]}
+
+
+def gpt_loss(params, tokens, heads: int):
+    """Mean next-token cross-entropy of a GPT on tokens (batch, seq)."""
+    b, s = tokens.shape
+    x = params["emb"][tokens] + params["pos"][:s]
+    for p in params["layers"]:
+        h = _norm(x, p["ln1"])
+        q, k, v = (t.reshape(b, s, heads, -1) for t in jnp.split(h @ p["qkv"] + p["bqkv"], 3, -1))
+        a = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, s, -1)
+        x = x + a @ p["o"] + p["bo"]
+        h = _norm(x, p["ln2"])
+        x = x + jax.nn.gelu(h @ p["fc1"] + p["b1"]) @ p["fc2"]
+    logits = (_norm(x, params["lnf"]) @ params["emb"].T).astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits[:, :-1])
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
+
+
+def dp_train_inputs(mesh: Mesh, cfg: Config, seed: int = 0) -> tuple:
+    """(params, tokens): replicated parameters; `batch` sequences per device."""
+    n = mesh.shape[DATA]
+    tokens = Leaf((n * cfg.batch, cfg.seq), P(DATA), "tokens", cfg.vocab)
+    return tuple(materialize(mesh, (gpt_layout(cfg), tokens), cfg.dtype, seed))
+
+
+def dp_train_step(mesh: Mesh, cfg: Config, reduce: str = "jax_gin", algorithm: str = "auto"):
+    """jit(step)(params, tokens) -> (params, per-device loss)."""
+    psum, n = reducer(reduce, algorithm), mesh.shape[DATA]
+
+    def step(params, tokens):
+        loss, grads = jax.value_and_grad(gpt_loss)(params, tokens, cfg.heads)
+        grads = psum(grads, DATA)                     # every gradient, one all-reduce call
+        return _sgd(params, grads, cfg.lr / n), loss[None]
+
+    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(DATA)),
+                                 out_specs=(P(), P(DATA)), check_vma=False))
+
+
+def dp_train_psums(cfg: Config, n: int) -> dict:
+    leaves = jax.tree.leaves(gpt_layout(cfg))
+    nbytes = sum(math.prod(leaf.shape) for leaf in leaves) * jnp.dtype(cfg.dtype).itemsize
+    return {"calls": 1, "bytes": nbytes, "leaves": len(leaves),
+            "text": f"1 psum of the gradient pytree ({len(leaves)} leaves, {_mib(nbytes)})"}
+
+
+# ---------------------------------------------------------------------------------------
+# tp-train: Megatron tensor-parallel training step
+
+
+def megatron_layout(cfg: Config, swiglu: bool = False) -> list:
+    """Per block: QKV and MLP-up (and gate) column-parallel, attention-out and MLP-down
+    row-parallel, split by heads and by MLP columns over "tensor"."""
+    d, h, hd, f = cfg.d_model, cfg.heads, cfg.head_dim, cfg.ffn
+    out = 1 / math.sqrt(2 * cfg.layers)
+    col, row = P(None, TENSOR), P(TENSOR, None)
+
+    def block():
+        b = {"qkv": Leaf((d, 3, h, hd), P(None, None, TENSOR, None), "normal", 1 / math.sqrt(d)),
+             "o": Leaf((h, hd, d), P(TENSOR, None, None), "normal", out / math.sqrt(d)),
+             "up": Leaf((d, f), col, "normal", 1 / math.sqrt(d)),
+             "down": Leaf((f, d), row, "normal", out / math.sqrt(f))}
+        if swiglu:
+            b["gate"] = Leaf((d, f), col, "normal", 1 / math.sqrt(d))
+        return b
+
+    return [block() for _ in range(cfg.layers)]
+
+
+def megatron_block(x, p, psum):
+    """One pre-norm block on x (batch, seq, d), replicated; p holds this device's shards."""
+    q, k, v = jnp.einsum("bsd,dthe->tbshe", _norm(x), p["qkv"])   # column-parallel: local heads
+    a = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    x = x + psum(jnp.einsum("bshe,hed->bsd", a, p["o"]), TENSOR)   # row-parallel: partial sums
+    h = jax.nn.gelu(_norm(x) @ p["up"])                             # column-parallel
+    return x + psum(h @ p["down"], TENSOR)                          # row-parallel
+
+
+def tp_train_inputs(mesh: Mesh, cfg: Config, seed: int = 0) -> tuple:
+    """(blocks, x, y): sharded weights; replicated input activations and regression targets."""
+    act = Leaf((cfg.batch, cfg.seq, cfg.d_model), P())
+    return tuple(materialize(mesh, (megatron_layout(cfg), act, act), cfg.dtype, seed))
+
+
+def tp_train_step(mesh: Mesh, cfg: Config, reduce: str = "jax_gin", algorithm: str = "auto"):
+    """jit(step)(blocks, x, y) -> (blocks, loss).
+
+    Under check_vma=False the transpose of psum is psum, so the backward pass holds one
+    all-reduce per forward one, made by the same `reduce`: 2 per block forward and 2
+    backward, Megatron's count. (Under check_vma=True psum's transpose is a pcast, and the
+    backward all-reduces would come from the transposes of JAX's pvarys: lax's psum.) In
+    this form the cotangent of a replicated activation is held as a sum over the devices,
+    so the loss is divided by n: psum's transpose then sums n shares of it, and every
+    weight gradient is exact. The norms have no learned scale: a replicated parameter's
+    gradient would be such a share, and need one more all-reduce.
+    """
+    psum, n = reducer(reduce, algorithm), mesh.shape[TENSOR]
+    layout = megatron_layout(cfg)
+
+    def loss_fn(blocks, x, y):
+        for p in blocks:
+            x = megatron_block(x, p, psum)
+        err = _norm(x).astype(jnp.float32) - y.astype(jnp.float32)
+        return jnp.mean(err * err)
+
+    def step(blocks, x, y):
+        share, grads = jax.value_and_grad(lambda b: loss_fn(b, x, y) / n)(blocks)
+        return _sgd(blocks, grads, cfg.lr), share * n
+
+    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs(layout), P(), P()),
+                                 out_specs=(specs(layout), P()), check_vma=False))
+
+
+def tp_train_psums(cfg: Config, n: int) -> dict:
+    nbytes = cfg.batch * cfg.seq * cfg.d_model * jnp.dtype(cfg.dtype).itemsize
+    return {"calls": 4 * cfg.layers, "bytes": nbytes,
+            "text": f"{4 * cfg.layers} psums of {_mib(nbytes)} "
+                    f"({2 * cfg.layers} forward, {2 * cfg.layers} backward)"}
+
+
+# ---------------------------------------------------------------------------------------
+# tp-decode: Llama-shaped tensor-parallel decode step
+
+
+def llama_layout(cfg: Config) -> tuple:
+    """(params, cache): Megatron-split blocks with SwiGLU and RMSNorm scales, and a cached
+    context of keys and values per block, split by heads."""
+    d, rep = cfg.d_model, P()
+    blocks = megatron_layout(cfg, swiglu=True)
+    for b in blocks:
+        b["ln1"], b["ln2"] = Leaf((d,), rep, "ones"), Leaf((d,), rep, "ones")
+    kv = Leaf((cfg.batch, cfg.seq, cfg.heads, cfg.head_dim), P(None, None, TENSOR, None))
+    return {"layers": blocks, "lnf": Leaf((d,), rep, "ones")}, [{"k": kv, "v": kv} for _ in blocks]
+
+
+def llama_decode(params, cache, x, psum):
+    """The normed hidden states (batch, d) after all blocks, for one new token per sequence
+    whose input hidden state is x (batch, d). No rotary embedding; the cache is read only."""
+    blocks = params["layers"]
+    h = _norm(x, blocks[0]["ln1"])
+    for i, (p, kv) in enumerate(zip(blocks, cache)):
+        q, k, v = jnp.einsum("bd,dthe->tbhe", h, p["qkv"])           # column-parallel: local heads
+        keys = jnp.concatenate([kv["k"], k[:, None]], axis=1)          # the context and this token
+        values = jnp.concatenate([kv["v"], v[:, None]], axis=1)
+        a = jax.nn.dot_product_attention(q[:, None], keys, values)[:, 0]
+        x = x + psum(jnp.einsum("bhe,hed->bd", a, p["o"]), TENSOR)     # row-parallel, residual add
+        h = _norm(x, p["ln2"])
+        m = jax.nn.silu(h @ p["gate"]) * (h @ p["up"])                  # column-parallel
+        x = x + psum(m @ p["down"], TENSOR)                             # row-parallel, residual add
+        h = _norm(x, blocks[i + 1]["ln1"] if i + 1 < len(blocks) else params["lnf"])
+    return h
+
+
+def tp_decode_inputs(mesh: Mesh, cfg: Config, seed: int = 0) -> tuple:
+    """(params, cache, x)."""
+    params, cache = llama_layout(cfg)
+    x = Leaf((cfg.batch, cfg.d_model), P())
+    return tuple(materialize(mesh, (params, cache, x), cfg.dtype, seed))
+
+
+def tp_decode_step(mesh: Mesh, cfg: Config, reduce: str = "jax_gin", algorithm: str = "auto"):
+    """jit(step)(params, cache, x) -> normed hidden states (batch, d)."""
+    psum = reducer(reduce, algorithm)
+    params, cache = llama_layout(cfg)
+
+    def step(params, cache, x):
+        return llama_decode(params, cache, x, psum)
+
+    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs(params), specs(cache), P()),
+                                 out_specs=P(), check_vma=False))
+
+
+def tp_decode_psums(cfg: Config, n: int) -> dict:
+    nbytes = cfg.batch * cfg.d_model * jnp.dtype(cfg.dtype).itemsize
+    return {"calls": 2 * cfg.layers, "bytes": nbytes,
+            "text": f"{2 * cfg.layers} psums of {_kib(nbytes)}"}
+
+
+# ---------------------------------------------------------------------------------------
+# The registry
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    name: str
+    axis: str
+    step: Callable     # (mesh, cfg, reduce, algorithm) -> jitted step
+    inputs: Callable   # (mesh, cfg, seed) -> the step's arguments
+    psums: Callable    # (cfg, n) -> {"calls", "bytes", "text"}: the psum calls one step makes
+    gpu: Config        # default sizes on GPUs
+    cpu: Config        # default sizes on CPU devices (tiny)
+    tensor_parallel: bool
+
+
+WORKLOADS = {
+    "dp-train": Workload(
+        "dp-train", DATA, dp_train_step, dp_train_inputs, dp_train_psums,
+        gpu=Config(layers=12, d_model=1024, heads=16, ffn=4096, seq=1024, batch=8, vocab=50304),
+        cpu=Config(layers=2, d_model=64, heads=4, ffn=256, seq=16, batch=2, vocab=128),
+        tensor_parallel=False),
+    "tp-train": Workload(
+        "tp-train", TENSOR, tp_train_step, tp_train_inputs, tp_train_psums,
+        gpu=Config(layers=16, d_model=4096, heads=32, ffn=16384, seq=1024, batch=1),
+        cpu=Config(layers=2, d_model=64, heads=8, ffn=256, seq=16, batch=1),
+        tensor_parallel=True),
+    "tp-decode": Workload(
+        "tp-decode", TENSOR, tp_decode_step, tp_decode_inputs, tp_decode_psums,
+        gpu=Config(layers=32, d_model=4096, heads=32, ffn=11008, seq=512, batch=8),
+        cpu=Config(layers=2, d_model=64, heads=8, ffn=256, seq=16, batch=8),
+        tensor_parallel=True),
+}
+NAMES = tuple(WORKLOADS)
+
+
+def default_config(workload: str, platform: str = "cpu", **overrides) -> Config:
+    """The default sizes for the platform ('cpu': tiny; any other: GPU sizes), with the
+    overrides that are not None. A new d_model without heads or ffn keeps the default head
+    size and MLP ratio."""
+    w = WORKLOADS[workload]
+    base = w.cpu if platform == "cpu" else w.gpu
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if "d_model" in given:
+        given.setdefault("heads", max(1, given["d_model"] // base.head_dim))
+        given.setdefault("ffn", base.ffn * given["d_model"] // base.d_model)
+    return dataclasses.replace(base, **given)
+
+
+def check_config(workload: str, cfg: Config, n: int) -> None:
+    """Raises ValueError when the sizes do not fit the workload on n devices."""
+    if cfg.d_model % cfg.heads:
+        raise ValueError(f"d_model {cfg.d_model} is not a multiple of heads {cfg.heads}")
+    if WORKLOADS[workload].tensor_parallel and (cfg.heads % n or cfg.ffn % n):
+        raise ValueError(f"{workload} splits heads ({cfg.heads}) and ffn ({cfg.ffn}) over "
+                         f"{n} devices: both must be multiples of {n}")
+    if workload == "dp-train" and cfg.vocab < 1:
+        raise ValueError("dp-train needs vocab >= 1")
+
+
+def make_mesh(workload: str, devices=None) -> Mesh:
+    """A 1-D mesh over `devices` (default all) with the workload's axis name."""
+    devices = jax.devices() if devices is None else list(devices)
+    return Mesh(np.array(devices), (WORKLOADS[workload].axis,))
+
+
+# ---------------------------------------------------------------------------------------
+# Measuring
+
+
+_ALL_REDUCE = re.compile(r"\ball-reduce(?:-start)?\(")
+_GIN_CALL = re.compile(r'custom_call_target="[^"]*jax_gin[^"]*"')
+
+
+def count_collectives(hlo_text: str) -> dict:
+    """All-reduce ops (all-reduce, or all-reduce-start when async) and jax_gin custom calls
+    in compiled HLO text."""
+    return {"all_reduce": len(_ALL_REDUCE.findall(hlo_text)),
+            "jax_gin_calls": len(_GIN_CALL.findall(hlo_text))}
+
+
+def _bits(x):
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}")) \
+        if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+
+@jax.jit
+def _differences(a, b):
+    equal = [jnp.all(_bits(x) == _bits(y)) for x, y in zip(a, b)]
+    diff = [jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))) for x, y in zip(a, b)]
+    return jnp.all(jnp.stack(equal)), jnp.max(jnp.stack(diff))
+
+
+def compare(a, b) -> dict:
+    """{'bitwise_equal', 'max_abs_diff'} of two pytrees of arrays of the same structure."""
+    equal, diff = _differences(jax.tree.leaves(a), jax.tree.leaves(b))
+    return {"bitwise_equal": bool(equal), "max_abs_diff": float(diff)}
+
+
+def _time_call(f, args) -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    return time.perf_counter() - t0
+
+
+def measure(workload: str, mesh: Mesh, cfg: Config, *, algorithm: str = "auto",
+            reduces=REDUCES, rounds: int = 10, warmup: int = 3, profile_dir: str | None = None,
+            seed: int = 0) -> dict:
+    """Build, compile and time the variants of one step on the same inputs.
+
+    Each variant is compiled (its HLO's all-reduce ops and jax_gin custom calls counted) and
+    called once untimed, then all are warmed up and timed in turns: every round calls each
+    variant once, in the order of `reduces`, so that drifts of the machine hit all medians
+    alike. Exposed communication = median step - median compute-only ('none') step. With
+    `profile_dir`, three more steps of each variant run under jax.profiler.trace into
+    profile_dir/<reduce> (with a Perfetto trace).
+    """
+    w = WORKLOADS[workload]
+    n = mesh.shape[w.axis]
+    check_config(workload, cfg, n)
+    args = w.inputs(mesh, cfg, seed)
+    compiled, outputs, variants = {}, {}, {}
+    for r in reduces:
+        t0 = time.perf_counter()
+        compiled[r] = w.step(mesh, cfg, reduce=r, algorithm=algorithm).lower(*args).compile()
+        variants[r] = {"reduce": r, "algorithm": algorithm if r == "jax_gin" else None,
+                       "compile_s": time.perf_counter() - t0,
+                       **count_collectives(compiled[r].as_text())}
+        outputs[r] = jax.block_until_ready(compiled[r](*args))
+    for _ in range(warmup):
+        for r in reduces:
+            _time_call(compiled[r], args)
+    times = {r: [] for r in reduces}
+    for _ in range(rounds):
+        for r in reduces:
+            times[r].append(_time_call(compiled[r], args) * 1e3)
+    for r in reduces:
+        variants[r]["times_ms"] = times[r]
+        variants[r]["step_ms"] = statistics.median(times[r]) if times[r] else None
+    base = variants.get("none", {}).get("step_ms")
+    for r in reduces:
+        v = variants[r]
+        v["exposed_ms"] = v["step_ms"] - base if base is not None and r != "none" else None
+        lax_ms = variants.get("lax", {}).get("step_ms")
+        v["vs_lax"] = lax_ms / v["step_ms"] if lax_ms and v["step_ms"] else None
+    if profile_dir:
+        for r in reduces:
+            with jax.profiler.trace(os.path.join(profile_dir, r), create_perfetto_trace=True):
+                for _ in range(3):
+                    jax.block_until_ready(compiled[r](*args))
+    result = {"workload": workload, "axis": w.axis, "nranks": n, "config": dataclasses.asdict(cfg),
+              "psums": w.psums(cfg, n), "rounds": rounds, "warmup": warmup, "seed": seed,
+              "algorithm": algorithm, "variants": variants, "profile_dir": profile_dir,
+              "lax_vs_jax_gin": None, "ratio_lax_over_jax_gin": None}
+    if "lax" in outputs and "jax_gin" in outputs:
+        result["lax_vs_jax_gin"] = compare(outputs["lax"], outputs["jax_gin"])
+        lax, gin = variants["lax"], variants["jax_gin"]
+        exposed = (lax["exposed_ms"], gin["exposed_ms"])
+        result["ratio_lax_over_jax_gin"] = {   # a ratio of exposed times only where both > 0
+            "step": lax["step_ms"] / gin["step_ms"] if gin["step_ms"] else None,
+            "exposed": exposed[0] / exposed[1]
+            if None not in exposed and min(exposed) > 0 else None}
+    return result
+
+
+# ---------------------------------------------------------------------------------------
+# Report
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else _kib(nbytes)
+
+
+def _kib(nbytes: int) -> str:
+    return f"{nbytes / 2**10:g} KiB" if nbytes >= 2**10 else f"{nbytes} B"
+
+
+def _f(v, spec=".3f", na="-") -> str:
+    return na if v is None else format(v, spec)
+
+
+def metadata(devices, sizes: str) -> dict:
+    import jaxlib
+    return {"benchmark": "workload", "jax_gin": jax_gin.__version__,
+            "jax_gin_cuda": bool(jax_gin.has_cuda()), "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__, "python": _platform.python_version(),
+            "host": _platform.node(), "platform": devices[0].platform,
+            "device_kind": devices[0].device_kind, "ndevices": len(devices),
+            "ndevices_total": len(jax.devices()), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "sizes": sizes,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+COLUMNS = (("reduce", 8), ("algorithm", 9), ("|", 1), ("step(ms)", 10), ("exposed(ms)", 11),
+           ("vs_lax", 7), ("|", 1), ("all-reduce", 10), ("jax_gin_calls", 13), ("compile(s)", 10))
+
+
+def format_report(result: dict, meta: dict | None = None) -> list:
+    """nccl-tests-like text: '#' header lines, one row per variant, '#' footer lines."""
+    cfg = result["config"]
+    lines = []
+    if meta is not None:
+        lines += [
+            f"# jax_gin {meta['jax_gin']} workload benchmark: {result['workload']} "
+            f"(CUDA extension: {'yes' if meta['jax_gin_cuda'] else 'no'})",
+            f"# jax {meta['jax']}  jaxlib {meta['jaxlib']}  python {meta['python']}  "
+            f"host {meta['host']}",
+            f"# platform {meta['platform']}: {meta['ndevices']} x {meta['device_kind']} "
+            f"(of {meta['ndevices_total']} devices)",
+            f"# XLA_FLAGS: {meta['xla_flags'] or '(none)'}",
+            f"# NCCL_NVLS_ENABLE: {meta['nccl_nvls_enable']}",
+            f"# date {meta['date']}",
+            f"# sizes: {meta['sizes']}"]
+    lines += [
+        f"# {result['workload']} on mesh axis '{result['axis']}' of {result['nranks']}: "
+        f"layers {cfg['layers']}  d_model {cfg['d_model']}  heads {cfg['heads']}  "
+        f"ffn {cfg['ffn']}  seq {cfg['seq']}  batch {cfg['batch']}"
+        + (f"  vocab {cfg['vocab']}" if cfg["vocab"] else "")
+        + f"  {cfg['dtype']}",
+        f"# per step: {result['psums']['text']}",
+        f"# {result['rounds']} rounds of the variants in turns after {result['warmup']} warm-up; "
+        "step = median wall time of one jit call",
+        "#",
+        "#" + " ".join(name.rjust(w) for name, w in COLUMNS)[1:]]
+    for r, v in result["variants"].items():
+        cells = [r, v["algorithm"] or "-", "|", _f(v["step_ms"]), _f(v["exposed_ms"]),
+                 _f(v["vs_lax"], ".2f"), "|", str(v["all_reduce"]), str(v["jax_gin_calls"]),
+                 _f(v["compile_s"], ".1f")]
+        lines.append(" ".join(c.rjust(w) for c, (_, w) in zip(cells, COLUMNS)))
+    lines.append("#")
+    lines.append("# exposed = step - compute-only ('none', the all-reduce replaced by the "
+                 "identity); vs_lax = lax step / this step")
+    ratio = result["ratio_lax_over_jax_gin"]
+    if ratio:
+        lines.append(f"# lax / jax_gin: step {_f(ratio['step'], '.3f')}, "
+                     f"exposed communication {_f(ratio['exposed'], '.3f')}")
+    cmp = result["lax_vs_jax_gin"]
+    if cmp:
+        same = "yes" if cmp["bitwise_equal"] else "no"
+        lines.append(f"# lax vs jax_gin results: bitwise equal {same}, "
+                     f"max abs diff {cmp['max_abs_diff']:.3g}")
+    if result.get("profile_dir"):
+        lines.append(f"# profiles: {result['profile_dir']}/<reduce>")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------
+# Command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jax_gin.bench",
+        description="Time a whole step with lax.psum, jax_gin.psum and no all-reduce "
+                    "(compute only), in turns. Sizes default to the GPU sizes on GPUs and to "
+                    "tiny ones on CPU devices.")
+    p.add_argument("--workload", choices=NAMES, required=True)
+    p.add_argument("--layers", type=int)
+    p.add_argument("--d-model", type=int)
+    p.add_argument("--heads", type=int, help="attention heads (default: head size of the defaults)")
+    p.add_argument("--ffn", type=int, help="MLP hidden size (default: the defaults' ratio)")
+    p.add_argument("--seq", type=int, help="sequence length; tp-decode: cached context length")
+    p.add_argument("--batch", "--tokens", type=int, dest="batch",
+                   help="sequences (dp-train: per device); tp-decode: tokens decoded")
+    p.add_argument("--vocab", type=int, help="dp-train's vocabulary")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--algorithm", default="auto", choices=("auto",) + tuple(jax_gin.ALGORITHMS),
+                   help="jax_gin's algorithm (default auto)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="timed rounds of the variants in turns (default 20 on GPU, 10 on CPU)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed rounds (default 3)")
+    p.add_argument("--devices", type=int, default=None, help="use the first N devices")
+    p.add_argument("--json", metavar="PATH", help="write every number as JSON")
+    p.add_argument("--profile", metavar="DIR", help="jax.profiler traces of 3 steps per variant")
+    return p
+
+
+def main(argv=None) -> int:
+    """Run one workload; returns 0 (the results are reported, not judged)."""
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast must stay off (findings.md)
+    devices = jax.devices()
+    if args.devices is not None:
+        if not 1 <= args.devices <= len(devices):
+            raise SystemExit(f"--devices {args.devices}: between 1 and {len(devices)} "
+                             "are available")
+        devices = devices[:args.devices]
+    platform = "cpu" if devices[0].platform == "cpu" else "gpu"
+    given = {"layers": args.layers, "d_model": args.d_model, "heads": args.heads, "ffn": args.ffn,
+             "seq": args.seq, "batch": args.batch, "vocab": args.vocab, "dtype": args.dtype}
+    cfg = default_config(args.workload, platform, **given)
+    changed = [f"{k}={v}" for k, v in given.items() if v is not None]
+    sizes = ("GPU defaults" if platform == "gpu" else "CPU defaults (tiny)") + \
+        (f", changed: {' '.join(changed)}" if changed else "")
+    rounds = args.rounds if args.rounds is not None else (10 if platform == "cpu" else 20)
+    mesh = make_mesh(args.workload, devices)
+    try:
+        check_config(args.workload, cfg, len(devices))
+    except ValueError as e:
+        raise SystemExit(f"{args.workload}: {e}")
+    result = measure(args.workload, mesh, cfg, algorithm=args.algorithm, rounds=rounds,
+                     warmup=args.warmup, profile_dir=args.profile)
+    meta = metadata(devices, sizes)
+    for line in format_report(result, meta):
+        print(line, flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"meta": meta, **result}, fh, indent=1)
+            fh.write("\n")
+        print(f"# wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
