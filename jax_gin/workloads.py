@@ -1,6 +1,6 @@
 """Whole steps of real workloads, timed with lax.psum, with jax_gin.psum and with no all-reduce.
 
-    python -m jax_gin.bench --workload dp-train     # or tp-train, tp-decode; --help for sizes
+    python -m jax_gin.bench --workload dp-train     # or tp-train, tp-decode, overlap; --help
 
 docs/performance.md: an op that wins in a chain can lose in a step. Each step here is written
 once, as a function of `reduce`, and built three ways:
@@ -20,6 +20,13 @@ The workloads (jax.jit of jax.shard_map, bfloat16 by default):
   tp-decode  Llama-shaped tensor-parallel decode step (forward only): one new token per
              sequence attends to a cached context; SwiGLU MLP; 2 psums per block, each
              followed by the residual add and an RMSNorm.
+  overlap    the overlap probe, over the axis "data": `layers` dependent matmuls
+             (rows, d) @ (d, d) with tanh between them, and an all-reduce of `mib` MiB per
+             device that does not depend on them, in one program. Its variants are
+             OVERLAP_VARIANTS: compute (the matmuls only), lax_alone and jax_gin_alone (the
+             all-reduce only), lax and jax_gin (both). overlap = together / max(compute
+             alone, all-reduce alone): 1 when the all-reduce hides entirely behind the
+             matmuls or they behind it, 2 when the two run one after the other.
 
 Inputs are deterministic (jax.random with a fixed seed; for a given global shape the same
 values on any mesh), and the three variants of a step run on the very same arrays.
@@ -78,6 +85,8 @@ class Config:
     seq: int        # sequence length; tp-decode: length of the cached context
     batch: int      # sequences; dp-train: per device; tp-decode: tokens decoded, one per sequence
     vocab: int = 0  # dp-train only
+    rows: int = 0   # overlap only: rows of the matmuls' input per device
+    mib: float = 0  # overlap only: MiB all-reduced per device
     dtype: str = "bfloat16"
     lr: float = 1e-2
 
@@ -89,7 +98,8 @@ class Config:
 @dataclasses.dataclass(frozen=True)
 class Leaf:
     """One input array: global shape, PartitionSpec, and values: `normal` (times scale),
-    `ones`, `zeros`, or `tokens` (int32 in [0, scale))."""
+    `ones`, `zeros`, `tokens` (int32 in [0, scale)), or `ints` (integers in [-scale, scale)
+    in the array's dtype)."""
     shape: tuple
     spec: P
     init: str = "normal"
@@ -116,6 +126,9 @@ def materialize(mesh: Mesh, layout, dtype, seed: int = 0):
                 out.append(jnp.zeros(leaf.shape, dtype))
             elif leaf.init == "tokens":
                 out.append(jax.random.randint(k, leaf.shape, 0, int(leaf.scale), jnp.int32))
+            elif leaf.init == "ints":
+                s = int(leaf.scale)
+                out.append(jax.random.randint(k, leaf.shape, -s, s, jnp.int32).astype(dtype))
             else:
                 raise ValueError(f"unknown init {leaf.init!r}")
         return out
@@ -349,6 +362,63 @@ def tp_decode_psums(cfg: Config, n: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------
+# overlap: a matmul chain beside an independent all-reduce
+
+
+OVERLAP_VARIANTS = ("compute", "lax_alone", "jax_gin_alone", "lax", "jax_gin")
+OVERLAP_TARGET = 1.1   # the overlap figure a good all-reduce reaches or beats
+
+
+def overlap_elements(cfg: Config) -> int:
+    """Elements all-reduced per device: `mib` MiB of `dtype`."""
+    return int(cfg.mib * 2**20) // jnp.dtype(cfg.dtype).itemsize
+
+
+def overlap_inputs(mesh: Mesh, cfg: Config, seed: int = 0) -> tuple:
+    """(x, w, g): the matmul chain's input, `rows` per device; its weight, replicated; the
+    all-reduce's input, per device, integers in [-4, 4): their sum over up to 32 devices is
+    exact in bfloat16, float16 and float32, whatever the order of the additions."""
+    n, d = mesh.shape[DATA], cfg.d_model
+    layout = (Leaf((n * cfg.rows, d), P(DATA)), Leaf((d, d), P(), "normal", 1 / math.sqrt(d)),
+              Leaf((n * overlap_elements(cfg),), P(DATA), "ints", 4))
+    return tuple(materialize(mesh, layout, cfg.dtype, seed))
+
+
+def overlap_step(mesh: Mesh, cfg: Config, reduce: str = "jax_gin", algorithm: str = "auto"):
+    """jit(step)(x, w, g) -> a dict of what the variant `reduce` computes: "y", the chain of
+    `layers` matmuls y = tanh(y @ w) from y = x (compute, lax, jax_gin); "sum", the all-reduce
+    of g by lax.psum (lax_alone, lax) or jax_gin.psum (jax_gin_alone, jax_gin). Neither
+    depends on the other; a variant returns no input, so none pays for a copy."""
+    if reduce not in OVERLAP_VARIANTS:
+        raise ValueError(f"overlap's variants are {', '.join(OVERLAP_VARIANTS)}, got {reduce!r}")
+    matmuls = reduce in ("compute", "lax", "jax_gin")
+    psum = None if reduce == "compute" else reducer(reduce.removesuffix("_alone"), algorithm)
+
+    def step(x, w, g):
+        out = {}
+        if matmuls:
+            for _ in range(cfg.layers):
+                x = jnp.tanh(x @ w)
+            out["y"] = x
+        if psum is not None:
+            out["sum"] = psum(g, DATA)
+        return out
+
+    out_specs = {"y": P(DATA), "sum": P()}
+    out_specs = {k: v for k, v in out_specs.items()
+                 if (k == "y" and matmuls) or (k == "sum" and psum is not None)}
+    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(DATA), P(), P(DATA)),
+                                 out_specs=out_specs, check_vma=False))
+
+
+def overlap_psums(cfg: Config, n: int) -> dict:
+    nbytes = overlap_elements(cfg) * jnp.dtype(cfg.dtype).itemsize
+    return {"calls": 1, "bytes": nbytes,
+            "text": f"1 psum of {_mib(nbytes)}, independent of {cfg.layers} matmuls "
+                    f"({cfg.rows} x {cfg.d_model}) @ ({cfg.d_model} x {cfg.d_model}) with tanh"}
+
+
+# ---------------------------------------------------------------------------------------
 # The registry
 
 
@@ -362,6 +432,9 @@ class Workload:
     gpu: Config        # default sizes on GPUs
     cpu: Config        # default sizes on CPU devices (tiny)
     tensor_parallel: bool
+    variants: tuple = REDUCES   # the `reduce` values of `step`, in the order of every turn
+    baseline: str = "none"      # the compute-only variant: exposed = step - its step
+    checked: Callable = lambda out: out   # the part of a step's output lax and jax_gin share
 
 
 WORKLOADS = {
@@ -380,6 +453,12 @@ WORKLOADS = {
         gpu=Config(layers=32, d_model=4096, heads=32, ffn=11008, seq=512, batch=8),
         cpu=Config(layers=2, d_model=64, heads=8, ffn=256, seq=16, batch=8),
         tensor_parallel=True),
+    "overlap": Workload(
+        "overlap", DATA, overlap_step, overlap_inputs, overlap_psums,
+        gpu=Config(layers=8, d_model=4096, heads=1, ffn=0, seq=0, batch=0, rows=4096, mib=256),
+        cpu=Config(layers=8, d_model=128, heads=1, ffn=0, seq=0, batch=0, rows=16, mib=0.25),
+        tensor_parallel=False, variants=OVERLAP_VARIANTS, baseline="compute",
+        checked=lambda out: out["sum"]),
 }
 NAMES = tuple(WORKLOADS)
 
@@ -406,6 +485,8 @@ def check_config(workload: str, cfg: Config, n: int) -> None:
                          f"{n} devices: both must be multiples of {n}")
     if workload == "dp-train" and cfg.vocab < 1:
         raise ValueError("dp-train needs vocab >= 1")
+    if workload == "overlap" and (cfg.rows < 1 or cfg.layers < 1 or overlap_elements(cfg) < 1):
+        raise ValueError("overlap needs rows >= 1, layers >= 1 and mib >= one element")
 
 
 def make_mesh(workload: str, devices=None) -> Mesh:
@@ -454,18 +535,24 @@ def _time_call(f, args) -> float:
 
 
 def measure(workload: str, mesh: Mesh, cfg: Config, *, algorithm: str = "auto",
-            reduces=REDUCES, rounds: int = 10, warmup: int = 3, profile_dir: str | None = None,
+            reduces=None, rounds: int = 10, warmup: int = 3, profile_dir: str | None = None,
             seed: int = 0) -> dict:
     """Build, compile and time the variants of one step on the same inputs.
 
-    Each variant is compiled (its HLO's all-reduce ops and jax_gin custom calls counted) and
+    `reduces` defaults to the workload's variants (REDUCES; overlap: OVERLAP_VARIANTS). Each
+    variant is compiled (its HLO's all-reduce ops and jax_gin custom calls counted) and
     called once untimed, then all are warmed up and timed in turns: every round calls each
     variant once, in the order of `reduces`, so that drifts of the machine hit all medians
-    alike. Exposed communication = median step - median compute-only ('none') step. With
-    `profile_dir`, three more steps of each variant run under jax.profiler.trace into
-    profile_dir/<reduce> (with a Perfetto trace).
+    alike. Exposed communication of lax and jax_gin = their median step - the median step of
+    the workload's compute-only baseline ('none'; overlap: 'compute'). vs_lax = lax's step /
+    this step (for an '_alone' variant, lax_alone's). lax_vs_jax_gin compares the workload's
+    `checked` part of lax's and jax_gin's outputs, lax_alone_vs_jax_gin_alone that of the
+    '_alone' variants. overlap = step of r / max(step of compute, step of r_alone), for r
+    in lax and jax_gin. With `profile_dir`, three more steps of each variant run under
+    jax.profiler.trace into profile_dir/<reduce> (with a Perfetto trace).
     """
     w = WORKLOADS[workload]
+    reduces = w.variants if reduces is None else tuple(reduces)
     n = mesh.shape[w.axis]
     check_config(workload, cfg, n)
     args = w.inputs(mesh, cfg, seed)
@@ -473,7 +560,7 @@ def measure(workload: str, mesh: Mesh, cfg: Config, *, algorithm: str = "auto",
     for r in reduces:
         t0 = time.perf_counter()
         compiled[r] = w.step(mesh, cfg, reduce=r, algorithm=algorithm).lower(*args).compile()
-        variants[r] = {"reduce": r, "algorithm": algorithm if r == "jax_gin" else None,
+        variants[r] = {"reduce": r, "algorithm": algorithm if r.startswith("jax_gin") else None,
                        "compile_s": time.perf_counter() - t0,
                        **count_collectives(compiled[r].as_text())}
         outputs[r] = jax.block_until_ready(compiled[r](*args))
@@ -487,11 +574,12 @@ def measure(workload: str, mesh: Mesh, cfg: Config, *, algorithm: str = "auto",
     for r in reduces:
         variants[r]["times_ms"] = times[r]
         variants[r]["step_ms"] = statistics.median(times[r]) if times[r] else None
-    base = variants.get("none", {}).get("step_ms")
+    base = variants.get(w.baseline, {}).get("step_ms")
     for r in reduces:
         v = variants[r]
-        v["exposed_ms"] = v["step_ms"] - base if base is not None and r != "none" else None
-        lax_ms = variants.get("lax", {}).get("step_ms")
+        v["exposed_ms"] = v["step_ms"] - base if base is not None and r in ("lax", "jax_gin") \
+            else None
+        lax_ms = variants.get("lax_alone" if r.endswith("_alone") else "lax", {}).get("step_ms")
         v["vs_lax"] = lax_ms / v["step_ms"] if lax_ms and v["step_ms"] else None
     if profile_dir:
         for r in reduces:
@@ -501,9 +589,17 @@ def measure(workload: str, mesh: Mesh, cfg: Config, *, algorithm: str = "auto",
     result = {"workload": workload, "axis": w.axis, "nranks": n, "config": dataclasses.asdict(cfg),
               "psums": w.psums(cfg, n), "rounds": rounds, "warmup": warmup, "seed": seed,
               "algorithm": algorithm, "variants": variants, "profile_dir": profile_dir,
-              "lax_vs_jax_gin": None, "ratio_lax_over_jax_gin": None}
+              "lax_vs_jax_gin": None, "lax_alone_vs_jax_gin_alone": None,
+              "ratio_lax_over_jax_gin": None, "overlap": None}
+    for a, b in (("lax", "jax_gin"), ("lax_alone", "jax_gin_alone")):
+        if a in outputs and b in outputs:
+            result[f"{a}_vs_{b}"] = compare(w.checked(outputs[a]), w.checked(outputs[b]))
+    steps = {r: v["step_ms"] for r, v in variants.items()}
+    if all(steps.get(r) for r in ("compute", "lax", "lax_alone", "jax_gin", "jax_gin_alone")):
+        result["overlap"] = {   # together / max(compute alone, all-reduce alone)
+            r: steps[r] / max(steps["compute"], steps[f"{r}_alone"]) for r in ("lax", "jax_gin")}
+        result["overlap"]["target"] = OVERLAP_TARGET
     if "lax" in outputs and "jax_gin" in outputs:
-        result["lax_vs_jax_gin"] = compare(outputs["lax"], outputs["jax_gin"])
         lax, gin = variants["lax"], variants["jax_gin"]
         exposed = (lax["exposed_ms"], gin["exposed_ms"])
         result["ratio_lax_over_jax_gin"] = {   # a ratio of exposed times only where both > 0
@@ -541,7 +637,7 @@ def metadata(devices, sizes: str) -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
-COLUMNS = (("reduce", 8), ("algorithm", 9), ("|", 1), ("step(ms)", 10), ("exposed(ms)", 11),
+COLUMNS = (("reduce", 13), ("algorithm", 9), ("|", 1), ("step(ms)", 10), ("exposed(ms)", 11),
            ("vs_lax", 7), ("|", 1), ("all-reduce", 10), ("jax_gin_calls", 13), ("compile(s)", 10))
 
 
@@ -561,12 +657,17 @@ def format_report(result: dict, meta: dict | None = None) -> list:
             f"# NCCL_NVLS_ENABLE: {meta['nccl_nvls_enable']}",
             f"# date {meta['date']}",
             f"# sizes: {meta['sizes']}"]
+    if result["workload"] == "overlap":
+        sizes = f"layers {cfg['layers']}  d_model {cfg['d_model']}  rows {cfg['rows']}  " \
+                f"mib {cfg['mib']:g}"
+    else:
+        sizes = f"layers {cfg['layers']}  d_model {cfg['d_model']}  heads {cfg['heads']}  " \
+                f"ffn {cfg['ffn']}  seq {cfg['seq']}  batch {cfg['batch']}" \
+                + (f"  vocab {cfg['vocab']}" if cfg["vocab"] else "")
+    baseline = WORKLOADS[result["workload"]].baseline
     lines += [
         f"# {result['workload']} on mesh axis '{result['axis']}' of {result['nranks']}: "
-        f"layers {cfg['layers']}  d_model {cfg['d_model']}  heads {cfg['heads']}  "
-        f"ffn {cfg['ffn']}  seq {cfg['seq']}  batch {cfg['batch']}"
-        + (f"  vocab {cfg['vocab']}" if cfg["vocab"] else "")
-        + f"  {cfg['dtype']}",
+        f"{sizes}  {cfg['dtype']}",
         f"# per step: {result['psums']['text']}",
         f"# {result['rounds']} rounds of the variants in turns after {result['warmup']} warm-up; "
         "step = median wall time of one jit call",
@@ -578,8 +679,17 @@ def format_report(result: dict, meta: dict | None = None) -> list:
                  _f(v["compile_s"], ".1f")]
         lines.append(" ".join(c.rjust(w) for c, (_, w) in zip(cells, COLUMNS)))
     lines.append("#")
-    lines.append("# exposed = step - compute-only ('none', the all-reduce replaced by the "
-                 "identity); vs_lax = lax step / this step")
+    if baseline == "none":
+        lines.append("# exposed = step - compute-only ('none', the all-reduce replaced by the "
+                     "identity); vs_lax = lax step / this step")
+    else:
+        lines.append(f"# exposed = step - compute-only ('{baseline}'); vs_lax = lax step / "
+                     "this step (_alone: lax_alone step / this step)")
+    overlap = result.get("overlap")
+    if overlap:
+        lines.append(f"# overlap = together / max(compute alone, all-reduce alone): "
+                     f"lax {overlap['lax']:.3f}, jax_gin {overlap['jax_gin']:.3f} "
+                     f"(target <= {overlap['target']:g})")
     ratio = result["ratio_lax_over_jax_gin"]
     if ratio:
         lines.append(f"# lax / jax_gin: step {_f(ratio['step'], '.3f')}, "
@@ -588,6 +698,11 @@ def format_report(result: dict, meta: dict | None = None) -> list:
     if cmp:
         same = "yes" if cmp["bitwise_equal"] else "no"
         lines.append(f"# lax vs jax_gin results: bitwise equal {same}, "
+                     f"max abs diff {cmp['max_abs_diff']:.3g}")
+    cmp = result.get("lax_alone_vs_jax_gin_alone")
+    if cmp:
+        same = "yes" if cmp["bitwise_equal"] else "no"
+        lines.append(f"# lax_alone vs jax_gin_alone results: bitwise equal {same}, "
                      f"max abs diff {cmp['max_abs_diff']:.3g}")
     if result.get("profile_dir"):
         lines.append(f"# profiles: {result['profile_dir']}/<reduce>")
@@ -602,17 +717,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jax_gin.bench",
         description="Time a whole step with lax.psum, jax_gin.psum and no all-reduce "
-                    "(compute only), in turns. Sizes default to the GPU sizes on GPUs and to "
-                    "tiny ones on CPU devices.")
+                    "(compute only), in turns; overlap: matmuls alone, all-reduce alone, and "
+                    "both in one step. Sizes default to the GPU sizes on GPUs and to tiny ones "
+                    "on CPU devices.")
     p.add_argument("--workload", choices=NAMES, required=True)
-    p.add_argument("--layers", type=int)
-    p.add_argument("--d-model", type=int)
+    p.add_argument("--layers", type=int, help="blocks; overlap: matmuls in the chain")
+    p.add_argument("--d-model", type=int, help="overlap: the matmuls' inner and outer size")
     p.add_argument("--heads", type=int, help="attention heads (default: head size of the defaults)")
     p.add_argument("--ffn", type=int, help="MLP hidden size (default: the defaults' ratio)")
     p.add_argument("--seq", type=int, help="sequence length; tp-decode: cached context length")
     p.add_argument("--batch", "--tokens", type=int, dest="batch",
                    help="sequences (dp-train: per device); tp-decode: tokens decoded")
     p.add_argument("--vocab", type=int, help="dp-train's vocabulary")
+    p.add_argument("--rows", type=int, help="overlap: rows of the matmuls per device "
+                   "(default 4096 on GPU)")
+    p.add_argument("--mib", type=float, help="overlap: MiB all-reduced per device "
+                   "(default 256 on GPU)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--algorithm", default="auto", choices=("auto",) + tuple(jax_gin.ALGORITHMS),
                    help="jax_gin's algorithm (default auto)")
@@ -637,7 +757,8 @@ def main(argv=None) -> int:
         devices = devices[:args.devices]
     platform = "cpu" if devices[0].platform == "cpu" else "gpu"
     given = {"layers": args.layers, "d_model": args.d_model, "heads": args.heads, "ffn": args.ffn,
-             "seq": args.seq, "batch": args.batch, "vocab": args.vocab, "dtype": args.dtype}
+             "seq": args.seq, "batch": args.batch, "vocab": args.vocab, "rows": args.rows,
+             "mib": args.mib, "dtype": args.dtype}
     cfg = default_config(args.workload, platform, **given)
     changed = [f"{k}={v}" for k, v in given.items() if v is not None]
     sizes = ("GPU defaults" if platform == "gpu" else "CPU defaults (tiny)") + \

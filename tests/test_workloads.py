@@ -4,7 +4,7 @@ float32 steps: on 2 devices each all-reduce sums 2 values, and a + b == b + a, s
 jax_gin give the same bits. On 8 devices the order of the sums may differ, so they are only
 close. bfloat16 steps are only close even on 2 CPU devices: XLA's CPU backend computes lax's
 bfloat16 all-reduce and the ops around it in float32 and drops roundings to bfloat16 that the
-jax_gin program keeps.
+jax_gin program keeps. overlap all-reduces small integers: exact, so bitwise equal on any mesh.
 """
 import dataclasses
 import json
@@ -17,6 +17,7 @@ from jax_gin import bench, workloads
 from conftest import ndev
 
 NAMES = workloads.NAMES
+STEPS = tuple(name for name in NAMES if workloads.WORKLOADS[name].variants == workloads.REDUCES)
 
 
 def tiny(workload, **overrides):
@@ -30,7 +31,7 @@ def mesh_of(workload, n):
 
 
 @pytest.mark.parametrize("n", [2, 8])
-@pytest.mark.parametrize("workload", NAMES)
+@pytest.mark.parametrize("workload", STEPS)
 def test_variants_compile_run_and_agree(workload, n):
     cfg = tiny(workload, dtype="float32")
     r = workloads.measure(workload, mesh_of(workload, n), cfg, rounds=1, warmup=0)
@@ -82,7 +83,7 @@ CLI_SIZES = ["--layers", "1", "--d-model", "64", "--heads", "8", "--ffn", "256",
              "--batch", "2"]
 
 
-@pytest.mark.parametrize("workload", NAMES)
+@pytest.mark.parametrize("workload", STEPS)
 def test_cli(workload, tmp_path, capsys):
     path = tmp_path / "w.json"
     extra = ["--vocab", "128"] if workload == "dp-train" else []
@@ -108,3 +109,51 @@ def test_cli(workload, tmp_path, capsys):
         assert key in text
     rows = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
     assert [row.split()[0] for row in rows] == ["none", "lax", "jax_gin"]
+
+
+def test_overlap_sum_is_exact():
+    mesh = mesh_of("overlap", ndev())
+    cfg = tiny("overlap", rows=2, d_model=32, mib=1 / 64)
+    x, w, g = workloads.overlap_inputs(mesh, cfg)
+    want = np.asarray(g, np.float32).reshape(ndev(), -1).sum(0)
+    assert np.all(np.abs(want) <= 4 * ndev()) and np.any(want != 0)
+    for r in ("lax_alone", "jax_gin_alone"):
+        out = workloads.overlap_step(mesh, cfg, r)(x, w, g)
+        assert set(out) == {"sum"}
+        np.testing.assert_array_equal(np.asarray(out["sum"], np.float32), want)
+    assert set(workloads.overlap_step(mesh, cfg, "compute")(x, w, g)) == {"y"}
+    with pytest.raises(ValueError, match="overlap's variants"):
+        workloads.overlap_step(mesh, cfg, "none")
+
+
+def test_cli_overlap(tmp_path, capsys):
+    path = tmp_path / "o.json"
+    rc = bench.main(["--workload", "overlap", "--rounds", "2", "--warmup", "1", "--layers", "2",
+                     "--d-model", "32", "--rows", "4", "--mib", "0.0625", "--json", str(path)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    data = json.loads(path.read_text())
+    assert data["workload"] == "overlap" and data["nranks"] == ndev()
+    cfg = data["config"]
+    assert (cfg["layers"], cfg["d_model"], cfg["rows"], cfg["mib"], cfg["dtype"]) == \
+        (2, 32, 4, 0.0625, "bfloat16")
+    assert data["psums"]["bytes"] == 2**16
+    v = data["variants"]
+    assert list(v) == list(workloads.OVERLAP_VARIANTS)
+    for x in v.values():
+        assert len(x["times_ms"]) == 2 and x["step_ms"] > 0
+    counts = {r: (x["all_reduce"], x["jax_gin_calls"]) for r, x in v.items()}
+    assert counts == {"compute": (0, 0), "lax_alone": (1, 0), "jax_gin_alone": (0, 1),
+                      "lax": (1, 0), "jax_gin": (0, 1)}
+    assert v["lax"]["exposed_ms"] == pytest.approx(v["lax"]["step_ms"] - v["compute"]["step_ms"])
+    assert v["lax_alone"]["exposed_ms"] is None
+    for key in ("lax_vs_jax_gin", "lax_alone_vs_jax_gin_alone"):
+        assert data[key] == {"bitwise_equal": True, "max_abs_diff": 0.0}, key
+    o = data["overlap"]
+    assert set(o) == {"lax", "jax_gin", "target"} and o["target"] == 1.1
+    for r in ("lax", "jax_gin"):
+        alone = max(v["compute"]["step_ms"], v[f"{r}_alone"]["step_ms"])
+        assert o[r] == pytest.approx(v[r]["step_ms"] / alone)
+    assert "# overlap = together / max(compute alone, all-reduce alone)" in text
+    rows = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
+    assert [row.split()[0] for row in rows] == list(workloads.OVERLAP_VARIANTS)
