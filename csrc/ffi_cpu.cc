@@ -1,7 +1,10 @@
-// XLA FFI handler for the CPU backend. Execute-only: it looks up the communicator that the
-// Python runtime built before the program ran, and runs this device's rank on its thread.
+// XLA FFI handlers for the CPU backend. Execute-only: they look up the communicator that the
+// Python runtime built before the program ran, and run this device's rank on its thread.
+// A CPU device runs its program on one thread, so the asynchronous pair of the GPU is
+// synchronous here: the start reduces, the done returns its operands (aliased).
 #include "ffi_cpu.h"
 
+#include <cstring>
 #include <string>
 
 #include "cpu_backend.h"
@@ -35,6 +38,34 @@ ffi::Error CpuAllReduceImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Buffer<ffi:
   return ffi::Error::Success();
 }
 
+ffi::Error CpuAllReduceStartImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Buffer<ffi::U32> order_in,
+                                 ffi::RemainingArgs xs, ffi::Result<ffi::Buffer<ffi::U32>> order_out,
+                                 ffi::RemainingRets outs, int64_t comm, int32_t op,
+                                 int32_t algorithm, int32_t max_lanes, int32_t slot) {
+  (void)max_lanes;  // one lane per rank on the CPU
+  (void)slot;
+  return CpuAllReduceImpl(partition_id, order_in, xs, order_out, outs, comm, op, algorithm);
+}
+
+ffi::Error CpuAllReduceDoneImpl(ffi::Buffer<ffi::U32> order_in, ffi::RemainingArgs operands,
+                                ffi::Result<ffi::Buffer<ffi::U32>> order_out,
+                                ffi::RemainingRets outs, int64_t comm, int32_t slot) {
+  (void)order_in;
+  (void)comm;
+  (void)slot;
+  order_out->typed_data()[0] = 0;
+  // outs alias the first operands (the start's results); copy only if XLA did not alias them
+  for (size_t i = 0; i < outs.size(); ++i) {
+    auto src = operands.get<ffi::AnyBuffer>(i);
+    auto dst = outs.get<ffi::AnyBuffer>(i);
+    if (src.has_error()) return src.error();
+    if (dst.has_error()) return dst.error();
+    if ((*dst)->untyped_data() != src->untyped_data())
+      std::memcpy((*dst)->untyped_data(), src->untyped_data(), src->size_bytes());
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jax_gin
 
@@ -48,3 +79,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAllReduce, jax_gin::CpuAllReduceImpl,
                                   .Attr<int64_t>("comm")          // communicator id (runtime)
                                   .Attr<int32_t>("op")            // RedOp
                                   .Attr<int32_t>("algorithm"));   // Algorithm
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAllReduceStart, jax_gin::CpuAllReduceStartImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // partition id (logical id)
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // order token of the previous call
+                                  .RemainingArgs()                // x_0..x_k: buffers of one dtype
+                                  .Ret<ffi::Buffer<ffi::U32>>()   // order token for the next call
+                                  .RemainingRets()                // their reductions
+                                  .Attr<int64_t>("comm")          // communicator id (runtime)
+                                  .Attr<int32_t>("op")            // RedOp
+                                  .Attr<int32_t>("algorithm")     // Algorithm
+                                  .Attr<int32_t>("max_lanes")     // GPU lane cap (unused here)
+                                  .Attr<int32_t>("slot"));        // GPU event slot (unused here)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAllReduceDone, jax_gin::CpuAllReduceDoneImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // order token of the start
+                                  .RemainingArgs()                // start's results, then its inputs
+                                  .Ret<ffi::Buffer<ffi::U32>>()   // order token for the next call
+                                  .RemainingRets()                // the reductions (aliased)
+                                  .Attr<int64_t>("comm")          // communicator id (runtime)
+                                  .Attr<int32_t>("slot"));        // GPU event slot (unused here)

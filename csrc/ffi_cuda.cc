@@ -1,7 +1,15 @@
-// XLA FFI handler for the CUDA backend. Execute-only and command-buffer compatible: it looks
-// up the state that jax_gin's runtime built before execution (by communicator attribute and
-// device ordinal) and launches one kernel on XLA's stream. No allocation, no host
-// synchronization, no host-side counters: rounds live on the device.
+// XLA FFI handlers for the CUDA backend. Each looks up the state that jax_gin's runtime built
+// before execution (by communicator attribute and device ordinal); none allocates, and none
+// synchronizes with the host; rounds live on the device.
+//   JaxGinCudaAllReduce       one kernel launch on XLA's stream; command-buffer compatible.
+//   JaxGinCudaAllReduceStart  the same kernel on the rank's side stream, forked from XLA's
+//                             stream by an event, with a cap on its lanes (CTAs), so that the
+//                             compute XLA runs meanwhile keeps most SMs. Returns at once.
+//   JaxGinCudaAllReduceDone   makes XLA's stream wait for the start's kernel. Its results are
+//                             its operands (aliased); it also takes the start's inputs, so that
+//                             XLA keeps them alive and unwritten until the kernel has read them.
+// Start and done are not command-buffer compatible: a captured start would leave work on the
+// side stream unjoined at the end of its capture.
 #include "ffi_cuda.h"
 
 #include <string>
@@ -14,6 +22,58 @@ namespace ffi = xla::ffi;
 namespace jax_gin {
 namespace {
 
+// Checks shared by the launching handlers; fills *st.
+ffi::Error rank_state(int64_t comm, int32_t device, int32_t algorithm, const gpu::RankState** st) {
+  // kHierarchical (internal) is the one algorithm of groups that span nodes; _primitive.py
+  // passes it for those only (comm_ranks_per_node).
+  const bool hier = algorithm == int32_t(Algorithm::kHierarchical);
+  *st = gpu::find_rank(comm, device);
+  if (*st == nullptr) {
+    return ffi::Error::Internal("jax_gin: no communicator " + std::to_string(comm) +
+                                " state for CUDA device " + std::to_string(device));
+  }
+  if (hier != ((*st)->cfg.ranks_per_node > 0)) {
+    return ffi::Error::InvalidArgument(
+        hier ? std::string("jax_gin: the hierarchical algorithm runs only for groups that span nodes")
+             : "jax_gin: group " + std::to_string((*st)->group) + " spans nodes and runs only the "
+               "hierarchical algorithm (algorithm='auto'), not " + algorithm_name(Algorithm(algorithm)));
+  }
+  // A kernel of this rank timed out earlier (and trapped): say so instead of launching again.
+  if ((*st)->diag_host->valid) {
+    Diagnostic d = *(*st)->diag_host;
+    return ffi::Error::Internal("jax_gin: an earlier call failed: " + gpu::describe(d, (*st)->nranks));
+  }
+  return ffi::Error::Success();
+}
+
+// One launch for all the buffers of the call (one, or a pytree bucket) on `stream`, with at
+// most `max_lanes` lanes (0: the rank's configured cap).
+ffi::Error launch(cudaStream_t stream, int32_t device, ffi::RemainingArgs& xs,
+                  ffi::RemainingRets& outs, int64_t comm, int32_t op, int32_t algorithm,
+                  int32_t max_lanes, const gpu::RankState** state, cudaStream_t* used) {
+  DType dtype;
+  Segment seg[kMaxSegments];
+  int nseg = 0;
+  if (ffi::Error err = collect_segments(xs, outs, seg, &nseg, &dtype); err.failure()) return err;
+  const bool hier = algorithm == int32_t(Algorithm::kHierarchical);
+  if (ffi::Error err = check_enums(op, hier ? 0 : algorithm); err.failure()) return err;
+  const gpu::RankState* st = nullptr;
+  if (ffi::Error err = rank_state(comm, device, algorithm, &st); err.failure()) return err;
+  *state = st;
+  gpu::LaunchConfig cfg = st->cfg;
+  if (max_lanes > 0 && max_lanes < cfg.max_lanes) cfg.max_lanes = max_lanes;
+  const gpu::PeerAccess peers{st->win, nullptr, hier ? &st->devcomm : nullptr};
+  cudaError_t e = gpu::launch_allreduce(peers, cfg, dtype, RedOp(op), Algorithm(algorithm), seg,
+                                        nseg, used ? *used : stream);
+  if (e != cudaSuccess)
+    return ffi::Error::Internal(std::string("jax_gin: kernel launch failed: ") + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+ffi::Error cuda_error(const char* what, cudaError_t e) {
+  return ffi::Error::Internal(std::string("jax_gin: ") + what + ": " + cudaGetErrorString(e));
+}
+
 ffi::Error CudaAllReduceImpl(cudaStream_t stream, int32_t device,
                              ffi::Buffer<ffi::U32> partition_id, ffi::Buffer<ffi::U32> order_in,
                              ffi::RemainingArgs xs, ffi::Result<ffi::Buffer<ffi::U32>> order_out,
@@ -23,36 +83,46 @@ ffi::Error CudaAllReduceImpl(cudaStream_t stream, int32_t device,
   // their values are never read, and on the GPU one stream orders the calls anyway.
   (void)order_in;
   (void)order_out;
-  DType dtype;
-  Segment seg[kMaxSegments];
-  int nseg = 0;
-  if (ffi::Error err = collect_segments(xs, outs, seg, &nseg, &dtype); err.failure()) return err;
-  // kHierarchical (internal) is the one algorithm of groups that span nodes; _primitive.py
-  // passes it for those only (comm_ranks_per_node).
-  const bool hier = algorithm == int32_t(Algorithm::kHierarchical);
-  if (ffi::Error err = check_enums(op, hier ? 0 : algorithm); err.failure()) return err;
+  const gpu::RankState* st = nullptr;
+  return launch(stream, device, xs, outs, comm, op, algorithm, 0, &st, nullptr);
+}
+
+ffi::Error CudaAllReduceStartImpl(cudaStream_t stream, int32_t device,
+                                  ffi::Buffer<ffi::U32> partition_id, ffi::Buffer<ffi::U32> order_in,
+                                  ffi::RemainingArgs xs, ffi::Result<ffi::Buffer<ffi::U32>> order_out,
+                                  ffi::RemainingRets outs, int64_t comm, int32_t op,
+                                  int32_t algorithm, int32_t max_lanes, int32_t slot) {
+  (void)partition_id;
+  (void)order_in;
+  (void)order_out;
   const gpu::RankState* st = gpu::find_rank(comm, device);
-  if (st == nullptr) {
+  if (st == nullptr || slot < 0 || slot >= kAsyncSlots)
     return ffi::Error::Internal("jax_gin: no communicator " + std::to_string(comm) +
-                                " state for CUDA device " + std::to_string(device));
-  }
-  if (hier != (st->cfg.ranks_per_node > 0)) {
-    return ffi::Error::InvalidArgument(
-        hier ? std::string("jax_gin: the hierarchical algorithm runs only for groups that span nodes")
-             : "jax_gin: group " + std::to_string(st->group) + " spans nodes and runs only the "
-               "hierarchical algorithm (algorithm='auto'), not " + algorithm_name(Algorithm(algorithm)));
-  }
-  // A kernel of this rank timed out earlier (and trapped): say so instead of launching again.
-  if (st->diag_host->valid) {
-    Diagnostic d = *st->diag_host;
-    return ffi::Error::Internal("jax_gin: an earlier call failed: " + gpu::describe(d, st->nranks));
-  }
-  const gpu::PeerAccess peers{st->win, nullptr, hier ? &st->devcomm : nullptr};
-  // One launch for all the buffers of the call (one, or a pytree bucket).
-  cudaError_t e = gpu::launch_allreduce(peers, st->cfg, dtype, RedOp(op), Algorithm(algorithm),
-                                        seg, nseg, stream);
-  if (e != cudaSuccess)
-    return ffi::Error::Internal(std::string("jax_gin: kernel launch failed: ") + cudaGetErrorString(e));
+                                " state for CUDA device " + std::to_string(device) + " (or bad slot)");
+  // fork: the side stream waits for everything XLA's stream did so far (the inputs, and every
+  // earlier jax_gin call of this rank, which the order tokens put before this one)
+  if (cudaError_t e = cudaEventRecord(st->fork[slot], stream)) return cuda_error("cudaEventRecord", e);
+  if (cudaError_t e = cudaStreamWaitEvent(st->side, st->fork[slot], 0)) return cuda_error("cudaStreamWaitEvent", e);
+  cudaStream_t side = st->side;
+  if (ffi::Error err = launch(stream, device, xs, outs, comm, op, algorithm, max_lanes, &st, &side);
+      err.failure())
+    return err;
+  if (cudaError_t e = cudaEventRecord(st->join[slot], st->side)) return cuda_error("cudaEventRecord", e);
+  return ffi::Error::Success();
+}
+
+ffi::Error CudaAllReduceDoneImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::U32> order_in,
+                                 ffi::RemainingArgs operands, ffi::Result<ffi::Buffer<ffi::U32>> order_out,
+                                 ffi::RemainingRets outs, int64_t comm, int32_t slot) {
+  (void)order_in;
+  (void)order_out;
+  (void)operands;  // the start's results (aliased to ours), then its inputs (kept alive)
+  (void)outs;
+  const gpu::RankState* st = gpu::find_rank(comm, device);
+  if (st == nullptr || slot < 0 || slot >= kAsyncSlots)
+    return ffi::Error::Internal("jax_gin: no communicator " + std::to_string(comm) +
+                                " state for CUDA device " + std::to_string(device) + " (or bad slot)");
+  if (cudaError_t e = cudaStreamWaitEvent(stream, st->join[slot], 0)) return cuda_error("cudaStreamWaitEvent", e);
   return ffi::Error::Success();
 }
 
@@ -72,3 +142,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCudaAllReduce, jax_gin::CudaAllReduceImpl,
                                   .Attr<int32_t>("op")            // RedOp
                                   .Attr<int32_t>("algorithm"),    // Algorithm
                               {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCudaAllReduceStart, jax_gin::CudaAllReduceStartImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
+                                  .Ctx<ffi::DeviceOrdinal>()      // local CUDA ordinal
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // partition id (unused on GPU)
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // order token of the previous call
+                                  .RemainingArgs()                // x_0..x_k: buffers of one dtype
+                                  .Ret<ffi::Buffer<ffi::U32>>()   // order token for the next call
+                                  .RemainingRets()                // their reductions (valid after done)
+                                  .Attr<int64_t>("comm")          // communicator id (runtime)
+                                  .Attr<int32_t>("op")            // RedOp
+                                  .Attr<int32_t>("algorithm")     // Algorithm
+                                  .Attr<int32_t>("max_lanes")     // lane cap of this call
+                                  .Attr<int32_t>("slot"));        // event slot shared with its done
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCudaAllReduceDone, jax_gin::CudaAllReduceDoneImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
+                                  .Ctx<ffi::DeviceOrdinal>()      // local CUDA ordinal
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // order token of the start
+                                  .RemainingArgs()                // start's results, then its inputs
+                                  .Ret<ffi::Buffer<ffi::U32>>()   // order token for the next call
+                                  .RemainingRets()                // the reductions (aliased)
+                                  .Attr<int64_t>("comm")          // communicator id (runtime)
+                                  .Attr<int32_t>("slot"));        // event slot of its start

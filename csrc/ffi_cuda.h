@@ -2,3 +2,5 @@
 #include "xla/ffi/api/ffi.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxGinCudaAllReduce);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxGinCudaAllReduceStart);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxGinCudaAllReduceDone);

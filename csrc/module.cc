@@ -105,6 +105,8 @@ NB_MODULE(_jax_gin, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["jax_gin_all_reduce_cpu"] = encapsulate_ffi_handler(JaxGinCpuAllReduce);
+    d["jax_gin_all_reduce_start_cpu"] = encapsulate_ffi_handler(JaxGinCpuAllReduceStart);
+    d["jax_gin_all_reduce_done_cpu"] = encapsulate_ffi_handler(JaxGinCpuAllReduceDone);
     return d;
   });
   m.def("algorithm_names", []() {
@@ -180,6 +182,8 @@ NB_MODULE(_jax_gin, m) {
   m.attr("ALGORITHM_HIERARCHICAL") = int(Algorithm::kHierarchical);
   // Most buffers one call reduces as one message (message.h); larger pytrees take more calls.
   m.attr("MAX_SEGMENTS") = kMaxSegments;
+  // Event slots per rank of asynchronous start/done pairs (GPU).
+  m.attr("ASYNC_SLOTS") = kAsyncSlots;
 
   // Schedules (include/jax_gin/schedule.h), exposed for unit tests.
   nb::module_ s = m.def_submodule("schedule", "the shared schedule header, for tests");

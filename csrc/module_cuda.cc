@@ -30,6 +30,8 @@ NB_MODULE(_jax_gin_cuda, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["jax_gin_all_reduce_cuda"] = nb::capsule(reinterpret_cast<void*>(JaxGinCudaAllReduce));
+    d["jax_gin_all_reduce_start_cuda"] = nb::capsule(reinterpret_cast<void*>(JaxGinCudaAllReduceStart));
+    d["jax_gin_all_reduce_done_cuda"] = nb::capsule(reinterpret_cast<void*>(JaxGinCudaAllReduceDone));
     return d;
   });
   m.def("comm_create",

@@ -95,6 +95,11 @@ void destroy_ranks(std::vector<RankState>& ranks) {
     if (s.window_ptr) ncclMemFree(s.window_ptr);
     if (s.rounds) cudaFree(s.rounds);
     if (s.diag_host) cudaFreeHost(s.diag_host);
+    for (int k = 0; k < kAsyncSlots; ++k) {
+      if (s.fork[k]) cudaEventDestroy(s.fork[k]);
+      if (s.join[k]) cudaEventDestroy(s.join[k]);
+    }
+    if (s.side) cudaStreamDestroy(s.side);
     if (s.comm) ncclCommDestroy(s.comm);
   }
   ranks.clear();
@@ -213,6 +218,15 @@ void alloc_rank(RankState& s, size_t wbytes) {
   JG_CUDA(cudaMemset(s.rounds, 0, kRoundCountersBytes));
   JG_CUDA(cudaHostAlloc(&s.diag_host, sizeof(Diagnostic), cudaHostAllocMapped | cudaHostAllocPortable));
   std::memset(s.diag_host, 0, sizeof(Diagnostic));
+  // The side stream of asynchronous calls: the highest priority, so that its CTAs are placed
+  // before those of the compute kernels queued beside it.
+  int least = 0, greatest = 0;
+  JG_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  JG_CUDA(cudaStreamCreateWithPriority(&s.side, cudaStreamNonBlocking, greatest));
+  for (int k = 0; k < kAsyncSlots; ++k) {
+    JG_CUDA(cudaEventCreateWithFlags(&s.fork[k], cudaEventDisableTiming));
+    JG_CUDA(cudaEventCreateWithFlags(&s.join[k], cudaEventDisableTiming));
+  }
   JG_CUDA(cudaDeviceSynchronize());
 }
 

@@ -33,6 +33,12 @@ struct RankState {
   uint64_t* rounds = nullptr;       // device: per-lane round counters, never reset
   Diagnostic* diag_host = nullptr;  // host-mapped diagnostic slot
   LaunchConfig cfg;                 // everything a launch needs, precomputed
+  // Asynchronous calls (psum(..., overlap=True)): their kernels run on `side`, a stream of the
+  // highest priority, forked from XLA's stream by fork[slot] at the start and joined into it
+  // by join[slot] at the done. Created with the rank, before any program runs.
+  cudaStream_t side = nullptr;
+  cudaEvent_t fork[kAsyncSlots] = {};
+  cudaEvent_t join[kAsyncSlots] = {};
 };
 
 // Creates one communicator per group. groups[g][r] is the local CUDA ordinal of rank r of

@@ -12,6 +12,11 @@ from . import _jax_gin as cpu  # noqa: F401
 
 CPU_TARGET = "jax_gin_all_reduce_cpu"
 CUDA_TARGET = "jax_gin_all_reduce_cuda"
+# The asynchronous pair (psum(..., overlap=True)): "start" and "done" per platform.
+ASYNC_TARGETS = {"cpu": ("jax_gin_all_reduce_start_cpu", "jax_gin_all_reduce_done_cpu"),
+                 "cuda": ("jax_gin_all_reduce_start_cuda", "jax_gin_all_reduce_done_cuda")}
+# Event slots per rank of start/done pairs (include/jax_gin/common.h kAsyncSlots).
+ASYNC_SLOTS = int(cpu.ASYNC_SLOTS)
 
 for _name, _capsule in cpu.registrations().items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")

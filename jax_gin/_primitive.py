@@ -8,10 +8,14 @@ pytree's leaves, reduced in one custom call and, on GPUs, one kernel launch) and
   invariant  True when traced under shard_map(check_vma=True): then, like lax.psum, the
              input must vary over `axes` and the output does not; the transpose of a sum is
              a pcast to varying. With check_vma=False the sum transposes to another sum.
+  overlap    True: lowered as an asynchronous start/done pair of custom calls (on GPUs the
+             kernel runs on a side stream with few lanes); False: one synchronous call.
 
 All of its rules are registered in one block at the bottom of this file.
 """
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 
@@ -37,7 +41,8 @@ MAX_OPERANDS = int(_native.cpu.MAX_SEGMENTS)
 # Public API
 
 
-def psum(x, axis_name, *, algorithm: str = "auto", bucket_bytes: int | None = None):
+def psum(x, axis_name, *, algorithm: str = "auto", bucket_bytes: int | None = None,
+         overlap: bool = False):
     """All-reduce sum over mesh axis `axis_name` (a name or a tuple of names).
 
     A drop-in for ``jax.lax.psum`` inside ``shard_map``: same semantics for pytrees, scalars,
@@ -49,18 +54,26 @@ def psum(x, axis_name, *, algorithm: str = "auto", bucket_bytes: int | None = No
     64 MiB) and at most 64 leaves, in leaf order, and each bucket is one call. A leaf larger
     than `bucket_bytes` is a bucket of its own. The result is the same, bit for bit, as
     reducing every leaf on its own.
+
+    With ``overlap=True`` each call is an asynchronous pair: on GPUs the kernel runs on a
+    high-priority side stream with at most ``jax_gin.runtime.settings.overlap_lanes`` CTAs
+    (JAX_GIN_OVERLAP_LANES, 32), forked from XLA's stream at the start and joined at the
+    done, so that compute XLA places between them runs meanwhile (docs/overlap.md). The
+    numbers are the same as without it.
     """
-    return _allreduce(x, axis_name, "sum", algorithm, bucket_bytes)
+    return _allreduce(x, axis_name, "sum", algorithm, bucket_bytes, overlap)
 
 
-def pmax(x, axis_name, *, algorithm: str = "auto", bucket_bytes: int | None = None):
+def pmax(x, axis_name, *, algorithm: str = "auto", bucket_bytes: int | None = None,
+         overlap: bool = False):
     """All-reduce max over mesh axis `axis_name`; a drop-in for ``jax.lax.pmax``."""
-    return _allreduce(x, axis_name, "max", algorithm, bucket_bytes)
+    return _allreduce(x, axis_name, "max", algorithm, bucket_bytes, overlap)
 
 
-def pmin(x, axis_name, *, algorithm: str = "auto", bucket_bytes: int | None = None):
+def pmin(x, axis_name, *, algorithm: str = "auto", bucket_bytes: int | None = None,
+         overlap: bool = False):
     """All-reduce min over mesh axis `axis_name`; a drop-in for ``jax.lax.pmin``."""
-    return _allreduce(x, axis_name, "min", algorithm, bucket_bytes)
+    return _allreduce(x, axis_name, "min", algorithm, bucket_bytes, overlap)
 
 
 def _normalize_axes(axis_name, api: str) -> tuple:
@@ -103,9 +116,11 @@ def buckets(sizes, bucket_bytes: int, max_operands: int = MAX_OPERANDS) -> list:
     return out
 
 
-def _allreduce(x, axis_name, op: str, algorithm: str, bucket_bytes):
+def _allreduce(x, axis_name, op: str, algorithm: str, bucket_bytes, overlap):
     api = OP_API_NAMES[op]
     algorithm = _select.validate(algorithm, api)
+    if not isinstance(overlap, bool):
+        raise TypeError(f"jax_gin.{api}: overlap must be True or False, got {overlap!r}")
     bucket_bytes = _check_bucket_bytes(bucket_bytes, api)
     axes = _normalize_axes(axis_name, api)
     if not axes:
@@ -141,7 +156,7 @@ def _allreduce(x, axis_name, op: str, algorithm: str, bucket_bytes):
         for bucket in buckets(sizes, bucket_bytes):
             members = [idx[j] for j in bucket]
             res = allreduce_p.bind(*[leaves[i] for i in members], axes=axes, op=op,
-                                   algorithm=algorithm, invariant=invariant)
+                                   algorithm=algorithm, invariant=invariant, overlap=overlap)
             for i, r in zip(members, res):
                 out[i] = r
     return tree_util.tree_unflatten(treedef, out)
@@ -157,7 +172,7 @@ def _bind_like(xs, params, **override):
 # Rules
 
 
-def _abstract_eval(*avals, axes, op, algorithm, invariant):
+def _abstract_eval(*avals, axes, op, algorithm, invariant, overlap):
     for a in axes:
         if not _compat.axis_exists(a):
             raise NameError(f"jax_gin.{OP_API_NAMES[op]}: unknown axis name {a!r}")
@@ -205,7 +220,7 @@ def _jvp(primals, tangents, **params):
     return outs, tan_out
 
 
-def _transpose(cts, *xs, axes, op, algorithm, invariant):
+def _transpose(cts, *xs, axes, op, algorithm, invariant, overlap):
     if op != "sum":
         raise NotImplementedError(f"jax_gin.{OP_API_NAMES[op]} is not linear and has no transpose")
     assert all(ad.is_undefined_primal(x) for x in xs)
@@ -221,14 +236,14 @@ def _transpose(cts, *xs, axes, op, algorithm, invariant):
         return res
     # check_vma=False: psum is psum followed by a broadcast, so it transposes to a psum.
     outs = allreduce_p.bind(*[cts[i] for i in nz], axes=axes, op=op, algorithm=algorithm,
-                            invariant=invariant)
+                            invariant=invariant, overlap=overlap)
     for i, o in zip(nz, outs):
         res[i] = o
     return res
 
 
-def _batch(axis_data, vals_in, dims_in, *, axes, op, algorithm, invariant):
-    params = dict(axes=axes, op=op, algorithm=algorithm, invariant=invariant)
+def _batch(axis_data, vals_in, dims_in, *, axes, op, algorithm, invariant, overlap):
+    params = dict(axes=axes, op=op, algorithm=algorithm, invariant=invariant, overlap=overlap)
     if axis_data.name not in axes:
         # vmap inside shard_map: the batch dimension is just more data to reduce elementwise.
         return allreduce_p.bind(*vals_in, **params), list(dims_in)
@@ -247,7 +262,7 @@ def _batch(axis_data, vals_in, dims_in, *, axes, op, algorithm, invariant):
     return outs, [None] * len(outs)
 
 
-def _lowering(ctx, *xs, axes, op, algorithm, invariant, platform):
+def _lowering(ctx, *xs, axes, op, algorithm, invariant, overlap, platform):
     avals = ctx.avals_in
     api = OP_API_NAMES[op]
     axis_ctx = ctx.module_context.axis_context
@@ -279,16 +294,36 @@ def _lowering(ctx, *xs, axes, op, algorithm, invariant, platform):
             f"CUDA support ({_native.CUDA_IMPORT_ERROR or '_jax_gin_cuda is missing'})")
     comm = _runtime.communicator(platform, mesh, axes)
     code = _runtime.algorithm_code(platform, comm, requested, algorithm, api)
-    target = _native.CPU_TARGET if platform == "cpu" else _native.CUDA_TARGET
     tok_aval = jax.core.ShapedArray((), np.uint32)
-    rule = jax.ffi.ffi_lowering(target)
-    tok, *outs = rule(ctx.replace(avals_in=[tok_aval, tok_aval, *avals],
-                                  avals_out=[tok_aval, *ctx.avals_out]),
-                      hlo.partition_id(), _chain_token(ctx), *xs,
-                      comm=np.int64(comm), op=np.int32(OP_CODES[op]),
-                      algorithm=np.int32(code))
+    attrs = dict(comm=np.int64(comm), op=np.int32(OP_CODES[op]), algorithm=np.int32(code))
+    if not overlap:
+        target = _native.CPU_TARGET if platform == "cpu" else _native.CUDA_TARGET
+        tok, *outs = jax.ffi.ffi_lowering(target)(
+            ctx.replace(avals_in=[tok_aval, tok_aval, *avals], avals_out=[tok_aval, *ctx.avals_out]),
+            hlo.partition_id(), _chain_token(ctx), *xs, **attrs)
+        _set_chain_token(ctx, tok)
+        return outs
+    # Asynchronous pair. The start launches and returns; the done joins. The done takes the
+    # start's results (and returns them, aliased: no copy) and the start's inputs, so XLA keeps
+    # those alive and unwritten until the kernel is done with them. The next jax_gin call
+    # chains on the done's token: calls of one communicator never run concurrently.
+    start_target, done_target = _native.ASYNC_TARGETS[platform]
+    slot = np.int32(next(_async_slots) % _native.ASYNC_SLOTS)
+    k = len(xs)
+    tok, *outs = jax.ffi.ffi_lowering(start_target)(
+        ctx.replace(avals_in=[tok_aval, tok_aval, *avals], avals_out=[tok_aval, *ctx.avals_out]),
+        hlo.partition_id(), _chain_token(ctx), *xs,
+        max_lanes=np.int32(_runtime.settings.overlap_lanes), slot=slot, **attrs)
+    tok, *res = jax.ffi.ffi_lowering(done_target,
+                                     operand_output_aliases={1 + i: 1 + i for i in range(k)})(
+        ctx.replace(avals_in=[tok_aval, *ctx.avals_out, *avals], avals_out=[tok_aval, *ctx.avals_out]),
+        tok, *outs, *xs, comm=np.int64(comm), slot=slot)
     _set_chain_token(ctx, tok)
-    return outs
+    return res
+
+
+# Event slots of start/done pairs, assigned in lowering order (_native.ASYNC_SLOTS per rank).
+_async_slots = itertools.count()
 
 
 # Ordering. All jax_gin calls of one communicator must run in the same order on every rank,

@@ -30,6 +30,7 @@ from ._ops import ALGORITHM_CODES
 _DEFAULT_CPU_WORKSPACE = 1 << 20  # bytes per rank
 _DEFAULT_GPU_WORKSPACE = 64 << 20  # bytes per rank, split among the kernel's lanes
 _DEFAULT_BUCKET_BYTES = 64 << 20  # bytes of one pytree call (Settings.bucket_bytes)
+_DEFAULT_OVERLAP_LANES = 32  # CTAs of an asynchronous call on a GPU (Settings.overlap_lanes)
 
 
 def _env_float(name: str, default: float) -> float:
@@ -62,6 +63,8 @@ class Settings:
     bucket_bytes: a pytree's leaves of one dtype are reduced together, in one call per
         bucket of at most this many bytes (JAX_GIN_BUCKET_BYTES; a leaf larger than that is
         a bucket of its own), as XLA's all-reduce combiner and PyTorch DDP's buckets do.
+    overlap_lanes: the most lanes (CTAs) an asynchronous call (overlap=True) uses on a GPU
+        (JAX_GIN_OVERLAP_LANES), so that the compute it overlaps keeps the other SMs.
     fault_rank: testing only -- this rank drops all its signals, so its peers time out.
     """
 
@@ -72,6 +75,8 @@ class Settings:
     timeout_s: float = dataclasses.field(default_factory=lambda: _env_float("JAX_GIN_TIMEOUT_S", 30.0))
     bucket_bytes: int = dataclasses.field(
         default_factory=lambda: _env_int("JAX_GIN_BUCKET_BYTES", _DEFAULT_BUCKET_BYTES))
+    overlap_lanes: int = dataclasses.field(
+        default_factory=lambda: _env_int("JAX_GIN_OVERLAP_LANES", _DEFAULT_OVERLAP_LANES))
     fault_rank: int = -1
 
 
