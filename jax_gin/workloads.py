@@ -61,12 +61,13 @@ DATA, TENSOR = "data", "tensor"
 REDUCES = ("none", "lax", "jax_gin")   # the order of every turn
 
 
-def reducer(reduce: str, algorithm: str = "auto") -> Callable:
-    """(pytree, axis_name) -> pytree: the all-reduce sum a step is built with."""
+def reducer(reduce: str, algorithm: str = "auto", overlap: bool = False) -> Callable:
+    """(pytree, axis_name) -> pytree: the all-reduce sum a step is built with (jax_gin: with
+    psum's `overlap`)."""
     if reduce == "lax":
         return jax.lax.psum
     if reduce == "jax_gin":
-        return functools.partial(jax_gin.psum, algorithm=algorithm)
+        return functools.partial(jax_gin.psum, algorithm=algorithm, overlap=overlap)
     if reduce == "none":
         return lambda tree, axis_name: tree
     raise ValueError(f"reduce must be one of {', '.join(REDUCES)}, got {reduce!r}")
@@ -89,6 +90,7 @@ class Config:
     mib: float = 0  # overlap only: MiB all-reduced per device
     dtype: str = "bfloat16"
     lr: float = 1e-2
+    overlap: bool = False  # the jax_gin variant calls psum(..., overlap=True)
 
     @property
     def head_dim(self) -> int:
@@ -211,7 +213,7 @@ def dp_train_inputs(mesh: Mesh, cfg: Config, seed: int = 0) -> tuple:
 
 def dp_train_step(mesh: Mesh, cfg: Config, reduce: str = "jax_gin", algorithm: str = "auto"):
     """jit(step)(params, tokens) -> (params, per-device loss)."""
-    psum, n = reducer(reduce, algorithm), mesh.shape[DATA]
+    psum, n = reducer(reduce, algorithm, cfg.overlap), mesh.shape[DATA]
 
     def step(params, tokens):
         loss, grads = jax.value_and_grad(gpt_loss)(params, tokens, cfg.heads)
@@ -279,7 +281,7 @@ def tp_train_step(mesh: Mesh, cfg: Config, reduce: str = "jax_gin", algorithm: s
     weight gradient is exact. The norms have no learned scale: a replicated parameter's
     gradient would be such a share, and need one more all-reduce.
     """
-    psum, n = reducer(reduce, algorithm), mesh.shape[TENSOR]
+    psum, n = reducer(reduce, algorithm, cfg.overlap), mesh.shape[TENSOR]
     layout = megatron_layout(cfg)
 
     def loss_fn(blocks, x, y):
@@ -345,7 +347,7 @@ def tp_decode_inputs(mesh: Mesh, cfg: Config, seed: int = 0) -> tuple:
 
 def tp_decode_step(mesh: Mesh, cfg: Config, reduce: str = "jax_gin", algorithm: str = "auto"):
     """jit(step)(params, cache, x) -> normed hidden states (batch, d)."""
-    psum = reducer(reduce, algorithm)
+    psum = reducer(reduce, algorithm, cfg.overlap)
     params, cache = llama_layout(cfg)
 
     def step(params, cache, x):
@@ -392,7 +394,7 @@ def overlap_step(mesh: Mesh, cfg: Config, reduce: str = "jax_gin", algorithm: st
     if reduce not in OVERLAP_VARIANTS:
         raise ValueError(f"overlap's variants are {', '.join(OVERLAP_VARIANTS)}, got {reduce!r}")
     matmuls = reduce in ("compute", "lax", "jax_gin")
-    psum = None if reduce == "compute" else reducer(reduce.removesuffix("_alone"), algorithm)
+    psum = None if reduce == "compute" else reducer(reduce.removesuffix("_alone"), algorithm, cfg.overlap)
 
     def step(x, w, g):
         out = {}
@@ -736,6 +738,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--algorithm", default="auto", choices=("auto",) + tuple(jax_gin.ALGORITHMS),
                    help="jax_gin's algorithm (default auto)")
+    p.add_argument("--overlap", action="store_true",
+                   help="the jax_gin variant calls psum(..., overlap=True): asynchronous, few lanes")
     p.add_argument("--rounds", type=int, default=None,
                    help="timed rounds of the variants in turns (default 20 on GPU, 10 on CPU)")
     p.add_argument("--warmup", type=int, default=3, help="untimed rounds (default 3)")
@@ -759,10 +763,11 @@ def main(argv=None) -> int:
     given = {"layers": args.layers, "d_model": args.d_model, "heads": args.heads, "ffn": args.ffn,
              "seq": args.seq, "batch": args.batch, "vocab": args.vocab, "rows": args.rows,
              "mib": args.mib, "dtype": args.dtype}
-    cfg = default_config(args.workload, platform, **given)
+    cfg = dataclasses.replace(default_config(args.workload, platform, **given), overlap=args.overlap)
     changed = [f"{k}={v}" for k, v in given.items() if v is not None]
     sizes = ("GPU defaults" if platform == "gpu" else "CPU defaults (tiny)") + \
-        (f", changed: {' '.join(changed)}" if changed else "")
+        (f", changed: {' '.join(changed)}" if changed else "") + \
+        (", jax_gin with overlap=True" if args.overlap else "")
     rounds = args.rounds if args.rounds is not None else (10 if platform == "cpu" else 20)
     mesh = make_mesh(args.workload, devices)
     try:
