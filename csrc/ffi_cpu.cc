@@ -96,7 +96,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAllReduceStart, jax_gin::CpuAllReduceStar
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAllReduceDone, jax_gin::CpuAllReduceDoneImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::U32>>()   // order token of the start
-                                  .RemainingArgs()                // start's results, then its inputs
+                                  .RemainingArgs()                // the start's results
                                   .Ret<ffi::Buffer<ffi::U32>>()   // order token for the next call
                                   .RemainingRets()                // the reductions (aliased)
                                   .Attr<int64_t>("comm")          // communicator id (runtime)

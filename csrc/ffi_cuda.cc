@@ -6,8 +6,10 @@
 //                             stream by an event, with a cap on its lanes (CTAs), so that the
 //                             compute XLA runs meanwhile keeps most SMs. Returns at once.
 //   JaxGinCudaAllReduceDone   makes XLA's stream wait for the start's kernel. Its results are
-//                             its operands (aliased); it also takes the start's inputs, so that
-//                             XLA keeps them alive and unwritten until the kernel has read them.
+//                             its operands, the start's results (aliased): XLA keeps them alive
+//                             and untouched until then. The start reduces in place (its results
+//                             alias its inputs; the kernels read every input element before
+//                             they write its result), so the inputs live until the done too.
 // Start and done are not command-buffer compatible: a captured start would leave work on the
 // side stream unjoined at the end of its capture.
 #include "ffi_cuda.h"
@@ -116,7 +118,7 @@ ffi::Error CudaAllReduceDoneImpl(cudaStream_t stream, int32_t device, ffi::Buffe
                                  ffi::RemainingRets outs, int64_t comm, int32_t slot) {
   (void)order_in;
   (void)order_out;
-  (void)operands;  // the start's results (aliased to ours), then its inputs (kept alive)
+  (void)operands;  // the start's results (aliased to ours)
   (void)outs;
   const gpu::RankState* st = gpu::find_rank(comm, device);
   if (st == nullptr || slot < 0 || slot >= kAsyncSlots)
@@ -151,7 +153,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCudaAllReduceStart, jax_gin::CudaAllReduceSt
                                   .Arg<ffi::Buffer<ffi::U32>>()   // order token of the previous call
                                   .RemainingArgs()                // x_0..x_k: buffers of one dtype
                                   .Ret<ffi::Buffer<ffi::U32>>()   // order token for the next call
-                                  .RemainingRets()                // their reductions (valid after done)
+                                  .RemainingRets()                // their reductions, in place (valid after the done)
                                   .Attr<int64_t>("comm")          // communicator id (runtime)
                                   .Attr<int32_t>("op")            // RedOp
                                   .Attr<int32_t>("algorithm")     // Algorithm
@@ -163,8 +165,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCudaAllReduceDone, jax_gin::CudaAllReduceDon
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
                                   .Ctx<ffi::DeviceOrdinal>()      // local CUDA ordinal
                                   .Arg<ffi::Buffer<ffi::U32>>()   // order token of the start
-                                  .RemainingArgs()                // start's results, then its inputs
+                                  .RemainingArgs()                // the start's results
                                   .Ret<ffi::Buffer<ffi::U32>>()   // order token for the next call
-                                  .RemainingRets()                // the reductions (aliased)
+                                  .RemainingRets()                // the same buffers (aliased)
                                   .Attr<int64_t>("comm")          // communicator id (runtime)
                                   .Attr<int32_t>("slot"));        // event slot of its start

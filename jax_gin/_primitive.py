@@ -303,21 +303,26 @@ def _lowering(ctx, *xs, axes, op, algorithm, invariant, overlap, platform):
             hlo.partition_id(), _chain_token(ctx), *xs, **attrs)
         _set_chain_token(ctx, tok)
         return outs
-    # Asynchronous pair. The start launches and returns; the done joins. The done takes the
-    # start's results (and returns them, aliased: no copy) and the start's inputs, so XLA keeps
-    # those alive and unwritten until the kernel is done with them. The next jax_gin call
+    # Asynchronous pair. The start launches and returns; the done joins. The next jax_gin call
     # chains on the done's token: calls of one communicator never run concurrently.
+    # On GPUs the start reduces in place (its results alias its inputs) and the done takes and
+    # returns those buffers (aliased): so XLA keeps them alive and untouched until the done,
+    # and neither call allocates or frees memory, which leaves XLA's memory-driven scheduler no
+    # reason to pull the done up to the start. (XLA copies an input that is still needed
+    # afterwards, or that is a parameter of the program, before the start.) The CPU start runs
+    # synchronously and writes fresh buffers: its reduction passes may overwrite a source.
     start_target, done_target = _native.ASYNC_TARGETS[platform]
     slot = np.int32(next(_async_slots) % _native.ASYNC_SLOTS)
     k = len(xs)
-    tok, *outs = jax.ffi.ffi_lowering(start_target)(
+    inplace = {2 + i: 1 + i for i in range(k)} if platform != "cpu" else None
+    tok, *outs = jax.ffi.ffi_lowering(start_target, operand_output_aliases=inplace)(
         ctx.replace(avals_in=[tok_aval, tok_aval, *avals], avals_out=[tok_aval, *ctx.avals_out]),
         hlo.partition_id(), _chain_token(ctx), *xs,
         max_lanes=np.int32(_runtime.settings.overlap_lanes), slot=slot, **attrs)
     tok, *res = jax.ffi.ffi_lowering(done_target,
                                      operand_output_aliases={1 + i: 1 + i for i in range(k)})(
-        ctx.replace(avals_in=[tok_aval, *ctx.avals_out, *avals], avals_out=[tok_aval, *ctx.avals_out]),
-        tok, *outs, *xs, comm=np.int64(comm), slot=slot)
+        ctx.replace(avals_in=[tok_aval, *ctx.avals_out], avals_out=[tok_aval, *ctx.avals_out]),
+        tok, *outs, comm=np.int64(comm), slot=slot)
     _set_chain_token(ctx, tok)
     return res
 

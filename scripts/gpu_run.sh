@@ -6,8 +6,8 @@
 #   bash scripts/gpu_run.sh test       native harness (N = 2, 3, 4, 8; GIN emulated; fault
 #                                      injection), compute-sanitizer, the GPU pytest suite and
 #                                      the 2-process GPU tests
-#   bash scripts/gpu_run.sh record     the results of record: the op sweep (auto and lax, float32
-#                                      and bfloat16, 4 KiB - 1 GiB) and the whole-step workloads
+#   bash scripts/gpu_run.sh record     the results of record: the op sweep (auto and lax, float32,
+#                                      4 KiB - 1 GiB) and the whole-step workloads
 #                                      (dp-train, tp-train, tp-decode, overlap); copy $OUT into
 #                                      benchmarks/results/<machine>/
 #   bash scripts/gpu_run.sh workloads  the workloads alone
@@ -75,7 +75,7 @@ pytests() {
 }
 
 sweep() {
-  JAX_PLATFORMS=cuda $PY -m jax_gin.bench -b 4K -e 1G -f 4 -d float32,bfloat16 -a auto,lax -n 10 -w 3 \
+  JAX_PLATFORMS=cuda $PY -m jax_gin.bench -b 4K -e 1G -f 4 -d float32 -a auto,lax -n 10 -w 3 \
     --json "$OUT/sweep.json" --plot "$OUT/sweep.png" > "$OUT/sweep.txt" 2>> "$OUT/build.log"
   log "op sweep rc=$?"
   grep -E "^#.*(Geomean|Avg)" "$OUT/sweep.txt"
