@@ -87,8 +87,7 @@ COLUMNS = (("size", 12), ("count", 12), ("type", 9), ("redop", 6), ("algo", 9), 
 # Default chain lengths. The per-op time is a difference of two wall times divided by K - 1,
 # and host jitter of tens of microseconds does not shrink with the op: on 2 x H200 with K = 20,
 # two rows running the same kernel at 4 KiB - 4 MiB differed by up to 40%; with K = 100 the
-# difference of the two wall times is ~1 ms and such rows agree far better
-# (benchmarks/results/2xH200-2026-11-30-c).
+# difference of the two wall times is ~1 ms and such rows agree far better.
 SMALL_CHAIN, LARGE_CHAIN, SMALL_CHAIN_MAX_BYTES = 100, 20, 4 << 20
 
 

@@ -24,8 +24,10 @@ export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 log() { echo "== $(date +%H:%M:%S) $*" | tee -a "$OUT/summary.txt"; }
 
-log "machine, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-{ echo "date $(date -u +%Y-%m-%dT%H:%M:%SZ) commit $(git rev-parse HEAD 2>/dev/null)";
+# The commit measured: JAX_GIN_COMMIT where the tree was copied without its current .git.
+COMMIT=${JAX_GIN_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+log "machine, commit $COMMIT"
+{ echo "date $(date -u +%Y-%m-%dT%H:%M:%SZ) commit $COMMIT";
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvcc --version | tail -1;
   $PY -c "import jax, jaxlib, nvidia.nccl as n; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'nccl wheel', list(n.__path__))";
   nvidia-smi topo -m; } > "$OUT/machine.txt" 2>&1

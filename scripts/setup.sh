@@ -30,7 +30,12 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 P="$VENV/bin/python"
 "$P" -m pip install -q --upgrade pip
-"$P" -m pip install -q "jax==0.11.2" "jaxlib==0.11.2" numpy nanobind "scikit-build-core>=0.10" \
+# With an NVIDIA GPU, JAX's CUDA 13 plugin too, so that the demo and the benchmark run on the GPUs.
+JAX_REQ="jax==0.11.2"
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+  JAX_REQ="jax[cuda13]==0.11.2"
+fi
+"$P" -m pip install -q "$JAX_REQ" "jaxlib==0.11.2" numpy nanobind "scikit-build-core>=0.10" \
   pytest ninja matplotlib
 command -v cmake >/dev/null 2>&1 || "$P" -m pip install -q "cmake>=3.24"
 if command -v nvcc >/dev/null 2>&1; then

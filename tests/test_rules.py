@@ -214,8 +214,8 @@ def test_shipped_h200_table():
     from jax_gin import _select
     t = _select.load_table("NVIDIA H200", 2)
     assert t is not None and t["nranks"] == 2
-    # the runs of record (benchmarks/results/2xH200-2026-11-30-c): jax_gin was faster than
-    # lax at every size, one_shot up to 4 MiB, ring or two_shot above
+    # the table's sweep (2 x H200): jax_gin was faster than lax at every size, one_shot up
+    # to 4 MiB, ring or two_shot above
     for size in (4096, 256 << 10, 1 << 20, 4 << 20):
         assert _select.choose("cuda", size, 2, "NVIDIA H200")[0] == "one_shot"
     for size in (16 << 20, 64 << 20, 256 << 20, 1 << 30):
