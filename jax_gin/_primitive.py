@@ -86,10 +86,11 @@ def _normalize_axes(axis_name, api: str) -> tuple:
     for a in axes:
         if not _compat.axis_exists(a):
             scope = _compat.axes_in_scope()
+            # The first sentence is lax's own for this mistake, word for word.
             raise NameError(
-                f"jax_gin.{api}: unknown axis name {a!r}; axes in scope: "
-                f"{', '.join(repr(s) for s in scope) if scope else 'none'} "
-                "(call it inside jax.shard_map or vmap with that axis name)")
+                f"jax_gin.{api}: Found an unbound axis name: {a}. To fix this, please call "
+                f"{api} under `jax.shard_map`. Axes in scope: "
+                f"{', '.join(repr(s) for s in scope) if scope else 'none'}.")
     return axes
 
 
@@ -129,10 +130,13 @@ def _allreduce(x, axis_name, op: str, algorithm: str, bucket_bytes, overlap):
     leaves, treedef = tree_util.tree_flatten(x)
     out = [None] * len(leaves)
     by_dtype: dict = {}  # dtype -> indices of the leaves that communicate, in leaf order
+    was_bool = set()  # max/min of bool leaves give bool, as lax.pmax/pmin do
     for i, leaf in enumerate(leaves):
         leaf = jnp.asarray(leaf) if not hasattr(leaf, "dtype") else leaf
         if leaf.dtype == np.bool_:
-            leaf = leaf.astype(np.int32)  # as lax.psum does
+            leaf = leaf.astype(np.int32)  # psum: int32, as lax.psum does
+            if op != "sum":
+                was_bool.add(i)
         check_dtype(leaf.dtype, api)
         if not _compat.is_tracer(leaf):
             # A constant is the same on every device: no communication needed.
@@ -159,6 +163,8 @@ def _allreduce(x, axis_name, op: str, algorithm: str, bucket_bytes, overlap):
                                    algorithm=algorithm, invariant=invariant, overlap=overlap)
             for i, r in zip(members, res):
                 out[i] = r
+    for i in was_bool:
+        out[i] = out[i].astype(np.bool_)
     return tree_util.tree_unflatten(treedef, out)
 
 

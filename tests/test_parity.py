@@ -99,6 +99,16 @@ def test_python_constants():
     assert_bitwise(smap(f, mesh, P("i"))(x), x)
 
 
+def test_bool_max_min_stay_bool():
+    mesh = mesh_1d()
+    f = smap(lambda v: (jax_gin.pmax(v > 0, "i"), lax.pmax(v > 0, "i"),
+                        jax_gin.pmin(v > 0, "i"), lax.pmin(v > 0, "i")), mesh, P("i"))
+    a, b, c, d = f(exact_input((9,), ndev(), "float32"))
+    assert a.dtype == np.bool_
+    assert_bitwise(a, b)
+    assert_bitwise(c, d)
+
+
 def test_bool_is_summed_as_int32():
     mesh = mesh_1d()
     f = smap(lambda v: (jax_gin.psum(v > 0, "i"), lax.psum(v > 0, "i")), mesh, P("i"))
