@@ -23,25 +23,49 @@ find_python() {
   return 1
 }
 
+# Where no package index is reachable but a system Python already has jax >= 0.11.2 and the
+# build tools (as on a GPU machine with a CUDA-enabled jax), the venv is made on top of that
+# Python's site-packages and nothing is downloaded.
+system_jax_python() {
+  for cand in python3 python3.13 python3.12; do
+    command -v "$cand" >/dev/null 2>&1 && "$cand" - <<'PY' 2>/dev/null && { echo "$cand"; return 0; }
+import sys, jax, jaxlib, nanobind, scikit_build_core  # noqa: F401
+v = tuple(int(x) for x in jax.__version__.split(".")[:3])
+sys.exit(0 if sys.version_info >= (3, 12) and v >= (0, 11, 2) else 1)
+PY
+  done
+  return 1
+}
+
 if [ ! -x "$VENV/bin/python" ]; then
   PY=$(find_python) || { echo "jax_gin needs Python >= 3.12 (jax 0.11.2); none found" >&2; exit 1; }
   echo "== creating $VENV with $($PY -c 'import sys; print(sys.executable, sys.version.split()[0])')"
   $PY -m venv "$VENV"
 fi
 P="$VENV/bin/python"
-"$P" -m pip install -q --upgrade pip
 # With an NVIDIA GPU, JAX's CUDA 13 plugin too, so that the demo and the benchmark run on the GPUs.
 JAX_REQ="jax==0.11.2"
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
   JAX_REQ="jax[cuda13]==0.11.2"
 fi
-"$P" -m pip install -q "$JAX_REQ" "jaxlib==0.11.2" numpy nanobind "scikit-build-core>=0.10" \
-  pytest ninja matplotlib
-command -v cmake >/dev/null 2>&1 || "$P" -m pip install -q "cmake>=3.24"
-if command -v nvcc >/dev/null 2>&1; then
-  # The headers (and library) of the NCCL that JAX's CUDA plugin loads on the GPU machine.
-  "$P" -m pip install -q "nvidia-nccl-cu13==2.28.9"
+echo "== installing $JAX_REQ and the build tools into $VENV"
+if ! { "$P" -m pip install -q --upgrade pip &&
+       "$P" -m pip install -q "$JAX_REQ" "jaxlib==0.11.2" numpy nanobind "scikit-build-core>=0.10" \
+         pytest ninja matplotlib; }; then
+  SYS=$(system_jax_python) || { echo "pip could not install jax, and no system Python has jax >= 0.11.2 with nanobind and scikit-build-core" >&2; exit 1; }
+  echo "== no package index: using $SYS's jax $($SYS -c 'import jax; print(jax.__version__)') through a venv with system site-packages"
+  rm -rf "$VENV"
+  $SYS -m venv --system-site-packages "$VENV"
+  OFFLINE=1
 fi
-echo "== building jax_gin (JAX_GIN_CUDA=${JAX_GIN_CUDA:-AUTO})"
-"$P" -m pip install -q --no-build-isolation --no-deps -e .
+if [ -z "${OFFLINE:-}" ]; then
+  command -v cmake >/dev/null 2>&1 || "$P" -m pip install -q "cmake>=3.24"
+  if command -v nvcc >/dev/null 2>&1; then
+    # The headers (and library) of the NCCL that JAX's CUDA plugin loads on the GPU machine.
+    "$P" -m pip install -q "nvidia-nccl-cu13==2.28.9"
+  fi
+fi
+echo "== building jax_gin (JAX_GIN_CUDA=${JAX_GIN_CUDA:-AUTO}; the CUDA kernels take minutes on few cores)"
+"$P" -m pip install -v ${OFFLINE:+--no-index} --no-build-isolation --no-deps -e . \
+  2>&1 | grep -E --line-buffered '^ *\[[0-9]+/[0-9]+\]|rror' || true
 "$P" -c "import jax_gin; print('jax_gin', jax_gin.__version__, '| CUDA extension:', jax_gin.has_cuda())"
