@@ -32,52 +32,109 @@ _DEFAULT_GPU_WORKSPACE = 64 << 20  # bytes per rank, split among the kernel's la
 _DEFAULT_BUCKET_BYTES = 64 << 20  # bytes of one pytree call (Settings.bucket_bytes)
 _DEFAULT_OVERLAP_LANES = 32  # CTAs of an asynchronous call on a GPU (Settings.overlap_lanes)
 
+_MAX_LANES = 128  # kMaxLanes in include/jax_gin/common.h
+# The CUDA kernels hold the timeout in uint64 nanoseconds; 1e9 s (~31 years) stays well inside.
+_MAX_TIMEOUT_S = 1e9
 
-def _env_float(name: str, default: float) -> float:
-    v = os.environ.get(name)
-    if v is None or v == "":
-        return default
+# Settings field -> (environment variable, what a valid value is).
+_RULES = {
+    "cpu_workspace_bytes": ("JAX_GIN_WORKSPACE_BYTES", "a positive integer number of bytes"),
+    "gpu_workspace_bytes": ("JAX_GIN_WORKSPACE_BYTES", "a positive integer number of bytes"),
+    "timeout_s": ("JAX_GIN_TIMEOUT_S",
+                  "a positive finite number of seconds, at most 1e9 (there is no 'no timeout' value)"),
+    "bucket_bytes": ("JAX_GIN_BUCKET_BYTES", "a positive integer number of bytes"),
+    "overlap_lanes": ("JAX_GIN_OVERLAP_LANES", f"an integer from 1 to {_MAX_LANES}"),
+}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _valid(field: str, value):
+    """`value` as the type `field` holds, or None when it breaks the field's rule."""
+    if field == "timeout_s":
+        if not (_is_int(value) or isinstance(value, (float, np.floating))):
+            return None
+        value = float(value)
+        return value if math.isfinite(value) and 0 < value <= _MAX_TIMEOUT_S else None
+    if not _is_int(value):
+        return None
+    value = int(value)
+    if field == "overlap_lanes":
+        return value if 1 <= value <= _MAX_LANES else None
+    return value if value >= 1 else None
+
+
+def _bad(field: str, shown: str) -> ValueError:
+    return ValueError(f"jax_gin: {shown}: must be {_RULES[field][1]}")
+
+
+def _parse(field: str, text: str):
+    """The number in `text` (integers may be written as 64e6), or None."""
     try:
-        return float(v)
+        return float(text) if field == "timeout_s" else int(text)
     except ValueError:
-        raise ValueError(f"jax_gin: {name}={v!r} is not a number") from None
-
-
-def _env_int(name: str, default: int) -> int:
-    v = os.environ.get(name)
-    if v is None or v == "":
-        return default
+        pass
     try:
-        return int(float(v))
+        value = float(text)
     except ValueError:
-        raise ValueError(f"jax_gin: {name}={v!r} is not an integer") from None
+        return None
+    return int(value) if field != "timeout_s" and value.is_integer() else None
+
+
+def _from_env(field: str, default):
+    """The value of `field` from its environment variable (unset or empty: `default`)."""
+    env = _RULES[field][0]
+    text = os.environ.get(env)
+    if text is None or text == "":
+        return default
+    checked = _valid(field, _parse(field, text))
+    if checked is None:
+        raise _bad(field, f"{env}={text!r}")
+    return checked
 
 
 @dataclasses.dataclass
 class Settings:
     """Runtime settings, read from the environment when jax_gin is imported.
 
-    workspace_bytes: symmetric workspace per rank (JAX_GIN_WORKSPACE_BYTES); messages larger
-        than one round's capacity are pipelined through it in chunks.
-    timeout_s: how long any wait may spin before the call fails (JAX_GIN_TIMEOUT_S).
+    workspace_bytes: symmetric workspace per rank (JAX_GIN_WORKSPACE_BYTES, a positive
+        integer); messages larger than one round's capacity are pipelined through it in
+        chunks. A workspace too small for one round of an algorithm raises a ValueError at
+        trace time that names the bytes it needs.
+    timeout_s: how long any wait may spin before the call fails (JAX_GIN_TIMEOUT_S, seconds,
+        positive and finite).
     bucket_bytes: a pytree's leaves of one dtype are reduced together, in one call per
-        bucket of at most this many bytes (JAX_GIN_BUCKET_BYTES; a leaf larger than that is
-        a bucket of its own), as XLA's all-reduce combiner and PyTorch DDP's buckets do.
+        bucket of at most this many bytes (JAX_GIN_BUCKET_BYTES, a positive integer; a leaf
+        larger than that is a bucket of its own), as XLA's all-reduce combiner and PyTorch
+        DDP's buckets do.
     overlap_lanes: the most lanes (CTAs) an asynchronous call (overlap=True) uses on a GPU
-        (JAX_GIN_OVERLAP_LANES), so that the compute it overlaps keeps the other SMs.
+        (JAX_GIN_OVERLAP_LANES, 1 to 128), so that the compute it overlaps keeps the other SMs.
     fault_rank: testing only -- this rank drops all its signals, so its peers time out.
+
+    Values are checked when read from the environment and when assigned: a bad one raises a
+    ValueError that names the variable and the value.
     """
 
     cpu_workspace_bytes: int = dataclasses.field(
-        default_factory=lambda: _env_int("JAX_GIN_WORKSPACE_BYTES", _DEFAULT_CPU_WORKSPACE))
+        default_factory=lambda: _from_env("cpu_workspace_bytes", _DEFAULT_CPU_WORKSPACE))
     gpu_workspace_bytes: int = dataclasses.field(
-        default_factory=lambda: _env_int("JAX_GIN_WORKSPACE_BYTES", _DEFAULT_GPU_WORKSPACE))
-    timeout_s: float = dataclasses.field(default_factory=lambda: _env_float("JAX_GIN_TIMEOUT_S", 30.0))
+        default_factory=lambda: _from_env("gpu_workspace_bytes", _DEFAULT_GPU_WORKSPACE))
+    timeout_s: float = dataclasses.field(default_factory=lambda: _from_env("timeout_s", 30.0))
     bucket_bytes: int = dataclasses.field(
-        default_factory=lambda: _env_int("JAX_GIN_BUCKET_BYTES", _DEFAULT_BUCKET_BYTES))
+        default_factory=lambda: _from_env("bucket_bytes", _DEFAULT_BUCKET_BYTES))
     overlap_lanes: int = dataclasses.field(
-        default_factory=lambda: _env_int("JAX_GIN_OVERLAP_LANES", _DEFAULT_OVERLAP_LANES))
+        default_factory=lambda: _from_env("overlap_lanes", _DEFAULT_OVERLAP_LANES))
     fault_rank: int = -1
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _RULES:
+            checked = _valid(name, value)
+            if checked is None:
+                raise _bad(name, f"jax_gin.runtime.settings.{name} = {value!r} ({_RULES[name][0]})")
+            value = checked
+        super().__setattr__(name, value)
 
 
 settings = Settings()

@@ -1,4 +1,8 @@
-"""Bad input gets a clear error that names the problem, at trace time."""
+"""Bad input gets a clear error that names the problem: at trace time, when a setting is read
+or assigned, when explain is called."""
+import re
+
+import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -89,3 +93,78 @@ def test_gpu_launch_settings_must_match_across_processes(monkeypatch):
     monkeypatch.setenv("JAX_GIN_ONE_SHOT_CHUNK_BYTES", "32768")
     with pytest.raises(ValueError, match=r"JAX_GIN_ONE_SHOT_CHUNK_BYTES='32768' here but '16384'"):
         _distributed.check_same_settings(gpu_launch_settings(64 << 20, 128), theirs, 1, "group 0")
+
+
+@pytest.mark.parametrize("var,value", [
+    ("JAX_GIN_WORKSPACE_BYTES", "-5"), ("JAX_GIN_WORKSPACE_BYTES", "0"),
+    ("JAX_GIN_WORKSPACE_BYTES", "0.5"), ("JAX_GIN_WORKSPACE_BYTES", "lots"),
+    ("JAX_GIN_TIMEOUT_S", "0"), ("JAX_GIN_TIMEOUT_S", "-1"), ("JAX_GIN_TIMEOUT_S", "inf"),
+    ("JAX_GIN_TIMEOUT_S", "nan"), ("JAX_GIN_BUCKET_BYTES", "0"), ("JAX_GIN_BUCKET_BYTES", "-1"),
+    ("JAX_GIN_OVERLAP_LANES", "0"), ("JAX_GIN_OVERLAP_LANES", "129"),
+    ("JAX_GIN_OVERLAP_LANES", "2.5"),
+])
+def test_bad_env_values(monkeypatch, var, value):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=rf"{var}='{re.escape(value)}': must be"):
+        jax_gin.runtime.Settings()
+
+
+def test_good_env_values(monkeypatch):
+    monkeypatch.setenv("JAX_GIN_WORKSPACE_BYTES", "2e6")
+    monkeypatch.setenv("JAX_GIN_TIMEOUT_S", "0.25")
+    monkeypatch.setenv("JAX_GIN_BUCKET_BYTES", "")  # empty: the default
+    monkeypatch.setenv("JAX_GIN_OVERLAP_LANES", "128")
+    s = jax_gin.runtime.Settings()
+    assert s.cpu_workspace_bytes == s.gpu_workspace_bytes == 2_000_000
+    assert s.timeout_s == 0.25 and s.bucket_bytes == 64 << 20 and s.overlap_lanes == 128
+
+
+@pytest.mark.parametrize("field,value,var", [
+    ("cpu_workspace_bytes", -5, "JAX_GIN_WORKSPACE_BYTES"),
+    ("gpu_workspace_bytes", 1.5, "JAX_GIN_WORKSPACE_BYTES"),
+    ("timeout_s", 0, "JAX_GIN_TIMEOUT_S"), ("timeout_s", -1.0, "JAX_GIN_TIMEOUT_S"),
+    ("timeout_s", "3", "JAX_GIN_TIMEOUT_S"), ("bucket_bytes", 0, "JAX_GIN_BUCKET_BYTES"),
+    ("overlap_lanes", 200, "JAX_GIN_OVERLAP_LANES"), ("overlap_lanes", True, "JAX_GIN_OVERLAP_LANES"),
+])
+def test_bad_settings_assignment(field, value, var):
+    settings = jax_gin.runtime.settings
+    before = getattr(settings, field)
+    with pytest.raises(ValueError, match=rf"settings\.{field} = {re.escape(repr(value))} \({var}\): must be"):
+        setattr(settings, field, value)
+    assert getattr(settings, field) == before
+
+
+def test_bad_env_value_fails_at_import():
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_GIN_WORKSPACE_BYTES="-5")
+    proc = subprocess.run([sys.executable, "-c", "import jax_gin"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "ValueError: jax_gin: JAX_GIN_WORKSPACE_BYTES='-5': must be a positive integer" \
+        in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("nranks", [0, -1, 129, 1000, 2.0, True, "8"])
+def test_explain_bad_nranks(nranks):
+    x = jax.ShapeDtypeStruct((1024,), jnp.float32)
+    with pytest.raises(ValueError, match=rf"nranks={re.escape(repr(nranks))}: expected an integer from 1 to 128"):
+        jax_gin.explain(x, nranks=nranks, platform="cpu")
+
+
+@pytest.mark.parametrize("platform", ["tpu", "CUDA", "rocm", ""])
+def test_explain_bad_platform(platform):
+    x = jax.ShapeDtypeStruct((1024,), jnp.float32)
+    with pytest.raises(ValueError, match=rf"unknown platform {re.escape(repr(platform))}; "
+                                         r"expected one of 'cpu', 'cuda', 'gpu'"):
+        jax_gin.explain(x, nranks=8, platform=platform)
+
+
+def test_explain_accepts_its_range():
+    x = jax.ShapeDtypeStruct((1024,), jnp.float32)
+    assert jax_gin.explain(x, nranks=1, platform="cpu").startswith("one_shot")
+    assert "128 ranks" in jax_gin.explain(x, nranks=128, platform="cuda")
+    # 'gpu' is what jax.default_backend() and Device.platform say on CUDA devices
+    assert jax_gin.explain(x, nranks=8, platform="gpu") == \
+        jax_gin.explain(x, nranks=8, platform="cuda").replace("platform cuda", "platform gpu")
