@@ -34,7 +34,9 @@ XLA cannot prove it replicated and turn lax's all-reduce into a multiply. Two ch
 all-reduce is checked too, against the exact value the step gives.
 
 main() returns 0, or 1 when any result was wrong or any configuration failed (the failure is
-printed in its row and the sweep goes on).
+printed in its row and the sweep goes on). With one device on the reduced axis every
+all-reduce is a copy: main() exits with a message naming how to get 8 CPU devices, unless
+--one-device is given (then no vs_lax ratios are computed).
 """
 from __future__ import annotations
 
@@ -162,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "where its values stay exact, else subtract (default)")
     p.add_argument("--devices", type=int, default=None,
                    help="use the first N devices (default all)")
+    p.add_argument("--one-device", action="store_true",
+                   help="run even when the reduced axis has one device, where every "
+                        "all-reduce is a copy: no vs_lax ratios or geomean (refused without it)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of time and busbw (needs matplotlib)")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
@@ -683,6 +688,13 @@ def _plot_table(records: list, ax_t, ax_b) -> None:
 # Driver
 
 
+ONE_DEVICE_REFUSAL = (
+    "jax_gin.bench: the reduced axis has one device, where every all-reduce (jax_gin's and "
+    "lax's) is a copy, so the times and vs_lax ratios say nothing about all-reduce. For 8 CPU "
+    "devices run with JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8; "
+    "pass --one-device to run on one device anyway (no vs_lax ratios).")
+
+
 def select_devices(n: int | None) -> list:
     devices = jax.devices()
     if n is None:
@@ -719,7 +731,8 @@ def run_table(mesh, dtype: str, op: str, sizes: list, args, platform, progress, 
                           auto_choice=auto_choice(algo, count, dtype, nranks, platform))
                    for algo in args.algorithm]
         measure_size(mesh, inputs, at_size, args, device_args, progress)
-        fill_vs_lax(at_size)
+        if nranks > 1:  # on one device both sides only copy: the ratio means nothing
+            fill_vs_lax(at_size)
         for rec in at_size:
             emit(format_row(rec))
         records.extend(at_size)
@@ -740,6 +753,8 @@ def main(argv=None) -> int:
     if not main_process:
         args.quiet, args.json, args.plot = True, None, None
     devices = select_devices(args.devices)
+    if len(devices) == 1 and not args.one_device:
+        raise SystemExit(ONE_DEVICE_REFUSAL)
     platform = devices[0].platform
     if args.maxbytes is None:
         args.maxbytes = max(args.minbytes, DEFAULT_MAXBYTES.get(platform, DEFAULT_MAXBYTES["gpu"]))
@@ -763,8 +778,7 @@ def main(argv=None) -> int:
     for line in header_lines(meta):
         emit(line)
     if len(devices) == 1:
-        say("# note: one device: every all-reduce is a copy (set XLA_FLAGS="
-            "--xla_force_host_platform_device_count=8 for 8 CPU devices)")
+        say("# note: one device (--one-device): every all-reduce is a copy; no vs_lax ratios")
     records = []
     try:
         for dtype in args.dtype:

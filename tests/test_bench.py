@@ -180,3 +180,19 @@ def test_bench_two_processes(tmp_path):
         assert r["nranks"] == 8 and r["error"] is None, r
         assert r["wrong"] == 0 and r["wrong_chain"] == 0, r
         assert r["time_us"] is not None
+
+
+def test_one_device_is_refused(capsys):
+    """One device on the reduced axis: every all-reduce is a copy, so the sweep refuses and
+    names how to get 8 CPU devices; --one-device runs it without vs_lax ratios or geomean."""
+    with pytest.raises(SystemExit) as info:
+        bench.main(TINY + ["-e", "1K", "--devices", "1"])
+    msg = str(info.value.code)
+    assert "one device" in msg and "--one-device" in msg
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=8" in msg
+    rc = bench.main(TINY + ["-e", "1K", "-a", "auto,lax", "--devices", "1", "--one-device"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    rows = [ln for ln in text.splitlines() if ln.strip() and ln.strip()[0].isdigit()]
+    assert len(rows) == 2 and all(ln.split()[-1] == "-" for ln in rows), text
+    assert "Geomean" not in text
