@@ -75,7 +75,7 @@ class HostTransport {
 
   template <class T>
   void copy(T* dst, const T* src, size_t n) {
-    if (n) std::memcpy(dst, src, n * sizeof(T));
+    if (n && dst != src) std::memcpy(dst, src, n * sizeof(T));
   }
 
   size_t chunk_bytes() const { return cfg_.chunk_bytes; }
@@ -102,17 +102,26 @@ class HostTransport {
   // Every peer may write to us (a later call may use any algorithm).
   bool needs_credit(int) const { return true; }
 
-  // dst = srcs[0] op srcs[1] op ... op srcs[k-1], in that order, pairwise.
+  // dst = srcs[0] op srcs[1] op ... op srcs[k-1], in that order, accumulated in the wide type
+  // (float for 16-bit floats) and rounded once, as lax's own reduction does. Block by block,
+  // every source of an element read before its result is stored, so dst may be a source.
   template <class T, class Op, class Src>
   void reduce(T* dst, const Src& srcs, size_t n) {
+    using Wd = Widen<T>;
+    using W = typename Wd::type;
     const int k = srcs.count();
     if (k == 1) { copy(dst, srcs.get(0), n); return; }
-    const T* a = srcs.get(0);
-    const T* b = srcs.get(1);
-    for (size_t i = 0; i < n; ++i) dst[i] = Op::apply(a[i], b[i]);
-    for (int q = 2; q < k; ++q) {
-      const T* c = srcs.get(q);
-      for (size_t i = 0; i < n; ++i) dst[i] = Op::apply(dst[i], c[i]);
+    constexpr size_t kBlock = 1024;
+    W acc[kBlock];
+    for (size_t lo = 0; lo < n; lo += kBlock) {
+      const size_t m = n - lo < kBlock ? n - lo : kBlock;
+      const T* a = srcs.get(0) + lo;
+      for (size_t i = 0; i < m; ++i) acc[i] = Wd::up(a[i]);
+      for (int q = 1; q < k; ++q) {
+        const T* c = srcs.get(q) + lo;
+        for (size_t i = 0; i < m; ++i) acc[i] = Op::apply(acc[i], Wd::up(c[i]));
+      }
+      for (size_t i = 0; i < m; ++i) dst[lo + i] = Wd::down(acc[i]);
     }
   }
 

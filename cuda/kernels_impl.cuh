@@ -132,8 +132,11 @@ __device__ __forceinline__ void one_shot_ll_lane(const Peers& peers, const LaneP
         st_volatile_v2(dst, hi | (mine & 0xffffffffull), hi | (mine >> 32));
       }
     }
-    // reduce the N lines in rank order, polling for the peers' ones
-    union { uint64_t u; T e[E]; } acc, x;
+    // reduce the N lines in rank order, polling for the peers' ones; accumulate in the wide
+    // type (float for 16-bit floats) and round once
+    using Wd = Widen<T>;
+    typename Wd::W acc[E];
+    union { uint64_t u; T e[E]; } x;
     for (int q = 0; q < N; ++q) {
       if (q == r) {
         x.u = mine;
@@ -155,14 +158,12 @@ __device__ __forceinline__ void one_shot_ll_lane(const Peers& peers, const LaneP
         }
         x.u = (a & 0xffffffffull) | (b << 32);
       }
-      if (q == 0) {
-        acc.u = x.u;
-      } else {
 #pragma unroll
-        for (int j = 0; j < E; ++j) acc.e[j] = Op::apply(acc.e[j], x.e[j]);
-      }
+      for (int j = 0; j < E; ++j) acc[j] = q == 0 ? Wd::up(x.e[j]) : Op::apply(acc[j], Wd::up(x.e[j]));
     }
-    ll_write(io, lo + 8 * i, total, acc.u);
+#pragma unroll
+    for (int j = 0; j < E; ++j) x.e[j] = Wd::down(acc[j]);
+    ll_write(io, lo + 8 * i, total, x.u);
   }
   if (threadIdx.x == 0) p.rounds[kMaxLanes + lane] = round;
 }

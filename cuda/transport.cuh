@@ -200,26 +200,36 @@ class GpuTransport {
   }
 
   // reduce, storing the result to every destination in the same pass (NCCL's fused
-  // "receive, reduce, copy, send").
+  // "receive, reduce, copy, send"). Accumulates in the wide type (float for 16-bit floats)
+  // and rounds once per result, as lax's own reduction does; a thread reads every source of
+  // its vector before it stores the result, so a destination may be a source.
   template <class T, class Op, class Src, class D>
   __device__ void reduce_to(const D& dsts, const Src& srcs, size_t n) const {
+    using Wd = Widen<T>;
+    using W = typename Wd::W;
     constexpr size_t V = 16 / sizeof(T);
     const size_t nv = n / V;
     const int k = srcs.count(), nd = dsts.count();
     for (size_t i = threadIdx.x; i < nv; i += blockDim.x) {
-      union { uint4 u; T e[V]; } acc, x;
-      acc.u = reinterpret_cast<const uint4*>(srcs.get(0))[i];
+      union { uint4 u; T e[V]; } x;
+      W acc[V];
+      x.u = reinterpret_cast<const uint4*>(srcs.get(0))[i];
+#pragma unroll
+      for (size_t j = 0; j < V; ++j) acc[j] = Wd::up(x.e[j]);
       for (int q = 1; q < k; ++q) {
         x.u = reinterpret_cast<const uint4*>(srcs.get(q))[i];
 #pragma unroll
-        for (size_t j = 0; j < V; ++j) acc.e[j] = Op::apply(acc.e[j], x.e[j]);
+        for (size_t j = 0; j < V; ++j) acc[j] = Op::apply(acc[j], Wd::up(x.e[j]));
       }
-      for (int q = 0; q < nd; ++q) reinterpret_cast<uint4*>(dsts.get(q))[i] = acc.u;
+#pragma unroll
+      for (size_t j = 0; j < V; ++j) x.e[j] = Wd::down(acc[j]);
+      for (int q = 0; q < nd; ++q) reinterpret_cast<uint4*>(dsts.get(q))[i] = x.u;
     }
     for (size_t i = nv * V + threadIdx.x; i < n; i += blockDim.x) {
-      T acc = srcs.get(0)[i];
-      for (int q = 1; q < k; ++q) acc = Op::apply(acc, srcs.get(q)[i]);
-      for (int q = 0; q < nd; ++q) dsts.get(q)[i] = acc;
+      W acc = Wd::up(srcs.get(0)[i]);
+      for (int q = 1; q < k; ++q) acc = Op::apply(acc, Wd::up(srcs.get(q)[i]));
+      const T r = Wd::down(acc);
+      for (int q = 0; q < nd; ++q) dsts.get(q)[i] = r;
     }
   }
 
