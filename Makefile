@@ -13,8 +13,10 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q tests
 
+# the benchmark on the GPUs where there are GPUs, else on 8 CPU devices
 bench: setup
-	$(PY) -m jax_gin.bench
+	@if nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then $(PY) -m jax_gin.bench; \
+	else JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m jax_gin.bench; fi
 
 clean:
 	rm -rf build .venv
