@@ -89,6 +89,15 @@ ffi::Error CudaAllReduceImpl(cudaStream_t stream, int32_t device,
   return launch(stream, device, xs, outs, comm, op, algorithm, 0, &st, nullptr);
 }
 
+// The rank state of an asynchronous start or done, with its event slot checked.
+ffi::Error async_rank(int64_t comm, int32_t device, int32_t slot, const gpu::RankState** st) {
+  *st = gpu::find_rank(comm, device);
+  if (*st == nullptr || slot < 0 || slot >= kAsyncSlots)
+    return ffi::Error::Internal("jax_gin: no communicator " + std::to_string(comm) + " state for CUDA device " +
+                                std::to_string(device) + " or no event slot " + std::to_string(slot));
+  return ffi::Error::Success();
+}
+
 ffi::Error CudaAllReduceStartImpl(cudaStream_t stream, int32_t device,
                                   ffi::Buffer<ffi::U32> partition_id, ffi::Buffer<ffi::U32> order_in,
                                   ffi::RemainingArgs xs, ffi::Result<ffi::Buffer<ffi::U32>> order_out,
@@ -97,10 +106,8 @@ ffi::Error CudaAllReduceStartImpl(cudaStream_t stream, int32_t device,
   (void)partition_id;
   (void)order_in;
   (void)order_out;
-  const gpu::RankState* st = gpu::find_rank(comm, device);
-  if (st == nullptr || slot < 0 || slot >= kAsyncSlots)
-    return ffi::Error::Internal("jax_gin: no communicator " + std::to_string(comm) +
-                                " state for CUDA device " + std::to_string(device) + " (or bad slot)");
+  const gpu::RankState* st = nullptr;
+  if (ffi::Error err = async_rank(comm, device, slot, &st); err.failure()) return err;
   // fork: the side stream waits for everything XLA's stream did so far (the inputs, and every
   // earlier jax_gin call of this rank, which the order tokens put before this one)
   if (cudaError_t e = cudaEventRecord(st->fork[slot], stream)) return cuda_error("cudaEventRecord", e);
@@ -120,10 +127,8 @@ ffi::Error CudaAllReduceDoneImpl(cudaStream_t stream, int32_t device, ffi::Buffe
   (void)order_out;
   (void)operands;  // the start's results (aliased to ours)
   (void)outs;
-  const gpu::RankState* st = gpu::find_rank(comm, device);
-  if (st == nullptr || slot < 0 || slot >= kAsyncSlots)
-    return ffi::Error::Internal("jax_gin: no communicator " + std::to_string(comm) +
-                                " state for CUDA device " + std::to_string(device) + " (or bad slot)");
+  const gpu::RankState* st = nullptr;
+  if (ffi::Error err = async_rank(comm, device, slot, &st); err.failure()) return err;
   if (cudaError_t e = cudaStreamWaitEvent(stream, st->join[slot], 0)) return cuda_error("cudaStreamWaitEvent", e);
   return ffi::Error::Success();
 }
