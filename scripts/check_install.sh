@@ -11,12 +11,15 @@
 #
 #   bash scripts/check_install.sh            # PYTHON=python3.13 picks the interpreter
 #
-# Reuses pip's cache (downloads and wheels); every build is fresh (its own build folder).
+# Uses pip's cache where the index allows it; every build is fresh (its own build folder).
 # Work files go to a temporary folder, removed at exit unless KEEP=1. Prints each step's time.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 export JAX_GIN_CUDA=OFF
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+# No bytecode compilation on install, here and in the isolated build environments (which
+# inherit the variable): half of each jax + jaxlib + scipy install.
+export PIP_COMPILE=0
 
 find_python() {
   for cand in python3.13 python3.12 python3; do
