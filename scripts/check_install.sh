@@ -21,20 +21,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # inherit the variable): half of each jax + jaxlib + scipy install.
 export PIP_COMPILE=0
 
-find_python() {
-  for cand in python3.13 python3.12 python3; do
-    if command -v "$cand" >/dev/null 2>&1 &&
-       "$cand" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null; then
-      echo "$cand"; return 0
-    fi
-  done
-  if command -v pyenv >/dev/null 2>&1; then
-    for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.(1[2-9])' | sort -V -r); do
-      echo "env PYENV_VERSION=$v python${v%.*}"; return 0
-    done
-  fi
-  return 1
-}
+. "$REPO/scripts/find_python.sh"
 PY=${PYTHON:-$(find_python)} || { echo "check_install: needs Python >= 3.12" >&2; exit 1; }
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/jax_gin_check.XXXXXX")

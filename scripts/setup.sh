@@ -7,21 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${JAX_GIN_VENV:-.venv}
 
-find_python() {
-  for cand in python3.13 python3.12 python3; do
-    if command -v "$cand" >/dev/null 2>&1 &&
-       "$cand" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null; then
-      echo "$cand"; return 0
-    fi
-  done
-  # pyenv keeps 3.12 beside an older default on the CPU machines (findings.md).
-  if command -v pyenv >/dev/null 2>&1; then
-    for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.(1[2-9])' | sort -V -r); do
-      echo "env PYENV_VERSION=$v python${v%.*}"; return 0
-    done
-  fi
-  return 1
-}
+. scripts/find_python.sh
 
 # Where no package index is reachable but a system Python already has jax >= 0.11.2 and the
 # build tools (as on a GPU machine with a CUDA-enabled jax), the venv is made on top of that
