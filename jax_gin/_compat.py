@@ -13,6 +13,27 @@ from jax._src.interpreters import batching as _batching  # noqa: F401  (re-expor
 
 JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
 
+
+def partition_id():
+    """The lowered program's partition id (an MLIR value): the device's logical id."""
+    from jax._src.lib.mlir.dialects import hlo
+    return hlo.partition_id()
+
+
+def current_block():
+    """The MLIR block that lowering is inserting into."""
+    from jax._src.lib.mlir import ir
+    return ir.InsertionPoint.current.block
+
+
+def distributed_state():
+    """jax.distributed's global state of this process, or None where JAX has none."""
+    try:
+        from jax._src import distributed as _d
+    except ImportError:  # pragma: no cover - a JAX without it
+        return None
+    return getattr(_d, "global_state", None)
+
 NamedAxisEffect = _core.NamedAxisEffect
 batching = _batching
 

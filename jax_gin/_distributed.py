@@ -36,7 +36,7 @@ import secrets
 import socket
 import time
 
-from . import _native
+from . import _compat, _native
 
 KV_PREFIX = "jax_gin"
 _JOB_TOKEN_KEY = f"{KV_PREFIX}/job_token"
@@ -57,19 +57,11 @@ class KeyValueStoreError(ConnectionError):
 
 def distributed_client():
     """The jax.distributed client of this process, or None before initialize()."""
-    try:
-        from jax._src import distributed as _d
-    except ImportError:  # pragma: no cover - a JAX without it
-        return None
-    return getattr(getattr(_d, "global_state", None), "client", None)
+    return getattr(_compat.distributed_state(), "client", None)
 
 
 def coordinator_address() -> str:
-    try:
-        from jax._src import distributed as _d
-        return str(getattr(_d.global_state, "coordinator_address", None) or "?")
-    except Exception:  # pragma: no cover
-        return "?"
+    return str(getattr(_compat.distributed_state(), "coordinator_address", None) or "?")
 
 
 # ---------------------------------------------------------------------------------------

@@ -24,7 +24,6 @@ import jax.numpy as jnp
 from jax import tree_util
 from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
-from jax._src.lib.mlir.dialects import hlo  # noqa: F401  (partition_id)
 
 from . import _compat, _native, _runtime, _select
 from ._ops import OP_API_NAMES, OP_CODES, check_dtype
@@ -306,7 +305,7 @@ def _lowering(ctx, *xs, axes, op, algorithm, invariant, overlap, platform):
         target = _native.CPU_TARGET if platform == "cpu" else _native.CUDA_TARGET
         tok, *outs = jax.ffi.ffi_lowering(target)(
             ctx.replace(avals_in=[tok_aval, tok_aval, *avals], avals_out=[tok_aval, *ctx.avals_out]),
-            hlo.partition_id(), _chain_token(ctx), *xs, **attrs)
+            _compat.partition_id(), _chain_token(ctx), *xs, **attrs)
         _set_chain_token(ctx, tok)
         return outs
     # Asynchronous pair. The start launches and returns; the done joins. The next jax_gin call
@@ -323,7 +322,7 @@ def _lowering(ctx, *xs, axes, op, algorithm, invariant, overlap, platform):
     inplace = {2 + i: 1 + i for i in range(k)} if platform != "cpu" else None
     tok, *outs = jax.ffi.ffi_lowering(start_target, operand_output_aliases=inplace)(
         ctx.replace(avals_in=[tok_aval, tok_aval, *avals], avals_out=[tok_aval, *ctx.avals_out]),
-        hlo.partition_id(), _chain_token(ctx), *xs,
+        _compat.partition_id(), _chain_token(ctx), *xs,
         max_lanes=np.int32(_runtime.settings.overlap_lanes), slot=slot, **attrs)
     tok, *res = jax.ffi.ffi_lowering(done_target,
                                      operand_output_aliases={1 + i: 1 + i for i in range(k)})(
@@ -350,8 +349,7 @@ def _chain(ctx) -> list:
 
 
 def _chain_token(ctx):
-    from jax._src.lib.mlir import ir
-    block = ir.InsertionPoint.current.block
+    block = _compat.current_block()
     for b, tok in _chain(ctx):
         if b == block:
             return tok
@@ -359,8 +357,7 @@ def _chain_token(ctx):
 
 
 def _set_chain_token(ctx, tok):
-    from jax._src.lib.mlir import ir
-    block = ir.InsertionPoint.current.block
+    block = _compat.current_block()
     chain = _chain(ctx)
     chain[:] = [(b, t) for b, t in chain if b != block]
     chain.append((block, tok))
