@@ -272,7 +272,14 @@ def _lowering(ctx, *xs, axes, op, algorithm, invariant, overlap, platform):
     api = OP_API_NAMES[op]
     axis_ctx = ctx.module_context.axis_context
     mesh = getattr(axis_ctx, "mesh", None)
-    if mesh is None or not hasattr(mesh, "devices"):
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        # A shard_map given no Mesh (e.g. one nested in another) lowers over the abstract
+        # mesh of its context unless a concrete mesh is set; jax_gin needs the devices.
+        raise ValueError(
+            f"jax_gin.{api}: this shard_map has only an abstract mesh (axes "
+            f"{dict(zip(mesh.axis_names, mesh.axis_sizes))}), and jax_gin needs its devices; "
+            "run it under `with jax.set_mesh(mesh):` with the concrete Mesh")
+    if mesh is None or not isinstance(mesh, jax.sharding.Mesh):
         raise NotImplementedError(
             f"jax_gin.{api} must be called inside jax.shard_map over a concrete Mesh "
             f"(got axis context {type(axis_ctx).__name__})")

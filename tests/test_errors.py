@@ -4,6 +4,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -168,3 +169,26 @@ def test_explain_accepts_its_range():
     # 'gpu' is what jax.default_backend() and Device.platform say on CUDA devices
     assert jax_gin.explain(x, nranks=8, platform="gpu") == \
         jax_gin.explain(x, nranks=8, platform="cuda").replace("platform cuda", "platform gpu")
+
+
+def test_nested_shard_map_needs_the_concrete_mesh():
+    # An inner shard_map given no Mesh lowers over the context's abstract mesh: jax_gin names
+    # the fix, and under jax.set_mesh the nested call equals lax's.
+    from conftest import mesh_2d
+    from jax import lax
+    mesh = mesh_2d()
+    nx, ny = mesh.devices.shape
+    x = exact_input((nx * 2, 3 * ny), 1, "float32").reshape(nx * 2, 3 * ny)
+
+    def run(psum):
+        def outer(v):
+            return jax.shard_map(lambda u: psum(u, "y"), in_specs=P(None, "y"),
+                                 out_specs=P(None, None), axis_names={"y"})(v)
+        return jax.jit(jax.shard_map(outer, mesh=mesh, in_specs=P("x", None),
+                                     out_specs=P("x", None), axis_names={"x"}))(x)
+
+    with pytest.raises(ValueError, match=r"abstract mesh.*jax\.set_mesh"):
+        run(jax_gin.psum)
+    with jax.set_mesh(mesh):
+        got = run(jax_gin.psum)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(run(lax.psum)))
