@@ -16,7 +16,7 @@ import jax_gin
 from conftest import mesh_1d, ndev
 from helpers import smap
 
-ROUND_ONCE = ("one_shot", "two_shot")
+ROUND_ONCE = ("one_shot", "two_shot", "auto")
 
 
 def _mean_error(x, algo):
@@ -33,7 +33,7 @@ def _mean_error(x, algo):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-@pytest.mark.parametrize("algo", jax_gin.ALGORITHMS)
+@pytest.mark.parametrize("algo", jax_gin.ALGORITHMS + ("auto",))
 def test_error_against_exact_sum(dtype, algo):
     rng = np.random.default_rng(7)
     x = jnp.asarray(rng.standard_normal(ndev() * 4099).astype(np.float32)).astype(dtype)
@@ -42,5 +42,5 @@ def test_error_against_exact_sum(dtype, algo):
         # rounded once, like lax (float32: same summation precision, another order)
         assert ours <= lax_err * 1.05 + 1e-12, (ours, lax_err)
     else:
-        # up to N - 1 roundings of 16-bit partials
-        assert ours <= lax_err * max(1, ndev() - 1), (ours, lax_err)
+        # up to N - 1 roundings of 16-bit partials; within 3x of lax's error on this data
+        assert ours <= lax_err * 3, (ours, lax_err)
