@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_gin import bench
+from jax_gin import _bench_inputs, bench
 from conftest import ndev
 
 SIZES = [1024, 4096]
@@ -57,8 +57,8 @@ def test_tiny_sweep(tmp_path, capsys):
 
 def test_wrong_results_fail(monkeypatch, capsys):
     # A reference off by one: every element is reported wrong and main() fails.
-    true_reference = bench.reference
-    monkeypatch.setattr(bench, "reference", lambda v, op: true_reference(v, op) + 1)
+    true_reference = _bench_inputs.reference
+    monkeypatch.setattr(_bench_inputs, "reference", lambda v, op: true_reference(v, op) + 1)
     rc = bench.main(TINY + ["-e", "1K", "-a", "ring"])
     text = capsys.readouterr().out
     assert rc == 1
@@ -73,7 +73,7 @@ def test_wrong_results_fail(monkeypatch, capsys):
 def test_inputs_are_exact_and_nonzero(dtype, op):
     inp = bench.make_inputs(8, 100, dtype, op, seed=1)
     assert np.all(inp.x != 0)
-    want = bench.reference(inp.x.astype(np.int64), op)
+    want = _bench_inputs.reference(inp.x.astype(np.int64), op)
     np.testing.assert_array_equal(inp.ref.astype(np.int64), want)
     # One chain step on the device: allreduce(x) - corr must give x back exactly.
     step = jnp.asarray(np.broadcast_to(inp.ref, inp.x.shape)) - jnp.asarray(inp.corr)
