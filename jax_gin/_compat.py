@@ -102,5 +102,9 @@ def xla_allreduce_lowering(ctx, xs, op: str, axes: tuple):
     from jax._src.lax import parallel as _parallel
     prim, reduce = {"sum": (lax.add_p, lax.reduce_sum), "max": (lax.max_p, lax.reduce_max),
                     "min": (lax.min_p, lax.reduce_min)}[op]
-    return _parallel._all_reduce_lowering(prim, reduce, ctx, *xs, axes=tuple(axes),
-                                          axis_index_groups=None)
+    outs = []  # lax's rule takes one operand: one all-reduce per operand
+    for x, a_in, a_out in zip(xs, ctx.avals_in, ctx.avals_out):
+        outs.extend(_parallel._all_reduce_lowering(
+            prim, reduce, ctx.replace(avals_in=[a_in], avals_out=[a_out]), x, axes=tuple(axes),
+            axis_index_groups=None))
+    return outs

@@ -64,7 +64,9 @@ def test_one_call_per_dtype_and_bucket():
     tree = _tree()
     spec = jax.tree.map(lambda _: P("i"), tree)
     for bucket_bytes, expected in [(1 << 30, 3), (1, 9)]:
-        sf = jax.jit(jax.shard_map(lambda t: jax_gin.psum(t, "i", bucket_bytes=bucket_bytes),
+        # an explicit algorithm: `auto` may hand a size to XLA's all-reduce (a tuning table)
+        sf = jax.jit(jax.shard_map(lambda t: jax_gin.psum(t, "i", algorithm="two_shot",
+                                                          bucket_bytes=bucket_bytes),
                                    mesh=mesh, in_specs=(spec,), out_specs=spec))
         # float32, bfloat16, int32: three calls; with 1-byte buckets, one call per leaf
         assert _calls(sf, tree) == expected

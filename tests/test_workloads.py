@@ -34,7 +34,9 @@ def mesh_of(workload, n):
 @pytest.mark.parametrize("workload", STEPS)
 def test_variants_compile_run_and_agree(workload, n):
     cfg = tiny(workload, dtype="float32")
-    r = workloads.measure(workload, mesh_of(workload, n), cfg, rounds=1, warmup=0)
+    # an explicit algorithm: `auto` may hand a size to XLA's all-reduce (a tuning table)
+    r = workloads.measure(workload, mesh_of(workload, n), cfg, algorithm="two_shot", rounds=1,
+                          warmup=0)
     v = r["variants"]
     assert list(v) == ["none", "lax", "jax_gin"]
     # lax: XLA all-reduces only; jax_gin: jax_gin custom calls only; none: neither
@@ -87,7 +89,8 @@ CLI_SIZES = ["--layers", "1", "--d-model", "64", "--heads", "8", "--ffn", "256",
 def test_cli(workload, tmp_path, capsys):
     path = tmp_path / "w.json"
     extra = ["--vocab", "128"] if workload == "dp-train" else []
-    rc = bench.main(["--workload", workload, "--rounds", "2", "--warmup", "1", "--json", str(path)]
+    rc = bench.main(["--workload", workload, "--rounds", "2", "--warmup", "1", "--json", str(path),
+                     "--algorithm", "two_shot"]
                     + CLI_SIZES + extra)
     text = capsys.readouterr().out
     assert rc == 0, text
@@ -128,7 +131,8 @@ def test_overlap_sum_is_exact():
 
 def test_cli_overlap(tmp_path, capsys):
     path = tmp_path / "o.json"
-    rc = bench.main(["--workload", "overlap", "--rounds", "2", "--warmup", "1", "--layers", "2",
+    rc = bench.main(["--workload", "overlap", "--algorithm", "two_shot", "--rounds", "2",
+                     "--warmup", "1", "--layers", "2",
                      "--d-model", "32", "--rows", "4", "--mib", "0.0625", "--json", str(path)])
     text = capsys.readouterr().out
     assert rc == 0, text
