@@ -86,6 +86,26 @@ def is_tracer(x) -> bool:
     return isinstance(x, _core.Tracer)
 
 
+def unreduced_axes(aval) -> frozenset:
+    """The mesh axes over which a value is an unreduced partial sum (JAX's `unreduced` type)."""
+    mat = getattr(aval, "mat", None)
+    return frozenset(getattr(mat, "unreduced", frozenset())) if mat is not None else frozenset()
+
+
+def without_unreduced(aval, axes: tuple):
+    """The type of an all-reduce of an unreduced value over `axes`: those axes are no longer
+    unreduced (lax's unreduced_psum types its result this way)."""
+    out_u = frozenset(u for u in aval.mat.unreduced if u not in axes)
+    kind = aval.mat.unreduced_kind if out_u else None
+    return aval.update(manual_axis_type=aval.mat.update(unreduced=out_u, unreduced_kind=kind))
+
+
+def preduced(x, axes: tuple):
+    """lax's transpose of an unreduced psum: the cotangent marked reduced over `axes`."""
+    from jax._src.lax import parallel as _parallel
+    return _parallel.preduced(x, axis_name=tuple(axes))
+
+
 def pcast_varying(x, axes: tuple):
     """Mark x as varying over `axes` (lax.pcast(..., to='varying'); pvary before it existed)."""
     if not axes:

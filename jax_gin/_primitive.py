@@ -8,6 +8,9 @@ pytree's leaves, reduced in one custom call and, on GPUs, one kernel launch) and
   invariant  True when traced under shard_map(check_vma=True): then, like lax.psum, the
              input must vary over `axes` and the output does not; the transpose of a sum is
              a pcast to varying. With check_vma=False the sum transposes to another sum.
+             "unreduced": the input is an unreduced partial sum over `axes` (JAX's typing of
+             pending sums); the output is no longer unreduced over them and the transpose
+             marks the cotangent reduced, as lax's unreduced_psum does.
   overlap    True: lowered as an asynchronous start/done pair of custom calls (on GPUs the
              kernel runs on a side stream with few lanes); False: one synchronous call.
 
@@ -128,7 +131,7 @@ def _allreduce(x, axis_name, op: str, algorithm: str, bucket_bytes, overlap):
     invariant = _compat.check_vma_enabled()
     leaves, treedef = tree_util.tree_flatten(x)
     out = [None] * len(leaves)
-    by_dtype: dict = {}  # dtype -> indices of the leaves that communicate, in leaf order
+    by_dtype: dict = {}  # (dtype, typing) -> indices of the leaves that communicate, in order
     was_bool = set()  # max/min of bool leaves give bool, as lax.pmax/pmin do
     for i, leaf in enumerate(leaves):
         leaf = jnp.asarray(leaf) if not hasattr(leaf, "dtype") else leaf
@@ -147,19 +150,25 @@ def _allreduce(x, axis_name, op: str, algorithm: str, bucket_bytes, overlap):
                 leaf = leaf * jnp.asarray(size, leaf.dtype)
             out[i] = leaf
             continue
-        if invariant:
+        mode = invariant
+        if invariant and set(axes) <= _compat.unreduced_axes(jax.typeof(leaf)):
+            if op != "sum":
+                raise NotImplementedError(
+                    f"jax_gin.{api} of an unreduced value is not supported; use jax.lax.{api}")
+            mode = "unreduced"
+        elif invariant:
             manual = _compat.manual_mesh_axes()
             vma = _compat.varying_axes(jax.typeof(leaf))
             missing = tuple(a for a in axes if a in manual and a not in vma)
             leaf = _compat.pcast_varying(leaf, missing)
         leaves[i] = leaf
-        by_dtype.setdefault(np.dtype(leaf.dtype), []).append(i)
-    for dtype, idx in by_dtype.items():
+        by_dtype.setdefault((np.dtype(leaf.dtype), mode), []).append(i)
+    for (dtype, mode), idx in by_dtype.items():
         sizes = [int(np.prod(np.shape(leaves[i]), dtype=np.int64)) * dtype.itemsize for i in idx]
         for bucket in buckets(sizes, bucket_bytes):
             members = [idx[j] for j in bucket]
             res = allreduce_p.bind(*[leaves[i] for i in members], axes=axes, op=op,
-                                   algorithm=algorithm, invariant=invariant, overlap=overlap)
+                                   algorithm=algorithm, invariant=mode, overlap=overlap)
             for i, r in zip(members, res):
                 out[i] = r
     for i in was_bool:
@@ -183,7 +192,13 @@ def _abstract_eval(*avals, axes, op, algorithm, invariant, overlap):
             raise NameError(f"jax_gin.{OP_API_NAMES[op]}: unknown axis name {a!r}")
     outs = []
     for aval in avals:
-        if invariant:
+        if invariant == "unreduced":
+            if not set(axes) <= _compat.unreduced_axes(aval):
+                raise ValueError(
+                    f"jax_gin.{OP_API_NAMES[op]}: an unreduced psum needs an input unreduced over "
+                    f"{axes}; it is unreduced over {sorted(_compat.unreduced_axes(aval))}")
+            outs.append(_compat.without_unreduced(aval, axes))
+        elif invariant:
             vma = _compat.varying_axes(aval)
             mesh_axes = set(axes) & _compat.manual_mesh_axes()
             if not mesh_axes <= vma:
@@ -233,6 +248,10 @@ def _transpose(cts, *xs, axes, op, algorithm, invariant, overlap):
     nz = [i for i, ct in enumerate(cts) if type(ct) is not ad.Zero]
     if not nz:
         return res
+    if invariant == "unreduced":
+        for i in nz:
+            res[i] = _compat.preduced(cts[i], axes)
+        return res
     if invariant:
         # psum under check_vma is varying -> invariant: its transpose only re-marks the
         # cotangent as varying, with no communication (lax.psum does the same).
@@ -249,6 +268,8 @@ def _transpose(cts, *xs, axes, op, algorithm, invariant, overlap):
 
 def _batch(axis_data, vals_in, dims_in, *, axes, op, algorithm, invariant, overlap):
     params = dict(axes=axes, op=op, algorithm=algorithm, invariant=invariant, overlap=overlap)
+    if invariant == "unreduced":
+        raise NotImplementedError("jax_gin.psum of an unreduced value under vmap (as in lax)")
     if axis_data.name not in axes:
         # vmap inside shard_map: the batch dimension is just more data to reduce elementwise.
         return allreduce_p.bind(*vals_in, **params), list(dims_in)
