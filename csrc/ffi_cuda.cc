@@ -52,7 +52,7 @@ ffi::Error rank_state(int64_t comm, int32_t device, int32_t algorithm, const gpu
 // most `max_lanes` lanes (0: the rank's configured cap).
 ffi::Error launch(cudaStream_t stream, int32_t device, ffi::RemainingArgs& xs,
                   ffi::RemainingRets& outs, int64_t comm, int32_t op, int32_t algorithm,
-                  int32_t max_lanes, const gpu::RankState** state, cudaStream_t* used) {
+                  int32_t max_lanes) {
   DType dtype;
   Segment seg[kMaxSegments];
   int nseg = 0;
@@ -61,12 +61,11 @@ ffi::Error launch(cudaStream_t stream, int32_t device, ffi::RemainingArgs& xs,
   if (ffi::Error err = check_enums(op, hier ? 0 : algorithm); err.failure()) return err;
   const gpu::RankState* st = nullptr;
   if (ffi::Error err = rank_state(comm, device, algorithm, &st); err.failure()) return err;
-  *state = st;
   gpu::LaunchConfig cfg = st->cfg;
   if (max_lanes > 0 && max_lanes < cfg.max_lanes) cfg.max_lanes = max_lanes;
   const gpu::PeerAccess peers{st->win, nullptr, hier ? &st->devcomm : nullptr};
   cudaError_t e = gpu::launch_allreduce(peers, cfg, dtype, RedOp(op), Algorithm(algorithm), seg,
-                                        nseg, used ? *used : stream);
+                                        nseg, stream);
   if (e != cudaSuccess)
     return ffi::Error::Internal(std::string("jax_gin: kernel launch failed: ") + cudaGetErrorString(e));
   return ffi::Error::Success();
@@ -85,8 +84,7 @@ ffi::Error CudaAllReduceImpl(cudaStream_t stream, int32_t device,
   // their values are never read, and on the GPU one stream orders the calls anyway.
   (void)order_in;
   (void)order_out;
-  const gpu::RankState* st = nullptr;
-  return launch(stream, device, xs, outs, comm, op, algorithm, 0, &st, nullptr);
+  return launch(stream, device, xs, outs, comm, op, algorithm, 0);
 }
 
 // The rank state of an asynchronous start or done, with its event slot checked.
@@ -112,8 +110,7 @@ ffi::Error CudaAllReduceStartImpl(cudaStream_t stream, int32_t device,
   // earlier jax_gin call of this rank, which the order tokens put before this one)
   if (cudaError_t e = cudaEventRecord(st->fork[slot], stream)) return cuda_error("cudaEventRecord", e);
   if (cudaError_t e = cudaStreamWaitEvent(st->side, st->fork[slot], 0)) return cuda_error("cudaStreamWaitEvent", e);
-  cudaStream_t side = st->side;
-  if (ffi::Error err = launch(stream, device, xs, outs, comm, op, algorithm, max_lanes, &st, &side);
+  if (ffi::Error err = launch(st->side, device, xs, outs, comm, op, algorithm, max_lanes);
       err.failure())
     return err;
   if (cudaError_t e = cudaEventRecord(st->join[slot], st->side)) return cuda_error("cudaEventRecord", e);
