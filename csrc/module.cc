@@ -184,6 +184,9 @@ NB_MODULE(_jax_gin, m) {
   m.attr("MAX_SEGMENTS") = kMaxSegments;
   // Event slots per rank of asynchronous start/done pairs (GPU).
   m.attr("ASYNC_SLOTS") = kAsyncSlots;
+  // The largest group and the most lanes (CTAs) of one call (common.h), for Python's checks.
+  m.attr("MAX_RANKS") = kMaxRanks;
+  m.attr("MAX_LANES") = kMaxLanes;
 
   // Schedules (include/jax_gin/schedule.h), exposed for unit tests.
   nb::module_ s = m.def_submodule("schedule", "the shared schedule header, for tests");

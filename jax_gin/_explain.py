@@ -7,9 +7,9 @@ import numpy as np
 
 import jax
 
-from . import _select
+from . import _native, _select
 
-MAX_RANKS = 128  # kMaxRanks in include/jax_gin/common.h
+MAX_RANKS = int(_native.cpu.MAX_RANKS)  # the largest group jax_gin runs (common.h kMaxRanks)
 PLATFORMS = ("cpu", "cuda", "gpu")  # 'gpu': jax.default_backend() and Device.platform on CUDA
 
 

@@ -32,7 +32,7 @@ _DEFAULT_GPU_WORKSPACE = 64 << 20  # bytes per rank, split among the kernel's la
 _DEFAULT_BUCKET_BYTES = 64 << 20  # bytes of one pytree call (Settings.bucket_bytes)
 _DEFAULT_OVERLAP_LANES = 32  # CTAs of an asynchronous call on a GPU (Settings.overlap_lanes)
 
-_MAX_LANES = 128  # kMaxLanes in include/jax_gin/common.h
+_MAX_LANES = int(_native.cpu.MAX_LANES)  # the most lanes of one call (common.h kMaxLanes)
 # The CUDA kernels hold the timeout in uint64 nanoseconds; 1e9 s (~31 years) stays well inside.
 _MAX_TIMEOUT_S = 1e9
 
