@@ -338,17 +338,17 @@ def _lowering(ctx, *xs, axes, op, algorithm, invariant, overlap, platform):
         return outs
     # Asynchronous pair. The start launches and returns; the done joins. The next jax_gin call
     # chains on the done's token: calls of one communicator never run concurrently.
-    # On GPUs the start reduces in place (its results alias its inputs) and the done takes and
-    # returns those buffers (aliased): so XLA keeps them alive and untouched until the done,
-    # and neither call allocates or frees memory, which leaves XLA's memory-driven scheduler no
-    # reason to pull the done up to the start. (XLA copies an input that is still needed
-    # afterwards, or that is a parameter of the program, before the start.) The CPU start runs
-    # synchronously and writes fresh buffers: its reduction passes may overwrite a source.
+    # The start reduces in place (its results alias its inputs; every backend reads each
+    # element's sources before it writes its result) and the done takes and returns those
+    # buffers (aliased): so XLA keeps them alive and untouched until the done, and the pair
+    # needs no buffer beyond its inputs. (XLA copies an input that is still needed afterwards,
+    # or that is a parameter of the program, before the start.) Where XLA places the done is
+    # its scheduler's choice: on 2 x H200 it placed it right after the start (docs/overlap.md).
     start_target, done_target = _native.ASYNC_TARGETS[platform]
     slot = np.int32(next(_async_slots) % _native.ASYNC_SLOTS)
     k = len(xs)
-    inplace = {2 + i: 1 + i for i in range(k)} if platform != "cpu" else None
-    tok, *outs = jax.ffi.ffi_lowering(start_target, operand_output_aliases=inplace)(
+    tok, *outs = jax.ffi.ffi_lowering(start_target,
+                                      operand_output_aliases={2 + i: 1 + i for i in range(k)})(
         ctx.replace(avals_in=[tok_aval, tok_aval, *avals], avals_out=[tok_aval, *ctx.avals_out]),
         _compat.partition_id(), _chain_token(ctx), *xs,
         max_lanes=np.int32(_runtime.settings.overlap_lanes), slot=slot, **attrs)
