@@ -54,6 +54,23 @@ def workload_parser(description: str):
     return p
 
 
+def workload_setup(workload: str, description: str):
+    """(args, mesh, cfg, reduce) of a step example: its options parsed, the workload's 1-D mesh
+    over every device, its sizes (the platform's defaults unless given) and the all-reduce its
+    steps run with ('all' runs jax_gin's, then times the three)."""
+    import jax
+    from jax_gin import workloads
+
+    args = workload_parser(description).parse_args()
+    devices = jax.devices()
+    mesh = workloads.make_mesh(workload, devices)
+    cfg = workloads.default_config(workload, devices[0].platform, layers=args.layers,
+                                   d_model=args.d_model, seq=args.seq, batch=args.batch)
+    reduce = "jax_gin" if args.reduce == "all" else args.reduce
+    print(f"{workload} on {len(devices)} x {devices[0].device_kind}: {cfg}")
+    return args, mesh, cfg, reduce
+
+
 def report_step_times(workload: str, mesh, cfg, args) -> None:
     """Times the step built with args.reduce (or all three) in turns with the compute-only
     one, and prints the step times and the exposed communication."""

@@ -24,25 +24,15 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import default_to_cpu_devices, report_step_times, workload_parser  # noqa: E402
+from _common import default_to_cpu_devices, report_step_times, workload_setup  # noqa: E402
 
 default_to_cpu_devices()  # 8 CPU devices unless a GPU and the CUDA build are present
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
 
 from jax_gin import workloads  # noqa: E402
 
 
 def main():
-    args = workload_parser(__doc__.splitlines()[0]).parse_args()
-    devices = jax.devices()
-    mesh = Mesh(np.array(devices), ("tensor",))
-    cfg = workloads.default_config("tp-decode", devices[0].platform, layers=args.layers,
-                                   d_model=args.d_model, seq=args.seq, batch=args.batch)
-    reduce = "jax_gin" if args.reduce == "all" else args.reduce
-    print(f"tp-decode on {len(devices)} x {devices[0].device_kind}: {cfg}")
+    args, mesh, cfg, reduce = workload_setup("tp-decode", __doc__.splitlines()[0])
 
     params, cache, x = workloads.tp_decode_inputs(mesh, cfg)
     step = workloads.tp_decode_step(mesh, cfg, reduce=reduce, algorithm=args.algorithm)
