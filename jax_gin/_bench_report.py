@@ -54,11 +54,11 @@ def command_buffer_flags(xla_flags: str) -> list:
     return [f for f in xla_flags.split() if "command_buffer" in f or "graph" in f]
 
 
-def metadata(args, devices, platform: str) -> dict:
-    xla_flags = os.environ.get("XLA_FLAGS", "")
+def environment(devices, platform: str) -> dict:
+    """Versions, host, devices, XLA_FLAGS, NCCL_NVLS_ENABLE and the date: what every benchmark
+    report (the op sweep, the workloads) records about where it ran."""
     import jaxlib
     return {
-        "benchmark": "all-reduce",
         "jax_gin": jax_gin.__version__,
         "jax_gin_cuda": bool(jax_gin.has_cuda()),
         "jax": jax.__version__,
@@ -69,11 +69,19 @@ def metadata(args, devices, platform: str) -> dict:
         "device_kind": devices[0].device_kind,
         "ndevices": len(devices),
         "ndevices_total": len(jax.devices()),
-        "processes": jax.process_count(),
-        "xla_flags": xla_flags,
-        "command_buffer_flags": command_buffer_flags(xla_flags),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def metadata(args, devices, platform: str) -> dict:
+    env = environment(devices, platform)
+    return {
+        "benchmark": "all-reduce",
+        **env,
+        "processes": jax.process_count(),
+        "command_buffer_flags": command_buffer_flags(env["xla_flags"]),
         "minbytes": args.minbytes, "maxbytes": args.maxbytes, "stepfactor": args.stepfactor,
         "iters": args.iters, "warmup": args.warmup, "check": args.check,
         "chain": args.chain if args.chain is not None else

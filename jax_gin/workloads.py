@@ -37,12 +37,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import json
 import math
 import os
-import platform as _platform
 import re
 import statistics
 import sys
@@ -628,15 +626,8 @@ def _f(v, spec=".3f", na="-") -> str:
 
 
 def metadata(devices, sizes: str) -> dict:
-    import jaxlib
-    return {"benchmark": "workload", "jax_gin": jax_gin.__version__,
-            "jax_gin_cuda": bool(jax_gin.has_cuda()), "jax": jax.__version__,
-            "jaxlib": jaxlib.__version__, "python": _platform.python_version(),
-            "host": _platform.node(), "platform": devices[0].platform,
-            "device_kind": devices[0].device_kind, "ndevices": len(devices),
-            "ndevices_total": len(jax.devices()), "xla_flags": os.environ.get("XLA_FLAGS", ""),
-            "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "sizes": sizes,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    from ._bench_report import environment
+    return {"benchmark": "workload", **environment(devices, devices[0].platform), "sizes": sizes}
 
 
 COLUMNS = (("reduce", 13), ("algorithm", 9), ("|", 1), ("step(ms)", 10), ("exposed(ms)", 11),
