@@ -58,29 +58,29 @@ struct Segmented {
 
   JG_HD Segmented at(size_t off) const { return Segmented{seg, nseg, base + off}; }
 
-  // The segment that holds logical element `pos` (relative to base), or -1 in padding.
-  JG_HD int locate(size_t pos) const {
-    const size_t x = base + pos;
+  // The first segment that ends after logical element x (nseg if none): a binary search,
+  // since segments are sorted.
+  JG_HD int first_ending_after(size_t x) const {
     int a = 0, b = nseg;
     while (a < b) {
       const int m = (a + b) / 2;
       if (seg[m].start + seg[m].count <= x) a = m + 1;
       else b = m;
     }
+    return a;
+  }
+
+  // The segment that holds logical element `pos` (relative to base), or -1 in padding.
+  JG_HD int locate(size_t pos) const {
+    const size_t x = base + pos;
+    const int a = first_ending_after(x);
     return a < nseg && seg[a].start <= x ? a : -1;
   }
 
   template <class F>
   JG_HD void each(size_t off, size_t n, F&& f) const {
     const size_t lo = base + off, hi = lo + n;
-    // the first segment that ends after lo (binary search: segments are sorted)
-    int a = 0, b = nseg;
-    while (a < b) {
-      const int m = (a + b) / 2;
-      if (seg[m].start + seg[m].count <= lo) a = m + 1;
-      else b = m;
-    }
-    for (int s = a; s < nseg && seg[s].start < hi; ++s) {
+    for (int s = first_ending_after(lo); s < nseg && seg[s].start < hi; ++s) {
       const size_t p = seg[s].start > lo ? seg[s].start : lo;
       const size_t e = seg[s].start + seg[s].count;
       const size_t q = e < hi ? e : hi;
