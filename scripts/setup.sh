@@ -34,14 +34,22 @@ JAX_REQ="jax==0.11.2"
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
   JAX_REQ="jax[cuda13]==0.11.2"
 fi
-echo "== installing $JAX_REQ and the build tools into $VENV"
-if ! { "$P" -m pip install -q --upgrade pip &&
+# One quick query first, so that a machine without a package index does not wait out pip's
+# retries (pip's own index settings apply).
+ONLINE=1
+"$P" -m pip index versions pip --timeout 5 --retries 0 >/dev/null 2>&1 || ONLINE=
+[ -n "$ONLINE" ] && echo "== installing $JAX_REQ and the build tools into $VENV"
+if [ -z "$ONLINE" ] || ! { "$P" -m pip install -q --upgrade pip &&
        "$P" -m pip install -q "$JAX_REQ" "jaxlib==0.11.2" numpy nanobind "scikit-build-core>=0.10" \
          pytest ninja matplotlib; }; then
   SYS=$(system_jax_python) || { echo "pip could not install jax, and no system Python has jax >= 0.11.2 with nanobind and scikit-build-core" >&2; exit 1; }
   echo "== no package index: using $SYS's jax $($SYS -c 'import jax; print(jax.__version__)') through a venv with system site-packages"
   rm -rf "$VENV"
   $SYS -m venv --system-site-packages "$VENV"
+  # That Python may itself be a venv, whose packages a --system-site-packages venv does not
+  # see: a .pth file adds its site directories.
+  "$SYS" -c "import sys; print('\n'.join(p for p in sys.path if p.endswith(('site-packages', 'dist-packages'))))" \
+    > "$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/_jax_gin_system_site.pth"
   OFFLINE=1
 fi
 if [ -z "${OFFLINE:-}" ]; then
