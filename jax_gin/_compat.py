@@ -128,3 +128,39 @@ def xla_allreduce_lowering(ctx, xs, op: str, axes: tuple):
             prim, reduce, ctx.replace(avals_in=[a_in], avals_out=[a_out]), x, axes=tuple(axes),
             axis_index_groups=None))
     return outs
+
+
+def use_shardy() -> bool:
+    """Is jit partitioning with Shardy (jax_use_shardy_partitioner), rather than GSPMD?"""
+    return bool(_config.use_shardy_partitioner.value)
+
+
+def elementwise_sharding_rule(ctx, avals_in, avals_out, pairs):
+    """Shardy's sharding rule (an ``#sdy.op_sharding_rule`` attribute) for a custom call whose
+    result ``j`` has the shape of operand ``i`` for each ``(i, j)`` in `pairs`, and is that
+    operand's elementwise image: every dimension of the pair is one factor, so the
+    partitioner may shard it any way it likes, the same way for both. The other operands
+    and results (rank 0) have no factors."""
+    from jax._src import custom_partitioning_sharding_rule as _rule
+    from jax._src.interpreters import mlir as _mlir
+    ins = [[] for _ in avals_in]
+    outs = [[] for _ in avals_out]
+    for i, j in pairs:
+        dims = [f"f{i}_{d}" for d in range(len(avals_in[i].shape))]
+        ins[i], outs[j] = dims, dims
+    for k, a in enumerate(avals_in):
+        assert ins[k] or not a.shape, (k, a)
+    for k, a in enumerate(avals_out):
+        assert outs[k] or not a.shape, (k, a)
+    text = (", ".join(" ".join(d) for d in ins) + " -> " + ", ".join(" ".join(d) for d in outs))
+    rule = _rule.str_to_sdy_sharding_rule(text)
+
+    def types(avals):
+        return [t for a in avals for t in _mlir.aval_to_ir_types(ctx.module_context, a)]
+    return _rule.sdy_sharding_rule_to_mlir(rule, types(avals_in), types(avals_out))
+
+
+def reshape(ctx, x, aval_out):
+    """An MLIR reshape of `x` to `aval_out`'s shape."""
+    from jax._src.interpreters import mlir as _mlir
+    return _mlir.reshape(ctx, x, aval_out)

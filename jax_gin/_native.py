@@ -15,11 +15,23 @@ CUDA_TARGET = "jax_gin_all_reduce_cuda"
 # The asynchronous pair (psum(..., overlap=True)): "start" and "done" per platform.
 ASYNC_TARGETS = {"cpu": ("jax_gin_all_reduce_start_cpu", "jax_gin_all_reduce_done_cpu"),
                  "cuda": ("jax_gin_all_reduce_start_cuda", "jax_gin_all_reduce_done_cuda")}
+# The synchronous targets once more under these names, registered with XLA as batch
+# partitionable: a partially-manual shard_map lowers to them (_primitive._lower_partial), so
+# that XLA's partitioner hands each device its own shard. The names of their own keep every
+# other call away from that partitioner.
+PARTITIONED_TARGETS = {"cpu": CPU_TARGET + "_partitioned", "cuda": CUDA_TARGET + "_partitioned"}
 # Event slots per rank of start/done pairs (include/jax_gin/common.h kAsyncSlots).
 ASYNC_SLOTS = int(cpu.ASYNC_SLOTS)
 
-for _name, _capsule in cpu.registrations().items():
-    jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+
+def _register(registrations: dict, platform: str, sync_target: str, partitioned: str) -> None:
+    for name, capsule in registrations.items():
+        jax.ffi.register_ffi_target(name, capsule, platform=platform)
+    jax.ffi.register_ffi_target(partitioned, registrations[sync_target], platform=platform)
+    jax.ffi.register_ffi_target_as_batch_partitionable(partitioned)
+
+
+_register(cpu.registrations(), "cpu", CPU_TARGET, PARTITIONED_TARGETS["cpu"])
 
 try:  # the CUDA module may be absent
     from . import _jax_gin_cuda as cuda  # type: ignore[attr-defined]
@@ -28,8 +40,7 @@ except ImportError as _e:  # pragma: no cover - depends on the build
     CUDA_IMPORT_ERROR = str(_e)
 else:  # pragma: no cover - needs the CUDA build
     CUDA_IMPORT_ERROR = None
-    for _name, _capsule in cuda.registrations().items():
-        jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
+    _register(cuda.registrations(), "CUDA", CUDA_TARGET, PARTITIONED_TARGETS["cuda"])
 
 
 def has_cuda() -> bool:

@@ -304,12 +304,11 @@ def _lowering(ctx, *xs, axes, op, algorithm, invariant, overlap, platform):
         raise NotImplementedError(
             f"jax_gin.{api} must be called inside jax.shard_map over a concrete Mesh "
             f"(got axis context {type(axis_ctx).__name__})")
+    # A partially-manual shard_map (axis_names a subset of the mesh axes) is still
+    # partitioned over its automatic axes after lowering: see _lower_partial.
     manual = frozenset(getattr(axis_ctx, "manual_axes", ()))
-    if manual and manual != frozenset(mesh.axis_names):
-        raise NotImplementedError(
-            f"jax_gin.{api}: shard_map with some mesh axes left automatic "
-            f"(manual: {sorted(manual)}, mesh: {list(mesh.axis_names)}) is not supported; "
-            "make every mesh axis manual")
+    # (An automatic axis is not bound in the body: _normalize_axes rejects it at trace time.)
+    partial = bool(manual) and manual != frozenset(mesh.axis_names)
     layout = _runtime.group_layout(tuple(mesh.axis_names),
                                    tuple(int(mesh.shape[n]) for n in mesh.axis_names), axes)
     itemsize = np.dtype(avals[0].dtype).itemsize
@@ -329,6 +328,8 @@ def _lowering(ctx, *xs, axes, op, algorithm, invariant, overlap, platform):
     code = _runtime.algorithm_code(platform, comm, requested, algorithm, api)
     tok_aval = jax.core.ShapedArray((), np.uint32)
     attrs = dict(comm=np.int64(comm), op=np.int32(OP_CODES[op]), algorithm=np.int32(code))
+    if partial:
+        return _lower_partial(ctx, xs, platform, attrs)
     if not overlap:
         target = _native.CPU_TARGET if platform == "cpu" else _native.CUDA_TARGET
         tok, *outs = jax.ffi.ffi_lowering(target)(
@@ -358,6 +359,64 @@ def _lowering(ctx, *xs, axes, op, algorithm, invariant, overlap, platform):
         tok, *outs, comm=np.int64(comm), slot=slot)
     _set_chain_token(ctx, tok)
     return res
+
+
+def _lower_partial(ctx, xs, platform: str, attrs: dict) -> list:
+    """The lowering inside a partially-manual shard_map.
+
+    XLA's partitioner still runs over the automatic axes after lowering, and it passes a custom
+    call it knows nothing about the whole (all-gathered) operand. So each operand gets a call of
+    its own to a target registered as batch partitionable (_native.PARTITIONED_TARGETS), with
+    every dimension a batch dimension: the operand is reshaped to (*shape, 1), since the batch
+    partitioner leaves the last dimension whole. It then hands the call each device's own
+    shard, sharded as the operand is, and the device reduces its shard with the devices that
+    share its automatic coordinates: the groups of a reduction over `axes` of the whole mesh,
+    the same communicator as in a fully-manual shard_map. Shardy propagates shardings through
+    the call by its sharding rule (elementwise on every dimension); GSPMD by the batch
+    partitioner's own rule. The rank-0 operands (partition id, order token) and a rank-0
+    operand (num_batch_dims 0) are replicated, which is all a scalar can be. (The batch
+    partitioner takes its sharding from the operands in order; the scalars' replicated ones
+    give way to the operand's: tests/test_partial_manual.py checks that nothing is gathered.)
+
+    One call per operand: the batch partitioner gives all operands of a call one sharding of
+    their leading dimensions, which operands of different shapes do not share. Synchronous
+    only (overlap=True is ignored here): the batch partitioner rebuilds the call without its
+    operand-output aliases, and a start/done pair needs them.
+    """
+    target = _native.PARTITIONED_TARGETS[platform]
+    tok_aval = jax.core.ShapedArray((), np.uint32)
+    pid = _partition_id(ctx)
+    tok = _chain_token(ctx)
+    outs = []
+    for x, a_in, a_out in zip(xs, ctx.avals_in, ctx.avals_out):
+        rank = len(a_in.shape)
+        b_in, b_out = a_in.update(shape=a_in.shape + (1,)), a_out.update(shape=a_out.shape + (1,))
+        avals_in, avals_out = [tok_aval, tok_aval, b_in], [tok_aval, b_out]
+        extra = {"mhlo.frontend_attributes": mlir.ir_attribute({"num_batch_dims": str(rank)})}
+        if _compat.use_shardy():
+            extra["sdy.sharding_rule"] = _compat.elementwise_sharding_rule(
+                ctx, avals_in, avals_out, [(2, 1)])
+        tok, out = jax.ffi.ffi_lowering(target, extra_attributes=extra)(
+            ctx.replace(avals_in=avals_in, avals_out=avals_out),
+            pid, tok, _compat.reshape(ctx, x, b_in), **attrs)
+        outs.append(_compat.reshape(ctx, out, a_out))
+    _set_chain_token(ctx, tok)
+    return outs
+
+
+# The partition id (XLA's logical device id) as a uint32 scalar, where some mesh axes are
+# automatic. There the partitioner rejects a bare PartitionId ("the meaning is ambiguous"), so
+# it is computed in a nested shard_map that makes the remaining axes manual, as lax.axis_index
+# does there; out_specs=P() with check_vma=False returns each device's own id unchanged.
+_partition_id_p = Primitive("jax_gin_partition_id")
+_partition_id_p.def_abstract_eval(lambda: jax.core.ShapedArray((), np.uint32))
+mlir.register_lowering(_partition_id_p, lambda ctx: [_compat.partition_id()])
+
+
+def _partition_id(ctx):
+    inner = jax.shard_map(_partition_id_p.bind, in_specs=(), out_specs=jax.P(), check_vma=False)
+    return mlir.lower_fun(lambda: [inner()], multiple_results=True)(
+        ctx.replace(avals_in=[], avals_out=[jax.core.ShapedArray((), np.uint32)]))[0]
 
 
 # Event slots of start/done pairs, assigned in lowering order (_native.ASYNC_SLOTS per rank).
