@@ -33,3 +33,20 @@ def mesh_2d():
 @pytest.fixture
 def platform():
     return jax.default_backend()
+
+
+@pytest.fixture
+def cpu_table_with_xla(tmp_path, monkeypatch):
+    """A tuning table for this CPU mesh: one_shot up to 1 KiB, XLA's all-reduce above."""
+    import json
+    from jax_gin import _select, tune
+
+    kind = jax.devices()[0].device_kind
+    for n in (2, 4, 8):
+        table = {"device_kind": kind, "nranks": n, "measured": "2026-11-30", "entries": [
+            {"max_bytes": 1024, "algorithm": "one_shot"}, {"max_bytes": 1 << 40, "algorithm": "xla"}]}
+        (tmp_path / tune.table_name(kind, n)).write_text(json.dumps(table))
+    monkeypatch.setenv("JAX_GIN_TUNING_DIR", str(tmp_path))
+    _select.load_table.cache_clear()
+    yield kind
+    _select.load_table.cache_clear()

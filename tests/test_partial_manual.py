@@ -1,0 +1,196 @@
+"""Partially-manual shard_map (axis_names= a subset of the mesh axes, the rest automatic).
+
+jax_gin reduces over the manual axes while the operand stays sharded over the automatic ones:
+each device reduces its own shard with the devices that share its automatic coordinates.
+Everything is compared bit for bit with lax on exact inputs.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jax_gin
+from conftest import ndev
+from helpers import assert_bitwise, exact_input
+
+OPS = {"psum": (jax_gin.psum, lax.psum), "pmax": (jax_gin.pmax, lax.pmax),
+       "pmin": (jax_gin.pmin, lax.pmin)}
+
+
+def _mesh(shape, names, order=None):
+    n = int(np.prod(shape))
+    if ndev() < n:
+        pytest.skip(f"needs {n} devices, have {ndev()}")
+    devices = np.array(jax.devices()[:n])
+    if order is not None:
+        devices = devices[order]
+    return Mesh(devices.reshape(shape), names)
+
+
+def _global(shape, mesh, spec, dtype="float32", seed=0):
+    x = exact_input(shape, 1, dtype, seed=seed)
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+def _partial(f, mesh, manual, in_spec, out_spec, check_vma=True):
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(in_spec,), out_specs=out_spec,
+                                 axis_names=set(manual), check_vma=check_vma))
+
+
+def _compiled(f, *args) -> str:
+    return f.lower(*args).compile().as_text()
+
+
+# (mesh shape, names, manual axes, reduced axes, the operand's sharding, the shard_map's
+# in_spec over the manual axes). The operand's sharding over the automatic axes is free.
+CASES = {
+    # one automatic axis, sharding the second dimension
+    "2d-auto-y-dim1": ((4, 2), ("x", "y"), {"x"}, "x", P("x", "y"), P("x")),
+    # one automatic axis, sharding the first dimension inside the manual one
+    "2d-auto-y-dim0": ((4, 2), ("x", "y"), {"x"}, "x", P(("x", "y")), P("x")),
+    # the automatic axis first in the mesh
+    "2d-auto-x": ((2, 4), ("x", "y"), {"y"}, "y", P("x", "y"), P(None, "y")),
+    # two automatic axes, one on each dimension
+    "3d-auto-bc": ((2, 2, 2), ("a", "b", "c"), {"a"}, "a", P(("a", "b"), "c"), P("a")),
+    # two automatic axes on one dimension
+    "3d-auto-bc-dim1": ((2, 2, 2), ("a", "b", "c"), {"a"}, "a", P("a", ("c", "b")), P("a")),
+    # two manual axes reduced together, one automatic
+    "3d-manual-ab": ((2, 2, 2), ("a", "b", "c"), {"a", "b"}, ("b", "a"), P("c", ("a", "b")),
+                     P(None, ("a", "b"))),
+}
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("algo", jax_gin.ALGORITHMS + ("auto",))
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_parity(case, op, algo, check_vma):
+    shape, names, manual, axes, spec, in_spec = CASES[case]
+    mesh = _mesh(shape, names)
+    x = _global((8, 12), mesh, spec, seed=len(case))
+    ours, ref = OPS[op]
+    f = _partial(lambda v: ours(v, axes, algorithm=algo), mesh, manual, in_spec, P(), check_vma)
+    g = _partial(lambda v: ref(v, axes), mesh, manual, in_spec, P(), check_vma)
+    got, want = f(x), g(x)
+    assert_bitwise(got, want)
+    assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
+    # The call gets each device's shard: nothing is gathered over the automatic axes.
+    if jax.config.jax_use_shardy_partitioner:
+        assert "all-gather" not in _compiled(f, x)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int32", "uint32"])
+def test_dtypes_and_pytree(dtype):
+    # Leaves of several shapes, a scalar and a Python constant. The reference is numpy's
+    # reduction of the blocks over "x" (exact data): lax.psum of the bfloat16 leaf "b" aborts
+    # XLA's CPU compiler here ("Invalid binary instruction opcode copy", jax 0.11.2).
+    mesh = _mesh((4, 2), ("x", "y"))
+    tree = {"a": _global((8, 6), mesh, P("x", "y"), dtype, seed=1),
+            "b": _global((4, 4, 2), mesh, P("x", None, "y"), dtype, seed=2),
+            "c": _global((4,), mesh, P("x"), dtype, seed=3)}
+    spec = {"a": P("x"), "b": P("x"), "c": P("x")}
+    nx = mesh.shape["x"]
+
+    def blocks(v):  # the x-blocks of a global array, as float64
+        v = np.asarray(v).astype(np.float64)
+        return v.reshape(nx, v.shape[0] // nx, *v.shape[1:])
+
+    for name, (ours, _) in OPS.items():
+        f = jax.jit(jax.shard_map(
+            lambda t: ours({"a": t["a"], "b": t["b"], "c": t["c"][0], "k": 3}, "x"),
+            mesh=mesh, in_specs=(spec,), out_specs=P(), axis_names={"x"}))
+        got = f(tree)
+        red = {"psum": np.sum, "pmax": np.max, "pmin": np.min}[name]
+        want = {k: red(blocks(tree[k]), axis=0) for k in ("a", "b")}
+        want["c"] = red(blocks(tree["c"])[:, 0])
+        for k in ("a", "b", "c"):
+            assert got[k].dtype == np.dtype(dtype)
+            assert_bitwise(got[k], np.asarray(want[k]).astype(dtype))
+        assert got["k"] == (3 * nx if name == "psum" else 3)
+
+
+def test_device_order_is_the_logical_order():
+    # The partition id is the index into the mesh's devices (the program's device assignment),
+    # whatever device ids they hold: a permuted mesh groups the same way as lax.
+    mesh = _mesh((4, 2), ("x", "y"), order=[5, 2, 7, 0, 3, 6, 1, 4])
+    x = _global((8, 12), mesh, P("x", "y"), seed=9)
+    for ours, ref in OPS.values():
+        f = _partial(lambda v: ours(v, "x"), mesh, {"x"}, P("x"), P())
+        g = _partial(lambda v: ref(v, "x"), mesh, {"x"}, P("x"), P())
+        assert_bitwise(f(x), g(x))
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("algo", jax_gin.ALGORITHMS)
+def test_grad(algo, check_vma):
+    # psum's transpose: a pcast to varying (check_vma=True) or another psum (False), here with
+    # the operand sharded over two automatic axes. (lax.pmax/pmin have no derivative.)
+    mesh = _mesh((2, 2, 2), ("a", "b", "c"))
+    x = _global((8, 12), mesh, P(("a", "b"), "c"), seed=4)
+
+    def grad(red, **kw):
+        def body(v):
+            return red(jnp.sum(red(v * v, "a", **kw) * (v + 1.0)), "a", **kw)
+        f = jax.shard_map(body, mesh=mesh, in_specs=(P("a"),), out_specs=P(),
+                          axis_names={"a"}, check_vma=check_vma)
+        return jax.jit(jax.grad(f))
+
+    assert_bitwise(grad(jax_gin.psum, algorithm=algo)(x), grad(lax.psum)(x))
+
+
+def test_overlap_runs_synchronously():
+    # overlap=True gives the same bits; in a partially-manual shard_map the call is synchronous.
+    mesh = _mesh((4, 2), ("x", "y"))
+    x = _global((8, 12), mesh, P("x", "y"), seed=5)
+    f = _partial(lambda v: jax_gin.psum(v, "x", overlap=True), mesh, {"x"}, P("x"), P())
+    g = _partial(lambda v: lax.psum(v, "x"), mesh, {"x"}, P("x"), P())
+    assert_bitwise(f(x), g(x))
+    text = f.lower(x).as_text()
+    assert "jax_gin_all_reduce_start" not in text and "_partitioned" in text
+
+
+def test_xla_fallback(cpu_table_with_xla):
+    # auto's fallback to XLA's all-reduce (a tuning table's "xla") in a partially-manual body
+    mesh = _mesh((4, 2), ("x", "y"))
+    x = _global((8, 4096), mesh, P("x", "y"), seed=6)
+    f = _partial(lambda v: jax_gin.psum(v, "x"), mesh, {"x"}, P("x"), P())
+    g = _partial(lambda v: lax.psum(v, "x"), mesh, {"x"}, P("x"), P())
+    assert_bitwise(f(x), g(x))
+    assert "custom_call" not in f.lower(x).as_text()
+
+
+def test_vmap_over_explicit_axis():
+    # vmap of a shard_map over an array sharded on an Explicit axis leaves that axis
+    # automatic in the shard_map: the psum over the other axis runs partially manual.
+    mesh = jax.make_mesh((2, 4), ("p", "q"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    with jax.set_mesh(mesh):
+        arr = jax.device_put(exact_input((2, 12), 1, "float32", seed=7), P("p", "q"))
+        for ours, ref in OPS.values():
+            f = jax.shard_map(lambda v: ours(v, "q"), in_specs=P("q"), out_specs=P(None))
+            g = jax.shard_map(lambda v: ref(v, "q"), in_specs=P("q"), out_specs=P(None))
+            for wrap in (lambda h: jax.vmap(h), lambda h: jax.jit(jax.vmap(h))):
+                got, want = wrap(f)(arr), wrap(g)(arr)
+                assert_bitwise(got, want)
+                assert got.sharding == want.sharding == NamedSharding(mesh, P("p", None))
+
+
+@pytest.fixture
+def gspmd():
+    prev = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", False)
+    yield
+    jax.config.update("jax_use_shardy_partitioner", prev)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_gspmd_partitioner(gspmd, op):
+    # The same numbers with GSPMD (which, for lax too, gathers the automatic axes at the
+    # shard_map boundary).
+    mesh = _mesh((2, 2, 2), ("a", "b", "c"))
+    x = _global((8, 12), mesh, P(("a", "b"), "c"), seed=8)
+    ours, ref = OPS[op]
+    f = _partial(lambda v: ours(v, "a"), mesh, {"a"}, P("a"), P())
+    g = _partial(lambda v: ref(v, "a"), mesh, {"a"}, P("a"), P())
+    assert_bitwise(f(x), g(x))
