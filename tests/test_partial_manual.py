@@ -194,3 +194,21 @@ def test_gspmd_partitioner(gspmd, op):
     f = _partial(lambda v: ours(v, "a"), mesh, {"a"}, P("a"), P())
     g = _partial(lambda v: ref(v, "a"), mesh, {"a"}, P("a"), P())
     assert_bitwise(f(x), g(x))
+
+
+@pytest.mark.parametrize("layout", ["reduce-n", "shard-n"])
+@pytest.mark.parametrize("op", list(OPS))
+def test_any_device_count(op, layout):
+    # On the devices present (2 GPUs, say): mesh (n, 1) reduces over n devices, the automatic
+    # axis of size 1; mesh (1, n) shards the operand n ways over the automatic axis. The
+    # reference is numpy's (lax.psum over the manual axis of size 1 fails in XLA's partitioner:
+    # "Cross-partition allreduce must be in (partial) manual partitioning mode", jax 0.11.2).
+    n = ndev()
+    shape = (n, 1) if layout == "reduce-n" else (1, n)
+    mesh = _mesh(shape, ("x", "y"))
+    x = _global((4 * n, 3 * n), mesh, P("x", "y"), seed=n)
+    f = _partial(lambda v: OPS[op][0](v, "x"), mesh, {"x"}, P("x"), P())
+    blocks = np.asarray(x).reshape(shape[0], -1, 3 * n)
+    want = {"psum": np.sum, "pmax": np.max, "pmin": np.min}[op](blocks, axis=0)
+    assert_bitwise(f(x), want.astype(np.float32))
+    assert "_partitioned" in f.lower(x).as_text()
