@@ -128,8 +128,28 @@ def _allreduce(x, axis_name, op: str, algorithm: str, bucket_bytes, overlap):
     axes = _normalize_axes(axis_name, api)
     if not axes:
         return x
-    invariant = _compat.check_vma_enabled()
     leaves, treedef = tree_util.tree_flatten(x)
+    leaves, out, by_dtype, was_bool = group_leaves(leaves, axes, op, api)
+    for (dtype, mode), idx in by_dtype.items():
+        sizes = [int(np.prod(np.shape(leaves[i]), dtype=np.int64)) * dtype.itemsize for i in idx]
+        for bucket in buckets(sizes, bucket_bytes):
+            members = [idx[j] for j in bucket]
+            res = allreduce_p.bind(*[leaves[i] for i in members], axes=axes, op=op,
+                                   algorithm=algorithm, invariant=mode, overlap=overlap)
+            for i, r in zip(members, res):
+                out[i] = r
+    for i in was_bool:
+        out[i] = out[i].astype(np.bool_)
+    return tree_util.tree_unflatten(treedef, out)
+
+
+def group_leaves(leaves, axes, op: str, api: str):
+    """Prepare a pytree's leaves for reduction over `axes`: (leaves, out, by_dtype, was_bool).
+    out[i] is already set for a constant leaf (the same on every device: no communication);
+    by_dtype maps (dtype, typing mode) to the indices of the leaves that communicate, in
+    order; was_bool holds the bool leaves of pmax/pmin, which are reduced as int32."""
+    invariant = _compat.check_vma_enabled()
+    leaves = list(leaves)
     out = [None] * len(leaves)
     by_dtype: dict = {}  # (dtype, typing) -> indices of the leaves that communicate, in order
     was_bool = set()  # max/min of bool leaves give bool, as lax.pmax/pmin do
@@ -163,17 +183,7 @@ def _allreduce(x, axis_name, op: str, algorithm: str, bucket_bytes, overlap):
             leaf = _compat.pcast_varying(leaf, missing)
         leaves[i] = leaf
         by_dtype.setdefault((np.dtype(leaf.dtype), mode), []).append(i)
-    for (dtype, mode), idx in by_dtype.items():
-        sizes = [int(np.prod(np.shape(leaves[i]), dtype=np.int64)) * dtype.itemsize for i in idx]
-        for bucket in buckets(sizes, bucket_bytes):
-            members = [idx[j] for j in bucket]
-            res = allreduce_p.bind(*[leaves[i] for i in members], axes=axes, op=op,
-                                   algorithm=algorithm, invariant=mode, overlap=overlap)
-            for i, r in zip(members, res):
-                out[i] = r
-    for i in was_bool:
-        out[i] = out[i].astype(np.bool_)
-    return tree_util.tree_unflatten(treedef, out)
+    return leaves, out, by_dtype, was_bool
 
 
 def _bind_like(xs, params, **override):
@@ -289,7 +299,43 @@ def _batch(axis_data, vals_in, dims_in, *, axes, op, algorithm, invariant, overl
 
 
 def _lowering(ctx, *xs, axes, op, algorithm, invariant, overlap, platform):
-    avals = ctx.avals_in
+    call = resolve_call(ctx, ctx.avals_in, axes, op, algorithm, platform)
+    if call is None:
+        return _compat.xla_allreduce_lowering(ctx, xs, op, axes)
+    check_no_open_start(ctx, OP_API_NAMES[op])
+    if call.partial:
+        return _lower_partial(ctx, xs, platform, call.attrs)
+    if not overlap:
+        target = _native.CPU_TARGET if platform == "cpu" else _native.CUDA_TARGET
+        tok, *outs = jax.ffi.ffi_lowering(target)(
+            ctx.replace(avals_in=[TOKEN, TOKEN, *ctx.avals_in], avals_out=[TOKEN, *ctx.avals_out]),
+            _compat.partition_id(), _chain_token(ctx), *xs, **call.attrs)
+        _set_chain_token(ctx, tok)
+        return outs
+    # Asynchronous pair. The start launches and returns; the done joins. The next jax_gin call
+    # chains on the done's token: calls of one communicator never run concurrently.
+    # Where XLA places the done is its scheduler's choice: on 2 x H200 it placed it right after
+    # the start (docs/overlap.md); jax_gin.psum_overlapping places it by data dependencies.
+    slot = next(_async_slots) % _native.ASYNC_SLOTS
+    tok, outs = lower_start(ctx, xs, ctx.avals_in, ctx.avals_out, call, platform, slot,
+                            _runtime.settings.overlap_lanes)
+    return lower_done(ctx, tok, outs, ctx.avals_out, call, platform, slot)
+
+
+TOKEN = jax.core.ShapedArray((), np.uint32)  # the order token's aval
+
+
+class Call:
+    """What a lowering of jax_gin's all-reduce resolved: the communicator and the custom
+    call's attributes, and whether the shard_map leaves some mesh axes automatic."""
+
+    def __init__(self, comm: int, attrs: dict, partial: bool):
+        self.comm, self.attrs, self.partial = comm, attrs, partial
+
+
+def resolve_call(ctx, avals, axes, op, algorithm, platform) -> Call | None:
+    """The communicator and algorithm of an all-reduce of `avals` over `axes`, or None where
+    `auto` (or the caller) chose XLA's own all-reduce."""
     api = OP_API_NAMES[op]
     axis_ctx = ctx.module_context.axis_context
     mesh = getattr(axis_ctx, "mesh", None)
@@ -318,7 +364,7 @@ def _lowering(ctx, *xs, axes, op, algorithm, invariant, overlap, platform):
         kind = np.asarray(mesh.devices).flat[0].device_kind
         algorithm, _ = _select.choose(platform, nbytes, layout.nranks, kind)
     if algorithm == _select.XLA_FALLBACK:
-        return _compat.xla_allreduce_lowering(ctx, xs, op, axes)
+        return None
     _runtime.check_workspace(platform, algorithm, layout.nranks, itemsize, api)
     if platform != "cpu" and _native.cuda is None:
         raise RuntimeError(
@@ -326,39 +372,58 @@ def _lowering(ctx, *xs, axes, op, algorithm, invariant, overlap, platform):
             f"CUDA support ({_native.CUDA_IMPORT_ERROR or '_jax_gin_cuda is missing'})")
     comm = _runtime.communicator(platform, mesh, axes)
     code = _runtime.algorithm_code(platform, comm, requested, algorithm, api)
-    tok_aval = jax.core.ShapedArray((), np.uint32)
     attrs = dict(comm=np.int64(comm), op=np.int32(OP_CODES[op]), algorithm=np.int32(code))
-    if partial:
-        return _lower_partial(ctx, xs, platform, attrs)
-    if not overlap:
-        target = _native.CPU_TARGET if platform == "cpu" else _native.CUDA_TARGET
-        tok, *outs = jax.ffi.ffi_lowering(target)(
-            ctx.replace(avals_in=[tok_aval, tok_aval, *avals], avals_out=[tok_aval, *ctx.avals_out]),
-            _compat.partition_id(), _chain_token(ctx), *xs, **attrs)
-        _set_chain_token(ctx, tok)
-        return outs
-    # Asynchronous pair. The start launches and returns; the done joins. The next jax_gin call
-    # chains on the done's token: calls of one communicator never run concurrently.
-    # The start reduces in place (its results alias its inputs; every backend reads each
-    # element's sources before it writes its result) and the done takes and returns those
-    # buffers (aliased): so XLA keeps them alive and untouched until the done, and the pair
-    # needs no buffer beyond its inputs. (XLA copies an input that is still needed afterwards,
-    # or that is a parameter of the program, before the start.) Where XLA places the done is
-    # its scheduler's choice: on 2 x H200 it placed it right after the start (docs/overlap.md).
-    start_target, done_target = _native.ASYNC_TARGETS[platform]
-    slot = np.int32(next(_async_slots) % _native.ASYNC_SLOTS)
+    return Call(comm, attrs, partial)
+
+
+def lower_start(ctx, xs, avals_in, avals_out, call: Call, platform: str, slot: int,
+                lanes: int):
+    """The start of an asynchronous pair: (its order token, its results). It reduces in place
+    (its results alias its inputs; every backend reads each element's sources before it
+    writes its result), so XLA keeps the inputs alive and untouched until the done, which
+    takes and returns those buffers, and the pair needs no buffer beyond its inputs. (XLA
+    copies an input that is still needed afterwards, or that is a parameter of the program,
+    before the start.) The order chain moves on to the start's token."""
+    start_target, _ = _native.ASYNC_TARGETS[platform]
     k = len(xs)
     tok, *outs = jax.ffi.ffi_lowering(start_target,
                                       operand_output_aliases={2 + i: 1 + i for i in range(k)})(
-        ctx.replace(avals_in=[tok_aval, tok_aval, *avals], avals_out=[tok_aval, *ctx.avals_out]),
+        ctx.replace(avals_in=[TOKEN, TOKEN, *avals_in], avals_out=[TOKEN, *avals_out]),
         _compat.partition_id(), _chain_token(ctx), *xs,
-        max_lanes=np.int32(_runtime.settings.overlap_lanes), slot=slot, **attrs)
-    tok, *res = jax.ffi.ffi_lowering(done_target,
+        max_lanes=np.int32(lanes), slot=np.int32(slot), **call.attrs)
+    _set_chain_token(ctx, tok)
+    return tok, outs
+
+
+def lower_done(ctx, tok, bufs, avals, call: Call, platform: str, slot: int,
+               has_side_effect: bool = False):
+    """The done of an asynchronous pair: XLA's stream waits for the start's kernel. `bufs`
+    are the start's results followed by any values the done must come after (they pass
+    through, aliased). has_side_effect keeps XLA from removing a done whose results are
+    unused while its start stays. The order chain moves on to the done's token."""
+    _, done_target = _native.ASYNC_TARGETS[platform]
+    k = len(bufs)
+    tok, *res = jax.ffi.ffi_lowering(done_target, has_side_effect=has_side_effect,
                                      operand_output_aliases={1 + i: 1 + i for i in range(k)})(
-        ctx.replace(avals_in=[tok_aval, *ctx.avals_out], avals_out=[tok_aval, *ctx.avals_out]),
-        tok, *outs, comm=np.int64(comm), slot=slot)
+        ctx.replace(avals_in=[TOKEN, *avals], avals_out=[TOKEN, *avals]),
+        tok, *bufs, comm=np.int64(call.comm), slot=np.int32(slot))
     _set_chain_token(ctx, tok)
     return res
+
+
+# Starts whose done is not lowered yet, in the module being lowered. No other jax_gin call may
+# be lowered meanwhile: it would run on XLA's stream while the start's kernel runs on the side
+# stream, and two calls of one communicator must never run at once.
+def _open_starts(ctx) -> list:
+    return ctx.module_context.cached_primitive_lowerings.setdefault(("jax_gin", "open_starts"), [])
+
+
+def check_no_open_start(ctx, api: str):
+    if _open_starts(ctx):
+        raise ValueError(
+            f"jax_gin.{api} is called while an all-reduce of jax_gin.psum_overlapping is in "
+            "flight (inside the function it runs beside the all-reduce); call it before or "
+            "after psum_overlapping, or use jax.lax.psum there")
 
 
 def _lower_partial(ctx, xs, platform: str, attrs: dict) -> list:
@@ -384,7 +449,7 @@ def _lower_partial(ctx, xs, platform: str, attrs: dict) -> list:
     operand-output aliases, and a start/done pair needs them.
     """
     target = _native.PARTITIONED_TARGETS[platform]
-    tok_aval = jax.core.ShapedArray((), np.uint32)
+    tok_aval = TOKEN
     pid = _partition_id(ctx)
     tok = _chain_token(ctx)
     outs = []

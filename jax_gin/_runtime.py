@@ -32,7 +32,7 @@ _DEFAULT_GPU_WORKSPACE = 64 << 20  # bytes per rank, split among the kernel's la
 _DEFAULT_BUCKET_BYTES = 64 << 20  # bytes of one pytree call (Settings.bucket_bytes)
 _DEFAULT_OVERLAP_LANES = 32  # CTAs of an asynchronous call on a GPU (Settings.overlap_lanes)
 
-_MAX_LANES = int(_native.cpu.MAX_LANES)  # the most lanes of one call (common.h kMaxLanes)
+MAX_LANES = int(_native.cpu.MAX_LANES)  # the most lanes of one call (common.h kMaxLanes)
 # The CUDA kernels hold the timeout in uint64 nanoseconds; 1e9 s (~31 years) stays well inside.
 _MAX_TIMEOUT_S = 1e9
 
@@ -43,7 +43,7 @@ _RULES = {
     "timeout_s": ("JAX_GIN_TIMEOUT_S",
                   "a positive finite number of seconds, at most 1e9 (there is no 'no timeout' value)"),
     "bucket_bytes": ("JAX_GIN_BUCKET_BYTES", "a positive integer number of bytes"),
-    "overlap_lanes": ("JAX_GIN_OVERLAP_LANES", f"an integer from 1 to {_MAX_LANES}"),
+    "overlap_lanes": ("JAX_GIN_OVERLAP_LANES", f"an integer from 1 to {MAX_LANES}"),
 }
 
 
@@ -62,7 +62,7 @@ def _valid(field: str, value):
         return None
     value = int(value)
     if field == "overlap_lanes":
-        return value if 1 <= value <= _MAX_LANES else None
+        return value if 1 <= value <= MAX_LANES else None
     return value if value >= 1 else None
 
 
@@ -273,18 +273,18 @@ def _create_cuda_comm(mesh, layout: GroupLayout, ws: int, key=None) -> int:
 # Environment variables that the CUDA runtime reads (cuda/nccl_runtime.cu) and that shape
 # every kernel launch of a group: they must agree over the processes of a group.
 _GPU_LAUNCH_ENV = ("JAX_GIN_CHUNK_BYTES", "JAX_GIN_ONE_SHOT_CHUNK_BYTES", "JAX_GIN_LANE_GRAIN_BYTES",
-                   "JAX_GIN_MAX_LANES", "JAX_GIN_LL_MAX_BYTES", "JAX_GIN_EXPERIMENTAL_GIN")
+                   "JAX_GINMAX_LANES", "JAX_GIN_LL_MAX_BYTES", "JAX_GIN_EXPERIMENTAL_GIN")
 
 
 def gpu_launch_settings(workspace_bytes: int, default_max_lanes: int | None = None) -> dict:
     """What must be equal in every process of a GPU group (checked at bootstrap).
 
     default_max_lanes: the smallest default lane cap (SM count, at most 128) of this process's
-    devices in the group; it decides the lanes unless JAX_GIN_MAX_LANES is set."""
+    devices in the group; it decides the lanes unless JAX_GINMAX_LANES is set."""
     out = {"workspace_bytes": int(workspace_bytes)}
     out.update({k: os.environ.get(k) for k in _GPU_LAUNCH_ENV})
-    if default_max_lanes is not None and not os.environ.get("JAX_GIN_MAX_LANES"):
-        out["default max lanes (SM count; set JAX_GIN_MAX_LANES alike to override)"] = \
+    if default_max_lanes is not None and not os.environ.get("JAX_GINMAX_LANES"):
+        out["default max lanes (SM count; set JAX_GINMAX_LANES alike to override)"] = \
             int(default_max_lanes)
     return out
 
