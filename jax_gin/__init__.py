@@ -11,6 +11,7 @@ from . import _native  # registers the FFI targets
 from . import _runtime as runtime
 from ._ops import ALGORITHMS, SUPPORTED_DTYPE_NAMES as SUPPORTED_DTYPES
 from ._primitive import allreduce_p, pmax, pmin, psum
+from ._overlap import psum_overlapping
 from ._explain import explain
 from .global_ops import einsum, matmul, max, mean, min, sum  # global view (jit/pjit)
 
@@ -18,6 +19,6 @@ __version__ = "0.1.0"
 
 has_cuda = _native.has_cuda
 
-__all__ = ["psum", "pmax", "pmin", "ALGORITHMS", "SUPPORTED_DTYPES", "explain", "runtime",
+__all__ = ["psum", "pmax", "pmin", "psum_overlapping", "ALGORITHMS", "SUPPORTED_DTYPES", "explain", "runtime",
            "has_cuda", "allreduce_p", "__version__"]
 __all__ += ["einsum", "matmul", "sum", "mean", "max", "min"]

@@ -1,0 +1,226 @@
+"""psum_overlapping: an all-reduce that runs beside a given computation, placed by data
+dependencies rather than by XLA's scheduler.
+
+XLA schedules the start/done pair of `psum(..., overlap=True)` as it likes, and on GPUs it puts
+the done right after the start (docs/overlap.md). Here the program itself fixes the order:
+
+    starts (one per bucket; the kernels run on the side stream, one after another)
+    optimization_barrier(start tokens, fn's inputs)   fn cannot begin before the starts
+    ys = fn(*args)                                    on XLA's stream, beside the kernels
+    done (every bucket's, and ys pass through)        the done cannot come before fn ends
+
+Two primitives carry it: `jax_gin_allreduce_start` (one bucket) and `jax_gin_allreduce_dones`
+(all buckets of one call, with ys). One done for all keeps the pair whole: JAX removes the done
+only when nothing of it is used, and then the starts and fn go with it; XLA never removes the
+done's custom calls (they have a side effect). Differentiation is a custom_vjp whose backward
+is again psum_overlapping: the cotangent's all-reduce beside fn's backward (check_vma=False;
+with check_vma=True a psum's transpose needs no communication).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import jax
+from jax import lax, tree_util
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from . import _compat, _native, _primitive, _runtime, _select
+from ._primitive import TOKEN
+
+API = "psum_overlapping"
+
+start_p = Primitive("jax_gin_allreduce_start")
+start_p.multiple_results = True
+dones_p = Primitive("jax_gin_allreduce_dones")
+dones_p.multiple_results = True
+
+
+def psum_overlapping(x, axis_name, fn, *args, algorithm: str = "auto",
+                     bucket_bytes: int | None = None, lanes: int | None = None):
+    """``(jax_gin.psum(x, axis_name), fn(*args))``, with the all-reduce running while fn's
+    computation runs.
+
+    The all-reduce starts before fn's first operation and is joined after its last, whatever
+    XLA's scheduler would prefer: on GPUs its kernel runs on a high-priority side stream with
+    at most `lanes` CTAs (``jax_gin.runtime.settings.overlap_lanes`` by default), while XLA's
+    stream runs fn. fn must not depend on psum's result (it cannot: it does not receive it) and
+    must not call jax_gin's collectives itself; lax's collectives are fine. The results equal
+    ``jax_gin.psum(x, axis_name, algorithm=algorithm)`` and ``fn(*args)`` bit for bit.
+
+    Works under jit, grad (reverse mode: the backward all-reduce runs beside fn's backward),
+    vmap over axes other than the reduced ones, and scan. Forward-mode differentiation (jvp) is
+    not supported, as for any custom_vjp.
+    """
+    algorithm = _select.validate(algorithm, API)
+    bucket_bytes = _primitive._check_bucket_bytes(bucket_bytes, API)
+    axes = _primitive._normalize_axes(axis_name, API)
+    if not callable(fn):
+        raise TypeError(f"jax_gin.{API}: fn must be callable, got {type(fn).__name__}")
+    if lanes is None:
+        lanes = _runtime.settings.overlap_lanes
+    if isinstance(lanes, bool) or not isinstance(lanes, (int, np.integer)) or \
+            not 1 <= lanes <= _runtime.MAX_LANES:
+        raise ValueError(f"jax_gin.{API}: lanes must be an integer in [1, {_runtime.MAX_LANES}], "
+                         f"got {lanes!r}")
+    if not axes:
+        return x, fn(*args)
+    leaves, treedef = tree_util.tree_flatten(x)
+    leaves, out, by_dtype, _ = _primitive.group_leaves(leaves, axes, "sum", API)
+    groups = []  # (indices of the leaves, typing mode) of each bucket, in order
+    for (dtype, mode), idx in by_dtype.items():
+        if mode == "unreduced":
+            raise NotImplementedError(f"jax_gin.{API} of an unreduced value is not supported; "
+                                      "use jax_gin.psum")
+        sizes = [int(np.prod(np.shape(leaves[i]), dtype=np.int64)) * dtype.itemsize for i in idx]
+        groups += [([idx[j] for j in b], mode) for b in _primitive.buckets(sizes, bucket_bytes)]
+    if len(groups) > _native.ASYNC_SLOTS:
+        raise ValueError(
+            f"jax_gin.{API}: {len(groups)} buckets are more than the {_native.ASYNC_SLOTS} "
+            "all-reduces one call can keep in flight; raise bucket_bytes")
+    invariant = _compat.check_vma_enabled()
+    params = dict(axes=axes, algorithm=algorithm, lanes=int(lanes))
+    reduced = [leaves[i] for g, _ in groups for i in g]
+    modes = tuple(m for _, m in groups)
+    sizes = tuple(len(g) for g, _ in groups)
+    sums, ys = _overlapped(reduced, fn, args, params, modes, sizes, invariant)
+    k = 0
+    for g, _ in groups:
+        for i in g:
+            out[i] = sums[k]
+            k += 1
+    return tree_util.tree_unflatten(treedef, out), ys
+
+
+def _overlapped(reduced, fn, args, params, modes, sizes, invariant):
+    """(the sums of `reduced`, fn(*args)) through the start/done primitives, differentiable in
+    reverse mode."""
+
+    def run(reduced, args, f):
+        toks, bufs, k = [], [], 0
+        for slot, (mode, n) in enumerate(zip(modes, sizes)):
+            tok, *b = start_p.bind(*reduced[k:k + n], invariant=mode, slot=slot, **params)
+            toks.append(tok)
+            bufs += b
+            k += n
+        toks, args = lax.optimization_barrier((toks, args))
+        ys = f(*args)
+        y_leaves, y_tree = tree_util.tree_flatten(ys)
+        res = dones_p.bind(*toks, *bufs, *y_leaves, sizes=sizes, **params)
+        return res[:len(bufs)], tree_util.tree_unflatten(y_tree, res[len(bufs):])
+
+    @jax.custom_vjp
+    def overlapped(reduced, args):
+        return run(reduced, args, fn)
+
+    def fwd(reduced, args):
+        sums, (ys, fn_vjp) = run(reduced, args, lambda *a: jax.vjp(fn, *a))
+        return (sums, ys), fn_vjp
+
+    def bwd(fn_vjp, cts):
+        ct_sums, ct_ys = cts
+        if invariant:
+            # psum under check_vma: varying -> invariant; its transpose only re-marks the
+            # cotangent as varying (no communication), as lax.psum's does.
+            ct_red = [_compat.pcast_varying(c, params["axes"]) for c in ct_sums]
+            return ct_red, fn_vjp(ct_ys)
+        ct_red, ct_args = _overlapped(list(ct_sums), fn_vjp, (ct_ys,), params, modes, sizes,
+                                      invariant)
+        return list(ct_red), ct_args
+
+    overlapped.defvjp(fwd, bwd)
+    return overlapped(reduced, args)
+
+
+# ---------------------------------------------------------------------------------------
+# Rules
+
+
+def _start_abstract_eval(*avals, axes, algorithm, invariant, slot, lanes):
+    outs, effects = _primitive._abstract_eval(*avals, axes=axes, op="sum", algorithm=algorithm,
+                                              invariant=invariant, overlap=True)
+    return [TOKEN, *outs], effects
+
+
+def _dones_abstract_eval(*avals, sizes, axes, algorithm, lanes):
+    return list(avals[len(sizes):])
+
+
+def _start_batch(axis_data, vals_in, dims_in, **params):
+    if axis_data.name in params["axes"]:
+        raise NotImplementedError(f"jax_gin.{API} under a vmap over a reduced axis")
+    return start_p.bind(*vals_in, **params), [None, *dims_in]
+
+
+def _dones_batch(axis_data, vals_in, dims_in, *, sizes, **params):
+    n = len(sizes)
+    if any(d is not None for d in dims_in[:n]):
+        raise NotImplementedError(f"jax_gin.{API}: a batched order token")
+    return dones_p.bind(*vals_in, sizes=sizes, **params), list(dims_in[n:])
+
+
+def _start_lowering(ctx, *xs, axes, algorithm, invariant, slot, lanes, platform):
+    if slot == 0:  # the first bucket of a call
+        _primitive.check_no_open_start(ctx, API)
+    call = _primitive.resolve_call(ctx, ctx.avals_in, axes, "sum", algorithm, platform)
+    _open(ctx).append(call)
+    if call is None:  # XLA's own all-reduce, which XLA runs asynchronously itself
+        return [mlir.ir_constant(np.uint32(0)),
+                *_compat.xla_allreduce_lowering(ctx.replace(avals_out=ctx.avals_out[1:]),
+                                                xs, "sum", axes)]
+    if call.partial:  # a partially-manual shard_map: synchronous (see _lower_partial)
+        tok = mlir.ir_constant(np.uint32(0))
+        return [tok, *_primitive._lower_partial(ctx.replace(avals_out=ctx.avals_out[1:]), xs,
+                                                platform, call.attrs)]
+    tok, outs = _primitive.lower_start(ctx, xs, ctx.avals_in, ctx.avals_out[1:], call, platform,
+                                       slot, lanes)
+    return [tok, *outs]
+
+
+def _dones_lowering(ctx, *ops, sizes, axes, algorithm, lanes, platform):
+    opened = _open(ctx)
+    calls = opened[-len(sizes):]
+    del opened[-len(sizes):]
+    n = len(sizes)
+    toks, rest, avals = ops[:n], list(ops[n:]), list(ctx.avals_in[n:])
+    nbufs = sum(sizes)
+    bufs, ys = rest[:nbufs], rest[nbufs:]
+    b_avals, y_avals = avals[:nbufs], avals[nbufs:]
+    out, k = [], 0
+    for slot, (size, call, tok) in enumerate(zip(sizes, calls, toks)):
+        mine, mine_avals = bufs[k:k + size], b_avals[k:k + size]
+        k += size
+        if call is None or call.partial:  # nothing in flight
+            out += mine
+            continue
+        # ys pass through every done, so that each done comes after fn's last operation
+        res = _primitive.lower_done(ctx, tok, [*mine, *ys], [*mine_avals, *y_avals], call,
+                                    platform, slot, has_side_effect=True)
+        out += res[:size]
+        ys = res[size:]
+    return [*out, *ys]
+
+
+def _open(ctx) -> list:
+    """The starts lowered whose dones are not (see _primitive.check_no_open_start)."""
+    return _primitive._open_starts(ctx)
+
+
+def _impl(*xs, **params):
+    raise NameError(f"jax_gin.{API} must be called inside jax.shard_map "
+                    f"(axes {params['axes']} are not bound here)")
+
+
+start_p.def_impl(_impl)
+dones_p.def_impl(_impl)
+start_p.def_effectful_abstract_eval(_start_abstract_eval)
+dones_p.def_abstract_eval(_dones_abstract_eval)
+_compat.batching.fancy_primitive_batchers[start_p] = _start_batch
+_compat.batching.fancy_primitive_batchers[dones_p] = _dones_batch
+for _platform in ("cpu", "cuda"):
+    mlir.register_lowering(
+        start_p, lambda ctx, *xs, _p=_platform, **kw: _start_lowering(ctx, *xs, platform=_p, **kw),
+        platform=_platform, cacheable=False)
+    mlir.register_lowering(
+        dones_p, lambda ctx, *xs, _p=_platform, **kw: _dones_lowering(ctx, *xs, platform=_p, **kw),
+        platform=_platform, cacheable=False)

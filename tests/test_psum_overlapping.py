@@ -1,0 +1,186 @@
+"""jax_gin.psum_overlapping(x, axes, fn, *args) == (lax.psum(x, axes), fn(*args)) bit for bit,
+with the all-reduce's start before fn's first operation and its done after fn's last, under
+jit, grad, vmap and scan; and its errors."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jax_gin
+from conftest import mesh_1d, mesh_2d, ndev
+from helpers import assert_bitwise, exact_input
+
+
+def chain(m, w):
+    """A few dependent matmuls: the computation the all-reduce runs beside."""
+    for _ in range(3):
+        m = jnp.tanh(m @ w)
+    return m
+
+
+def inputs(size, dtype, seed=0):
+    g = exact_input((size,), ndev(), dtype, seed=seed)
+    m = jnp.asarray(np.random.default_rng(seed).integers(-3, 4, (ndev() * 4, 8)), jnp.float32)
+    w = jnp.eye(8, dtype=jnp.float32) / 2
+    return g, m, w
+
+
+def run(ours, ref, args, check_vma=True, mesh=None, specs=None, out_specs=None):
+    mesh = mesh or mesh_1d()
+    specs = specs or (P("i"), P("i"), P())
+    out_specs = out_specs or (P(), P("i"))
+    f = lambda body: jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs,
+                                           check_vma=check_vma))
+    got, want = f(ours)(*args), f(ref)(*args)
+    jax.tree.map(assert_bitwise, got, want)
+    return f(ours)
+
+
+def assert_tree_bitwise(got, want):
+    jax.tree.map(assert_bitwise, got, want)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("algo", jax_gin.ALGORITHMS + ("auto",))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32"])
+@pytest.mark.parametrize("size", [1, 1001, 65_537])
+def test_bitwise(size, dtype, algo, check_vma):
+    args = inputs(size, dtype, seed=size)
+    run(lambda g, m, w: jax_gin.psum_overlapping(g, "i", chain, m, w, algorithm=algo),
+        lambda g, m, w: (lax.psum(g, "i"), chain(m, w)), args, check_vma)
+
+
+def test_pytree_of_several_buckets_and_dtypes():
+    g, m, w = inputs(3001, "float32", seed=1)
+
+    def ours(g, m, w):
+        tree = {"a": g, "b": g[:77].astype(jnp.bfloat16), "c": g[5:] * 2, "d": 3.0}
+        return jax_gin.psum_overlapping(tree, "i", chain, m, w, bucket_bytes=4096)
+
+    def ref(g, m, w):
+        tree = {"a": g, "b": g[:77].astype(jnp.bfloat16), "c": g[5:] * 2, "d": 3.0}
+        return jax.tree.map(lambda v: lax.psum(v, "i"), tree), chain(m, w)
+
+    out_specs = ({"a": P(), "b": P(), "c": P(), "d": P()}, P("i"))
+    f = run(ours, ref, (g, m, w), out_specs=out_specs)
+    text = f.lower(g, m, w).as_text()
+    assert len(re.findall(r"jax_gin_all_reduce_start", text)) >= 3  # buckets of 4 KiB
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_start_before_fn_and_done_after_it(check_vma):
+    """In the compiled program every start precedes fn's matmuls and every done follows
+    them, whatever XLA's scheduler prefers."""
+    g, m, w = inputs(1000, "float32")
+    f = run(lambda g, m, w: jax_gin.psum_overlapping(g, "i", chain, m, w),
+            lambda g, m, w: (lax.psum(g, "i"), chain(m, w)), (g, m, w), check_vma)
+    text = f.lower(g, m, w).compile().as_text()
+    entry = text[text.index("ENTRY"):]
+    order = []
+    for line in entry.splitlines():
+        if "jax_gin_all_reduce_start" in line:
+            order.append("S")
+        elif "jax_gin_all_reduce_done" in line:
+            order.append("D")
+        elif re.search(r"\bdot\(|custom-call.*(gemm|matmul)|fusion.*(dot|tanh)", line):
+            order.append("G")
+    seq = "".join(order)
+    assert "S" in seq and "D" in seq and "G" in seq, seq
+    assert seq.index("D") > seq.rindex("G") and seq.rindex("S") < seq.index("G"), seq
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_grad(check_vma):
+    g, m, w = inputs(257, "float32", seed=2)
+
+    def loss(body):
+        def f(g, m, w):
+            s, y = body(g, m, w)
+            return jnp.sum(s * g) + jnp.sum(y * y)
+        return f
+
+    ours = loss(lambda g, m, w: jax_gin.psum_overlapping(g, "i", chain, m, w))
+    ref = loss(lambda g, m, w: (lax.psum(g, "i"), chain(m, w)))
+    grads = lambda f: lambda g, m, w: jax.grad(f, argnums=(0, 1, 2))(g, m, w)
+    specs = (P("i"), P("i"), P())
+    out = (P("i"), P("i"), P()) if check_vma else (P("i"), P("i"), P("i"))
+    f = lambda body: jax.jit(jax.shard_map(grads(body), mesh=mesh_1d(), in_specs=specs,
+                                           out_specs=out, check_vma=check_vma))
+    assert_tree_bitwise(f(ours)(g, m, w), f(ref)(g, m, w))
+    if not check_vma:  # the backward all-reduce is an overlapped pair too
+        text = f(ours).lower(g, m, w).as_text()
+        assert len(re.findall(r"jax_gin_all_reduce_start", text)) == 2
+
+
+def test_vmap_over_another_axis():
+    g = exact_input((3, 40), ndev(), "float32", seed=3)
+    m = jnp.ones((ndev() * 4, 8), jnp.float32)
+    w = jnp.eye(8, dtype=jnp.float32)
+    ours = lambda g, m, w: jax.vmap(lambda v: jax_gin.psum_overlapping(v, "i", chain, m, w))(g)
+    ref = lambda g, m, w: jax.vmap(lambda v: (lax.psum(v, "i"), chain(m, w)))(g)
+    run(ours, ref, (g, m, w), out_specs=(P(), P(None, "i")))
+
+
+def test_in_scan_body():
+    g, m, w = inputs(64, "float32", seed=4)
+
+    def body(c, _):
+        s, y = jax_gin.psum_overlapping(c, "i", chain, c[:32].reshape(4, 8), w)
+        return s - c * (ndev() - 1) + 0 * jnp.sum(y), None
+
+    def ref_body(c, _):
+        s, y = lax.psum(c, "i"), chain(c[:32].reshape(4, 8), w)
+        return s - c * (ndev() - 1) + 0 * jnp.sum(y), None
+
+    run(lambda g, m, w: (lax.scan(body, g, None, length=3)[0], m),
+        lambda g, m, w: (lax.scan(ref_body, g, None, length=3)[0], m), (g, m, w),
+        out_specs=(P("i"), P("i")))
+
+
+def test_two_axes_of_a_2d_mesh():
+    mesh = mesh_2d()
+    g = exact_input((10, 6), mesh.devices.size, "float32", seed=5).reshape(
+        mesh.shape["x"] * 10, mesh.shape["y"] * 6 * 1)
+    m = jnp.ones((mesh.shape["x"] * 4, 8), jnp.float32)
+    w = jnp.eye(8, dtype=jnp.float32)
+    run(lambda g, m, w: jax_gin.psum_overlapping(g, ("x", "y"), chain, m, w),
+        lambda g, m, w: (lax.psum(g, ("x", "y")), chain(m, w)), (g, m, w), mesh=mesh,
+        specs=(P("x", "y"), P("x"), P()), out_specs=(P(), P("x")))
+
+
+def test_results_unused_still_correct():
+    """Dropping the sum (or fn's result) keeps the program correct: the done stays."""
+    g, m, w = inputs(1000, "float32", seed=6)
+    run(lambda g, m, w: (g, jax_gin.psum_overlapping(g, "i", chain, m, w)[1]),
+        lambda g, m, w: (g, chain(m, w)), (g, m, w), out_specs=(P("i"), P("i")))
+    run(lambda g, m, w: (jax_gin.psum_overlapping(g, "i", chain, m, w)[0], m),
+        lambda g, m, w: (lax.psum(g, "i"), m), (g, m, w))
+
+
+def test_errors():
+    g, m, w = inputs(16, "float32")
+    call = lambda body: jax.jit(jax.shard_map(body, mesh=mesh_1d(), in_specs=(P("i"), P("i"), P()),
+                                              out_specs=(P(), P("i"))))(g, m, w)
+    with pytest.raises(ValueError, match="in flight"):
+        call(lambda g, m, w: jax_gin.psum_overlapping(
+            g, "i", lambda m, w: jax_gin.psum(chain(m, w), "i"), m, w))
+    with pytest.raises(ValueError, match="in flight"):
+        call(lambda g, m, w: jax_gin.psum_overlapping(
+            g, "i", lambda m, w: jax_gin.psum_overlapping(m, "i", chain, m, w)[1], m, w))
+    with pytest.raises(TypeError, match="callable"):
+        call(lambda g, m, w: jax_gin.psum_overlapping(g, "i", 3, m, w))
+    with pytest.raises(ValueError, match="lanes"):
+        call(lambda g, m, w: jax_gin.psum_overlapping(g, "i", chain, m, w, lanes=0))
+    with pytest.raises(ValueError, match="buckets"):
+        call(lambda g, m, w: (jax_gin.psum_overlapping([g] * 70, "i", chain, m, w,
+                                                       bucket_bytes=1)[0][0], chain(m, w)))
+    with pytest.raises(NameError, match="unbound axis"):
+        call(lambda g, m, w: jax_gin.psum_overlapping(g, "nope", chain, m, w))
+    # lax's collectives inside fn are fine
+    f = lambda g, m, w: jax_gin.psum_overlapping(g, "i", lambda m, w: lax.pmax(chain(m, w), "i"), m, w)
+    r = lambda g, m, w: (lax.psum(g, "i"), lax.pmax(chain(m, w), "i"))
+    run(f, r, (g, m, w))
