@@ -220,17 +220,6 @@ bool run_all(HostTransport& tp, Algorithm algo, const Segment* seg, int nseg, si
   return run_lane<T, Op>(tp, algo, Segmented<T>{seg, nseg, 0}, count, lane_bytes, round);
 }
 
-template <class T>
-bool dispatch_op(HostTransport& tp, RedOp op, Algorithm algo, const Segment* seg, int nseg,
-                 size_t count, size_t lane_bytes, int ranks_per_node, uint64_t& round) {
-  switch (op) {
-    case RedOp::kSum: return run_all<T, HostSum>(tp, algo, seg, nseg, count, lane_bytes, ranks_per_node, round);
-    case RedOp::kMax: return run_all<T, HostMax>(tp, algo, seg, nseg, count, lane_bytes, ranks_per_node, round);
-    case RedOp::kMin: return run_all<T, HostMin>(tp, algo, seg, nseg, count, lane_bytes, ranks_per_node, round);
-  }
-  return false;
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------------------
@@ -535,16 +524,12 @@ std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Al
   } release{ctl.busy};
   HostTransport tp(ws, comm.config, group, rank, slot_bytes, op, algo);
   uint64_t& round = ctl.round;
-  bool ok = false;
-  switch (dtype) {
-    case DType::kF32: ok = dispatch_op<float>(tp, op, algo, seg, nseg, count, lane_bytes, rpn, round); break;
-    case DType::kF64: ok = dispatch_op<double>(tp, op, algo, seg, nseg, count, lane_bytes, rpn, round); break;
-    case DType::kBF16: ok = dispatch_op<bf16>(tp, op, algo, seg, nseg, count, lane_bytes, rpn, round); break;
-    case DType::kF16: ok = dispatch_op<f16>(tp, op, algo, seg, nseg, count, lane_bytes, rpn, round); break;
-    case DType::kS32: ok = dispatch_op<int32_t>(tp, op, algo, seg, nseg, count, lane_bytes, rpn, round); break;
-    case DType::kS64: ok = dispatch_op<int64_t>(tp, op, algo, seg, nseg, count, lane_bytes, rpn, round); break;
-    case DType::kU32: ok = dispatch_op<uint32_t>(tp, op, algo, seg, nseg, count, lane_bytes, rpn, round); break;
-  }
+  const bool ok = with_dtype<HostElem>(dtype, false, [&](auto elem) {
+    using T = typename decltype(elem)::type;
+    return with_redop(op, false, [&](auto red) {
+      return run_all<T, decltype(red)>(tp, algo, seg, nseg, count, lane_bytes, rpn, round);
+    });
+  });
   if (ok) return std::string();
   {
     std::lock_guard<std::mutex> lock(g.error_mu);

@@ -1,12 +1,14 @@
-// Host-side element types and reduction ops for the CPU backend.
-// bfloat16 and float16 are reduced by widening to float and rounding back to nearest-even
-// after every pairwise op, as NCCL does on the GPU; integer-valued inputs therefore give the
-// exact bits that lax gives.
+// Host-side element types of the CPU backend. bfloat16 and float16 are reduced in float
+// (Widen, reduce.h) and rounded back to nearest-even once per result, as lax's own reduction
+// does; integer-valued inputs therefore give the exact bits that lax gives.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include "jax_gin/common.h"
+#include "jax_gin/reduce.h"
 
 namespace jax_gin {
 
@@ -57,7 +59,6 @@ struct f16 {
   }
 };
 
-template <class T> struct Widen { using type = T; static T up(T x) { return x; } static T down(T x) { return x; } };
 template <> struct Widen<bf16> {
   using type = float;
   static float up(bf16 x) { return x.to_float(); }
@@ -69,32 +70,13 @@ template <> struct Widen<f16> {
   static f16 down(float x) { return f16::from_float(x); }
 };
 
-template <class W> inline bool is_nan(W x) { return x != x; }
-
-struct HostSum {
-  template <class T> static T apply(T a, T b) {
-    using W = Widen<T>;
-    return W::down(W::up(a) + W::up(b));
-  }
-};
-// max/min propagate NaN, like XLA's maximum/minimum.
-struct HostMax {
-  template <class T> static T apply(T a, T b) {
-    using W = Widen<T>;
-    auto x = W::up(a), y = W::up(b);
-    if (is_nan(x)) return a;
-    if (is_nan(y)) return b;
-    return x < y ? b : a;
-  }
-};
-struct HostMin {
-  template <class T> static T apply(T a, T b) {
-    using W = Widen<T>;
-    auto x = W::up(a), y = W::up(b);
-    if (is_nan(x)) return a;
-    if (is_nan(y)) return b;
-    return y < x ? b : a;
-  }
-};
+// The CPU backend's element type of each DType (the host_type of JAX_GIN_DTYPES), for
+// with_dtype<HostElem>.
+template <DType> struct HostElem;
+#define JG_HOST_ELEM(E, code, name, short_name, host, device, bytes) \
+  template <> struct HostElem<DType::k##E> { using type = host; };    \
+  static_assert(sizeof(host) == bytes, #host " is not " #bytes " bytes");
+JAX_GIN_DTYPES(JG_HOST_ELEM)
+#undef JG_HOST_ELEM
 
 }  // namespace jax_gin

@@ -12,10 +12,12 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_backend.h"
 #include "ffi_cpu.h"
+#include "host_types.h"
 #include "jax_gin/schedule.h"
 
 namespace nb = nanobind;
@@ -30,14 +32,19 @@ nb::capsule encapsulate_ffi_handler(T* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
 
+// The DType of a NumPy array: the types NumPy has natively (not bfloat16, nor float16,
+// which nanobind does not map to a C++ type).
 template <class A>
 DType dtype_of(const A& a) {
-  if (a.dtype() == nb::dtype<float>()) return DType::kF32;
-  if (a.dtype() == nb::dtype<double>()) return DType::kF64;
-  if (a.dtype() == nb::dtype<int32_t>()) return DType::kS32;
-  if (a.dtype() == nb::dtype<int64_t>()) return DType::kS64;
-  if (a.dtype() == nb::dtype<uint32_t>()) return DType::kU32;
-  throw nb::type_error("threads_allreduce: use float32, float64, int32, int64 or uint32");
+  std::string names;
+#define JG_MATCH(E, code, name, short_name, host, device, bytes)                 \
+  if constexpr (std::is_arithmetic_v<host>) {                                     \
+    if (a.dtype() == nb::dtype<host>()) return DType::k##E;                       \
+    names += std::string(names.empty() ? "" : ", ") + #name;                      \
+  }
+  JAX_GIN_DTYPES(JG_MATCH)
+#undef JG_MATCH
+  throw nb::type_error(("threads_allreduce: use " + names).c_str());
 }
 
 // Runs one all-reduce among `inputs.shape[0]` ranks, each on its own std::thread, through a
@@ -54,7 +61,7 @@ nb::ndarray<nb::numpy> threads_allreduce(nb::ndarray<nb::c_contig, nb::device::c
   const size_t row = count * dtype_size(dt);
   if (nranks < 1 || nranks > kMaxRanks)
     throw nb::value_error(("threads_allreduce: 1 to " + std::to_string(kMaxRanks) + " ranks").c_str());
-  if (op < 0 || op > 2) throw nb::value_error("threads_allreduce: unknown op");
+  if (op < 0 || op >= kNumRedOps) throw nb::value_error("threads_allreduce: unknown op");
   if (algorithm < 0 || algorithm >= kNumInternalAlgorithms)
     throw nb::value_error("threads_allreduce: unknown algorithm id");
   if (!schedule::hier_valid(nranks, ranks_per_node))
@@ -108,6 +115,22 @@ NB_MODULE(_jax_gin, m) {
     d["jax_gin_all_reduce_start_cpu"] = encapsulate_ffi_handler(JaxGinCpuAllReduceStart);
     d["jax_gin_all_reduce_done_cpu"] = encapsulate_ffi_handler(JaxGinCpuAllReduceDone);
     return d;
+  });
+  // Names by code of the element types and reduction ops (JAX_GIN_DTYPES, JAX_GIN_REDOPS in
+  // common.h): what Python passes and checks.
+  m.def("dtype_names", []() {
+    std::vector<std::string> v;
+#define JG_NAME(E, code, name, ...) v.push_back(#name);
+    JAX_GIN_DTYPES(JG_NAME)
+#undef JG_NAME
+    return v;
+  });
+  m.def("op_names", []() {
+    std::vector<std::pair<std::string, std::string>> v;  // (op, jax_gin function)
+#define JG_NAME(E, code, name, api_name) v.emplace_back(#name, #api_name);
+    JAX_GIN_REDOPS(JG_NAME)
+#undef JG_NAME
+    return v;
   });
   m.def("algorithm_names", []() {
     std::vector<std::string> v;

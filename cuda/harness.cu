@@ -5,7 +5,7 @@
 // every result bit for bit against a host reference on exact (small-integer) inputs.
 //
 //   jax_gin_cuda_harness [--ranks 2,3,4,8] [--counts 1,1000,...] [--algos all|ring,...]
-//                        [--dtypes f32,bf16,f16,i32,f64] [--ops sum,max,min] [--iters K]
+//                        [--dtypes f32,bf16,...] [--ops sum,max,min] [--iters K]
 //                        [--lane-bytes B] [--chunk-bytes B] [--timeout-s T] [--fault-rank R]
 //                        [--ranks-per-node L,...] [--max-lanes K]
 // --ranks-per-node runs the hierarchical kernel of groups that span nodes (algorithm
@@ -15,6 +15,8 @@
 // deltas, carried out over P2P. With --fault-rank R, rank R drops its rail (GIN) signals.
 // Lanes per rank are capped so that every rank's CTAs on a GPU are resident together (ranks
 // spin on each other); --max-lanes lowers the cap.
+// --dtypes takes the short names of JAX_GIN_DTYPES (common.h): f32, f64, bf16, f16, i32, i64,
+// u32 (unsigned types get inputs 0..14, the others -7..7).
 // Exit code: 0 all correct, 1 mismatch or CUDA error, 3 a wait timed out (diagnostic printed).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -29,8 +31,10 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "device_types.cuh"
 #include "kernels.h"
 #include "nccl_runtime.h"
 
@@ -54,21 +58,28 @@ static std::vector<std::string> split(const std::string& s) {
   return out;
 }
 
-struct DT { const char* name; DType dt; size_t size; };
-static const DT kDTypes[] = {{"f32", DType::kF32, 4}, {"f64", DType::kF64, 8},
-                             {"bf16", DType::kBF16, 2}, {"f16", DType::kF16, 2},
-                             {"i32", DType::kS32, 4}};
+// The element types by their short names (JAX_GIN_DTYPES, common.h).
+struct DT { const char* name; DType dt; size_t size; bool is_unsigned; };
+static const DT kDTypes[] = {
+#define JG_DT(E, code, name, short_name, host, device, bytes) \
+  {#short_name, DType::k##E, bytes, std::is_unsigned_v<device>},
+    JAX_GIN_DTYPES(JG_DT)
+#undef JG_DT
+};
 
 // Host encode of an exact small integer in each dtype.
+template <class T>
+static void encode_as(double v, void* dst) {
+  T t;
+  if constexpr (std::is_arithmetic_v<T>) t = T(v);
+  else t = T(float(v));  // __nv_bfloat16, __half: round to nearest
+  std::memcpy(dst, &t, sizeof t);
+}
 static void encode(DType dt, double v, void* dst) {
-  switch (dt) {
-    case DType::kF32: { float f = float(v); std::memcpy(dst, &f, 4); break; }
-    case DType::kF64: { std::memcpy(dst, &v, 8); break; }
-    case DType::kBF16: { __nv_bfloat16 b = __float2bfloat16(float(v)); std::memcpy(dst, &b, 2); break; }
-    case DType::kF16: { __half h = __float2half(float(v)); std::memcpy(dst, &h, 2); break; }
-    case DType::kS32: { int32_t i = int32_t(v); std::memcpy(dst, &i, 4); break; }
-    default: break;
-  }
+  with_dtype<gpu::DeviceElem>(dt, 0, [&](auto elem) {
+    encode_as<typename decltype(elem)::type>(v, dst);
+    return 0;
+  });
 }
 
 struct Rank {
@@ -241,7 +252,8 @@ int main(int argc, char** argv) {
               std::vector<std::vector<double>> vals(N, std::vector<double>(count));
               std::vector<double> ref(count);
               for (size_t i = 0; i < count; ++i) {
-                for (int r = 0; r < N; ++r) vals[r][i] = double(int(gen() % 15) - 7);
+                // -7..7, or 0..14 for unsigned types
+                for (int r = 0; r < N; ++r) vals[r][i] = double(int(gen() % 15) - (dt->is_unsigned ? 0 : 7));
                 double acc = vals[0][i];
                 for (int r = 1; r < N; ++r)
                   acc = op == RedOp::kSum ? acc + vals[r][i] : op == RedOp::kMax ? std::max(acc, vals[r][i]) : std::min(acc, vals[r][i]);

@@ -19,7 +19,8 @@
 namespace jax_gin {
 namespace gpu {
 
-// Defined in kernels_<type>.cu (one translation unit per element type).
+// Defined in the generated kernels_<short_name>.cu, one translation unit per element type
+// (kernels_impl.cuh).
 template <class T, class Peers>
 cudaError_t launch_op(RedOp op, const Peers& peers, const LaneParams& p, int lanes, int threads,
                       Algorithm algo, const void* in, void* out, size_t count, cudaStream_t s);
@@ -41,31 +42,19 @@ cudaError_t table_occupancy(Algorithm algo, int threads, int* per_sm);
 
 namespace {
 
-// The one map from DType to its element type: with_type calls f(Tag<T>{}) with dtype's T.
 // Instantiations are dtype x op x peer access (the algorithm is a run-time argument of each
-// kernel); kernels_<type>.cu instantiate them.
-template <class T> struct Tag { using type = T; };
-
+// kernel). with_type calls f(ElemTag<T>{}) with the kernels' element type T of `dt`
+// (JAX_GIN_DTYPES, common.h).
 template <class F>
 cudaError_t with_type(DType dt, F&& f) {
-  switch (dt) {
-    case DType::kF32: return f(Tag<float>{});
-    case DType::kF64: return f(Tag<double>{});
-    case DType::kBF16: return f(Tag<__nv_bfloat16>{});
-    case DType::kF16: return f(Tag<__half>{});
-    case DType::kS32: return f(Tag<int32_t>{});
-    case DType::kS64: return f(Tag<int64_t>{});
-    case DType::kU32: return f(Tag<uint32_t>{});
-  }
-  return cudaErrorInvalidValue;
+  return with_dtype<DeviceElem>(dt, cudaErrorInvalidValue, f);
 }
 
 // f for every element type, stopping at the first error.
 template <class F>
 cudaError_t for_each_type(F&& f) {
-  for (DType dt : {DType::kF32, DType::kF64, DType::kBF16, DType::kF16, DType::kS32, DType::kS64,
-                   DType::kU32})
-    if (cudaError_t e = with_type(dt, f); e != cudaSuccess) return e;
+  for (int dt = 0; dt < kNumDTypes; ++dt)
+    if (cudaError_t e = with_type(DType(dt), f); e != cudaSuccess) return e;
   return cudaSuccess;
 }
 

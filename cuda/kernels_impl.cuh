@@ -1,5 +1,7 @@
 // The kernel template and its typed launchers. Included by one translation unit per element
-// type (kernels_<type>.cu), so that the instantiations compile in parallel.
+// type, so that the instantiations compile in parallel: CMakeLists.txt generates
+// kernels_<short_name>.cu for each entry of JAX_GIN_DTYPES (common.h), which expands
+// JAX_GIN_INSTANTIATE_DTYPE with its DType.
 #pragma once
 
 #include "kernels.h"
@@ -135,7 +137,7 @@ __device__ __forceinline__ void one_shot_ll_lane(const Peers& peers, const LaneP
     // reduce the N lines in rank order, polling for the peers' ones; accumulate in the wide
     // type (float for 16-bit floats) and round once
     using Wd = Widen<T>;
-    typename Wd::W acc[E];
+    typename Wd::type acc[E];
     union { uint64_t u; T e[E]; } x;
     for (int q = 0; q < N; ++q) {
       if (q == r) {
@@ -209,23 +211,17 @@ cudaError_t launch_multi_typed(const Peers& peers, const LaneParams& p, int lane
 template <class T, class Peers>
 cudaError_t launch_multi_op(RedOp op, const Peers& peers, const LaneParams& p, int lanes, int threads,
                             Algorithm algo, const SegmentTable& table, size_t count, cudaStream_t s) {
-  switch (op) {
-    case RedOp::kSum: return launch_multi_typed<T, DevSum>(peers, p, lanes, threads, algo, table, count, s);
-    case RedOp::kMax: return launch_multi_typed<T, DevMax>(peers, p, lanes, threads, algo, table, count, s);
-    case RedOp::kMin: return launch_multi_typed<T, DevMin>(peers, p, lanes, threads, algo, table, count, s);
-  }
-  return cudaErrorInvalidValue;
+  return with_redop(op, cudaErrorInvalidValue, [&](auto red) {
+    return launch_multi_typed<T, decltype(red)>(peers, p, lanes, threads, algo, table, count, s);
+  });
 }
 
 template <class T, class Peers>
 cudaError_t launch_op(RedOp op, const Peers& peers, const LaneParams& p, int lanes, int threads,
                       Algorithm algo, const void* in, void* out, size_t count, cudaStream_t s) {
-  switch (op) {
-    case RedOp::kSum: return launch_typed<T, DevSum>(peers, p, lanes, threads, algo, in, out, count, s);
-    case RedOp::kMax: return launch_typed<T, DevMax>(peers, p, lanes, threads, algo, in, out, count, s);
-    case RedOp::kMin: return launch_typed<T, DevMin>(peers, p, lanes, threads, algo, in, out, count, s);
-  }
-  return cudaErrorInvalidValue;
+  return with_redop(op, cudaErrorInvalidValue, [&](auto red) {
+    return launch_typed<T, decltype(red)>(peers, p, lanes, threads, algo, in, out, count, s);
+  });
 }
 
 template <class T, class Peers, class Rail>
@@ -234,69 +230,59 @@ cudaError_t launch_hier_op(RedOp op, const Peers& peers, const Rail& rail, const
                            cudaStream_t s) {
   const T* i = static_cast<const T*>(in);
   T* o = static_cast<T*>(out);
-  switch (op) {
-    case RedOp::kSum: hierarchical_kernel<T, DevSum, Peers, Rail><<<lanes, threads, 0, s>>>(peers, rail, p, i, o, count); break;
-    case RedOp::kMax: hierarchical_kernel<T, DevMax, Peers, Rail><<<lanes, threads, 0, s>>>(peers, rail, p, i, o, count); break;
-    case RedOp::kMin: hierarchical_kernel<T, DevMin, Peers, Rail><<<lanes, threads, 0, s>>>(peers, rail, p, i, o, count); break;
-    default: return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
+  return with_redop(op, cudaErrorInvalidValue, [&](auto red) {
+    hierarchical_kernel<T, decltype(red), Peers, Rail><<<lanes, threads, 0, s>>>(peers, rail, p, i, o, count);
+    return cudaGetLastError();
+  });
 }
 
 template <class T, class Peers, class Rail>
 cudaError_t preload_hier_type() {
-  cudaFuncAttributes a;
-  cudaError_t e;
-  if ((e = cudaFuncGetAttributes(&a, hierarchical_kernel<T, DevSum, Peers, Rail>)) != cudaSuccess) return e;
-  if ((e = cudaFuncGetAttributes(&a, hierarchical_kernel<T, DevMax, Peers, Rail>)) != cudaSuccess) return e;
-  return cudaFuncGetAttributes(&a, hierarchical_kernel<T, DevMin, Peers, Rail>);
+  return for_each_redop(cudaSuccess, [](auto red) {
+    cudaFuncAttributes a;
+    return cudaFuncGetAttributes(&a, hierarchical_kernel<T, decltype(red), Peers, Rail>);
+  });
 }
 
 // CTAs per SM of the table-peer kernel that runs `algo` (the fewest over the ops).
 template <class T>
 cudaError_t table_occupancy(Algorithm algo, int threads, int* per_sm) {
-  int a = 0, b = 0, c = 0;
-  cudaError_t e;
-  if (algo == Algorithm::kHierarchical) {
-    using R = EmulatedGinRail;
-    if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&a, hierarchical_kernel<T, DevSum, TablePeers, R>, threads, 0)) ||
-        (e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, hierarchical_kernel<T, DevMax, TablePeers, R>, threads, 0)) ||
-        (e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c, hierarchical_kernel<T, DevMin, TablePeers, R>, threads, 0)))
-      return e;
-  } else {
-    if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&a, allreduce_kernel<T, DevSum, TablePeers>, threads, 0)) ||
-        (e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, allreduce_kernel<T, DevMax, TablePeers>, threads, 0)) ||
-        (e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c, allreduce_kernel<T, DevMin, TablePeers>, threads, 0)))
-      return e;
-  }
-  *per_sm = a < b ? (a < c ? a : c) : (b < c ? b : c);
+  int fewest = -1;
+  const cudaError_t e = for_each_redop(cudaSuccess, [&](auto red) {
+    using Op = decltype(red);
+    int n = 0;
+    const cudaError_t q =
+        algo == Algorithm::kHierarchical
+            ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                  &n, hierarchical_kernel<T, Op, TablePeers, EmulatedGinRail>, threads, 0)
+            : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, allreduce_kernel<T, Op, TablePeers>, threads, 0);
+    if (q == cudaSuccess && (fewest < 0 || n < fewest)) fewest = n;
+    return q;
+  });
+  if (e != cudaSuccess) return e;
+  *per_sm = fewest;
   return cudaSuccess;
 }
 
 template <class T, class Peers>
 cudaError_t preload_type() {
-  cudaFuncAttributes a;
-  cudaError_t e;
-  if ((e = cudaFuncGetAttributes(&a, allreduce_kernel<T, DevSum, Peers>)) != cudaSuccess) return e;
-  if ((e = cudaFuncGetAttributes(&a, one_shot_ll_kernel<T, DevSum, Peers>)) != cudaSuccess) return e;
-  if ((e = cudaFuncGetAttributes(&a, one_shot_ll_kernel<T, DevMax, Peers>)) != cudaSuccess) return e;
-  if ((e = cudaFuncGetAttributes(&a, one_shot_ll_kernel<T, DevMin, Peers>)) != cudaSuccess) return e;
-  if ((e = cudaFuncGetAttributes(&a, allreduce_kernel<T, DevMax, Peers>)) != cudaSuccess) return e;
-  return cudaFuncGetAttributes(&a, allreduce_kernel<T, DevMin, Peers>);
+  return for_each_redop(cudaSuccess, [](auto red) {
+    using Op = decltype(red);
+    cudaFuncAttributes a;
+    cudaError_t e = cudaFuncGetAttributes(&a, allreduce_kernel<T, Op, Peers>);
+    return e != cudaSuccess ? e : cudaFuncGetAttributes(&a, one_shot_ll_kernel<T, Op, Peers>);
+  });
 }
 
 template <class T, class Peers>
 cudaError_t preload_multi_type() {
-  cudaFuncAttributes a;
-  cudaError_t e;
-  if ((e = cudaFuncGetAttributes(&a, allreduce_multi_kernel<T, DevSum, Peers>)) != cudaSuccess) return e;
-  if ((e = cudaFuncGetAttributes(&a, allreduce_multi_kernel<T, DevMax, Peers>)) != cudaSuccess) return e;
-  if ((e = cudaFuncGetAttributes(&a, allreduce_multi_kernel<T, DevMin, Peers>)) != cudaSuccess) return e;
-  if ((e = cudaFuncGetAttributes(&a, one_shot_ll_multi_kernel<T, DevSum, Peers>)) != cudaSuccess) return e;
-  if ((e = cudaFuncGetAttributes(&a, one_shot_ll_multi_kernel<T, DevMax, Peers>)) != cudaSuccess) return e;
-  return cudaFuncGetAttributes(&a, one_shot_ll_multi_kernel<T, DevMin, Peers>);
+  return for_each_redop(cudaSuccess, [](auto red) {
+    using Op = decltype(red);
+    cudaFuncAttributes a;
+    cudaError_t e = cudaFuncGetAttributes(&a, allreduce_multi_kernel<T, Op, Peers>);
+    return e != cudaSuccess ? e : cudaFuncGetAttributes(&a, one_shot_ll_multi_kernel<T, Op, Peers>);
+  });
 }
-
 
 // Explicit instantiation of everything one element type needs.
 #define JAX_GIN_INSTANTIATE(T)                                                                   \
@@ -321,6 +307,8 @@ cudaError_t preload_multi_type() {
   template cudaError_t preload_hier_type<T, NcclNodePeers, GinRail>();                           \
   template cudaError_t preload_hier_type<T, TablePeers, EmulatedGinRail>();                     \
   template cudaError_t table_occupancy<T>(Algorithm, int, int*);
+// ... for the element type of DType::k<E> (a generated kernels_<short_name>.cu).
+#define JAX_GIN_INSTANTIATE_DTYPE(E) JAX_GIN_INSTANTIATE(DeviceElem<DType::k##E>::type)
 
 }  // namespace gpu
 }  // namespace jax_gin

@@ -4,8 +4,6 @@
 // window and read with acquire semantics. No kernel includes nanobind, Python or XLA.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cstdint>
 
 #include <nccl.h>
@@ -13,47 +11,12 @@
 
 #include "jax_gin/algorithms.h"
 #include "jax_gin/common.h"
+#include "jax_gin/reduce.h"
+#include "device_types.cuh"
 #include "jax_gin/schedule.h"
 
 namespace jax_gin {
 namespace gpu {
-
-// ---- element types and ops (pairwise, widened to float for 16-bit floats, like NCCL) -------
-template <class T> struct Widen { using W = T; __device__ static T up(T x) { return x; } __device__ static T down(T x) { return x; } };
-template <> struct Widen<__nv_bfloat16> {
-  using W = float;
-  __device__ static float up(__nv_bfloat16 x) { return __bfloat162float(x); }
-  __device__ static __nv_bfloat16 down(float x) { return __float2bfloat16_rn(x); }
-};
-template <> struct Widen<__half> {
-  using W = float;
-  __device__ static float up(__half x) { return __half2float(x); }
-  __device__ static __half down(float x) { return __float2half_rn(x); }
-};
-
-template <class W> __device__ __forceinline__ bool isnan_(W x) { return x != x; }
-
-struct DevSum {
-  template <class T> __device__ static T apply(T a, T b) {
-    return Widen<T>::down(Widen<T>::up(a) + Widen<T>::up(b));
-  }
-};
-struct DevMax {  // propagates NaN like XLA's maximum
-  template <class T> __device__ static T apply(T a, T b) {
-    auto x = Widen<T>::up(a), y = Widen<T>::up(b);
-    if (isnan_(x)) return a;
-    if (isnan_(y)) return b;
-    return x < y ? b : a;
-  }
-};
-struct DevMin {
-  template <class T> __device__ static T apply(T a, T b) {
-    auto x = Widen<T>::up(a), y = Widen<T>::up(b);
-    if (isnan_(x)) return a;
-    if (isnan_(y)) return b;
-    return y < x ? b : a;
-  }
-};
 
 // ---- flags --------------------------------------------------------------------------------
 __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
@@ -206,7 +169,7 @@ class GpuTransport {
   template <class T, class Op, class Src, class D>
   __device__ void reduce_to(const D& dsts, const Src& srcs, size_t n) const {
     using Wd = Widen<T>;
-    using W = typename Wd::W;
+    using W = typename Wd::type;
     constexpr size_t V = 16 / sizeof(T);
     const size_t nv = n / V;
     const int k = srcs.count(), nd = dsts.count();

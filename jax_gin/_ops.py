@@ -1,27 +1,28 @@
-"""Names and codes shared with the native code (include/jax_gin/common.h)."""
+"""Names and codes shared with the native code: the lists in include/jax_gin/common.h, read
+from the native module."""
 from __future__ import annotations
 
 import numpy as np
 import jax.numpy as jnp
 
-# The order matches enum class Algorithm in common.h.
-ALGORITHMS = ("ring", "tree", "one_shot", "two_shot")
+from ._native import cpu as _cpu
+
+# The public algorithms, by code (enum class Algorithm in common.h).
+ALGORITHMS = tuple(_cpu.algorithm_names())
 # What `auto` may also pick, from a tuning table only: XLA's own all-reduce (the one lax.psum
 # lowers to), in the sizes where it was measured faster than every jax_gin algorithm, as vLLM's
 # custom all-reduce hands sizes it does not win back to NCCL. Not selectable by name.
 XLA_FALLBACK = "xla"
 ALGORITHM_CODES = {name: i for i, name in enumerate(ALGORITHMS)}
 
-# The order matches enum class RedOp in common.h.
-OPS = ("sum", "max", "min")
+# Reduction ops by code, and the jax_gin function of each (JAX_GIN_REDOPS in common.h).
+_OP_NAMES = tuple(tuple(pair) for pair in _cpu.op_names())
+OPS = tuple(name for name, _ in _OP_NAMES)
 OP_CODES = {name: i for i, name in enumerate(OPS)}
-OP_API_NAMES = {"sum": "psum", "max": "pmax", "min": "pmin"}
+OP_API_NAMES = dict(_OP_NAMES)
 
-# Supported element types (enum class DType in common.h).
-SUPPORTED_DTYPES = tuple(
-    np.dtype(d)
-    for d in (jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16, jnp.int32, jnp.int64, jnp.uint32)
-)
+# Supported element types, by code (JAX_GIN_DTYPES in common.h).
+SUPPORTED_DTYPES = tuple(np.dtype(getattr(jnp, name)) for name in _cpu.dtype_names())
 SUPPORTED_DTYPE_NAMES = tuple(str(d) for d in SUPPORTED_DTYPES)
 
 

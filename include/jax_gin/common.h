@@ -27,20 +27,86 @@ enum class Algorithm : int32_t {
 constexpr int kNumAlgorithms = 4;          // public algorithms
 constexpr int kNumInternalAlgorithms = 5;  // public ones plus kHierarchical
 
-// Reduction ops: the same order as jax_gin/_ops.py.
-enum class RedOp : int32_t { kSum = 0, kMax = 1, kMin = 2 };
+// The element types and reduction ops, each listed once: the enums below, the kernels' and
+// the CPU backend's dispatch, the FFI handlers' type checks, the per-type CUDA translation
+// units (CMakeLists.txt reads this list) and Python's names (the nanobind module exports them)
+// all expand these lists.
+//
+// X(ENUM, code, name, short_name, host_type, device_type, bytes): ENUM names DType::kENUM and
+// xla::ffi::DataType::ENUM; `name` is the NumPy/JAX name, `short_name` the native harness's;
+// host_type is the CPU backend's element type (host_types.h), device_type the kernels'.
+// Codes are consecutive from 0, in this order.
+#define JAX_GIN_DTYPES(X)                                    \
+  X(F32, 0, float32, f32, float, float, 4)                   \
+  X(F64, 1, float64, f64, double, double, 8)                 \
+  X(BF16, 2, bfloat16, bf16, bf16, __nv_bfloat16, 2)         \
+  X(F16, 3, float16, f16, f16, __half, 2)                    \
+  X(S32, 4, int32, i32, int32_t, int32_t, 4)                 \
+  X(S64, 5, int64, i64, int64_t, int64_t, 8)                 \
+  X(U32, 6, uint32, u32, uint32_t, uint32_t, 4)
 
-// Element types: the same order as jax_gin/_ops.py (DTYPE_CODES).
-enum class DType : int32_t {
-  kF32 = 0, kF64 = 1, kBF16 = 2, kF16 = 3, kS32 = 4, kS64 = 5, kU32 = 6,
-};
+// X(NAME, code, name, api_name): RedOp::kNAME, reduced by the functor jax_gin::NAME
+// (reduce.h); `name` is Python's op name, `api_name` the jax_gin function's. Codes are
+// consecutive from 0, in this order.
+#define JAX_GIN_REDOPS(X) \
+  X(Sum, 0, sum, psum)    \
+  X(Max, 1, max, pmax)    \
+  X(Min, 2, min, pmin)
+
+#define JG_DTYPE_ENUM(E, code, ...) k##E = code,
+enum class DType : int32_t { JAX_GIN_DTYPES(JG_DTYPE_ENUM) };
+#undef JG_DTYPE_ENUM
+#define JG_COUNT(...) +1
+constexpr int kNumDTypes = 0 JAX_GIN_DTYPES(JG_COUNT);
+constexpr int kNumRedOps = 0 JAX_GIN_REDOPS(JG_COUNT);
+#undef JG_COUNT
+#define JG_REDOP_ENUM(E, code, ...) k##E = code,
+enum class RedOp : int32_t { JAX_GIN_REDOPS(JG_REDOP_ENUM) };
+#undef JG_REDOP_ENUM
+namespace detail {
+#define JG_CODE(E, code, ...) code,
+constexpr int kDTypeCodes[] = {JAX_GIN_DTYPES(JG_CODE)};
+constexpr int kRedOpCodes[] = {JAX_GIN_REDOPS(JG_CODE)};
+#undef JG_CODE
+constexpr bool consecutive(const int* codes, int n) {
+  for (int i = 0; i < n; ++i)
+    if (codes[i] != i) return false;
+  return true;
+}
+}  // namespace detail
+static_assert(detail::consecutive(detail::kDTypeCodes, kNumDTypes), "DType codes: 0, 1, 2, ...");
+static_assert(detail::consecutive(detail::kRedOpCodes, kNumRedOps), "RedOp codes: 0, 1, 2, ...");
 
 JG_HD size_t dtype_size(DType t) {
   switch (t) {
-    case DType::kF64: case DType::kS64: return 8;
-    case DType::kBF16: case DType::kF16: return 2;
-    default: return 4;
+#define JG_SIZE(E, code, name, short_name, host, device, bytes) case DType::k##E: return bytes;
+    JAX_GIN_DTYPES(JG_SIZE)
+#undef JG_SIZE
   }
+  return 0;
+}
+
+// The NumPy/JAX name of `t` ("float32").
+JG_HD const char* dtype_name(DType t) {
+  switch (t) {
+#define JG_NAME(E, code, name, ...) case DType::k##E: return #name;
+    JAX_GIN_DTYPES(JG_NAME)
+#undef JG_NAME
+  }
+  return "?";
+}
+
+// Calls f(ElemTag<T>{}), T the element type of `t` in `Elem` (HostElem in host_types.h,
+// DeviceElem in the kernels), and returns its result; `otherwise` for an unknown `t`.
+template <class T> struct ElemTag { using type = T; };
+template <template <DType> class Elem, class R, class F>
+R with_dtype(DType t, R otherwise, F&& f) {
+  switch (t) {
+#define JG_CASE(E, ...) case DType::k##E: return f(ElemTag<typename Elem<DType::k##E>::type>{});
+    JAX_GIN_DTYPES(JG_CASE)
+#undef JG_CASE
+  }
+  return otherwise;
 }
 
 JG_HD const char* algorithm_name(Algorithm a) {
@@ -54,11 +120,12 @@ JG_HD const char* algorithm_name(Algorithm a) {
   return "?";
 }
 
+// The jax_gin function of `op` ("psum").
 JG_HD const char* redop_name(RedOp op) {
   switch (op) {
-    case RedOp::kSum: return "psum";
-    case RedOp::kMax: return "pmax";
-    case RedOp::kMin: return "pmin";
+#define JG_NAME(E, code, name, api_name) case RedOp::k##E: return #api_name;
+    JAX_GIN_REDOPS(JG_NAME)
+#undef JG_NAME
   }
   return "?";
 }
