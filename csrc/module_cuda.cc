@@ -1,10 +1,13 @@
 // The CUDA nanobind module: exports the CUDA FFI handler and the GPU runtime's calls. Built
 // only where nvcc and NCCL's headers exist; jax_gin works without it on CPU.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <optional>
 #include <stdexcept>
+#include <string>
 
 #include "ffi_cuda.h"
 #include "kernels.h"
@@ -12,6 +15,30 @@
 
 namespace nb = nanobind;
 using namespace jax_gin;
+
+namespace {
+
+using OptBytes = std::optional<size_t>;
+
+gpu::LaunchSettings launch_settings(std::optional<int> max_lanes, OptBytes lane_grain_bytes,
+                                    OptBytes chunk_bytes, OptBytes one_shot_chunk_bytes,
+                                    OptBytes ll_max_bytes, bool experimental_gin) {
+  if (max_lanes && (*max_lanes < 1 || *max_lanes > kMaxLanes))
+    throw nb::value_error(("jax_gin: max_lanes must be 1 to " + std::to_string(kMaxLanes)).c_str());
+  if (lane_grain_bytes && *lane_grain_bytes == 0)
+    throw nb::value_error("jax_gin: lane_grain_bytes must be positive");
+  return gpu::LaunchSettings{max_lanes, lane_grain_bytes, chunk_bytes, one_shot_chunk_bytes,
+                             ll_max_bytes, experimental_gin};
+}
+
+}  // namespace
+
+// The launch settings of comm_create and comm_create_ranks (jax_gin.runtime.settings; None:
+// the kernels' default).
+#define JG_LAUNCH_ARGS                                                                        \
+  nb::arg("max_lanes") = nb::none(), nb::arg("lane_grain_bytes") = nb::none(),               \
+      nb::arg("chunk_bytes") = nb::none(), nb::arg("one_shot_chunk_bytes") = nb::none(),     \
+      nb::arg("ll_max_bytes") = nb::none(), nb::arg("experimental_gin") = false
 
 NB_MODULE(_jax_gin_cuda, m) {
   m.doc() = "jax_gin CUDA backend: NCCL device-API communicators and kernels";
@@ -36,19 +63,29 @@ NB_MODULE(_jax_gin_cuda, m) {
   });
   m.def("comm_create",
         [](std::vector<std::vector<int>> groups, size_t workspace_bytes, double timeout_s,
-           int fault_rank) {
+           int fault_rank, std::optional<int> max_lanes, OptBytes lane_grain_bytes,
+           OptBytes chunk_bytes, OptBytes one_shot_chunk_bytes, OptBytes ll_max_bytes,
+           bool experimental_gin) {
+          const gpu::LaunchSettings launch =
+              launch_settings(max_lanes, lane_grain_bytes, chunk_bytes, one_shot_chunk_bytes,
+                              ll_max_bytes, experimental_gin);
           nb::gil_scoped_release release;
-          return gpu::comm_create(groups, workspace_bytes, timeout_s, fault_rank);
+          return gpu::comm_create(groups, workspace_bytes, timeout_s, fault_rank, launch);
         },
         nb::arg("groups"), nb::arg("workspace_bytes"), nb::arg("timeout_s"),
-        nb::arg("fault_rank") = -1);
+        nb::arg("fault_rank") = -1, JG_LAUNCH_ARGS);
   m.def("unique_id", []() {
           std::string id = gpu::unique_id();
           return nb::bytes(id.data(), id.size());
         },
         "A fresh ncclUniqueId, as bytes (this process hosts NCCL's bootstrap root for it).");
   m.def("comm_create_ranks",
-        [](nb::list groups, size_t workspace_bytes, double timeout_s, int fault_rank) {
+        [](nb::list groups, size_t workspace_bytes, double timeout_s, int fault_rank,
+           std::optional<int> max_lanes, OptBytes lane_grain_bytes, OptBytes chunk_bytes,
+           OptBytes one_shot_chunk_bytes, OptBytes ll_max_bytes, bool experimental_gin) {
+          const gpu::LaunchSettings launch =
+              launch_settings(max_lanes, lane_grain_bytes, chunk_bytes, one_shot_chunk_bytes,
+                              ll_max_bytes, experimental_gin);
           // groups: [(group, nranks, unique_id bytes, [ranks here], [local CUDA ordinals])]
           std::vector<gpu::GroupSpec> specs;
           for (nb::handle h : groups) {
@@ -64,10 +101,10 @@ NB_MODULE(_jax_gin_cuda, m) {
             specs.push_back(std::move(s));
           }
           nb::gil_scoped_release release;
-          return gpu::comm_create_ranks(specs, workspace_bytes, timeout_s, fault_rank);
+          return gpu::comm_create_ranks(specs, workspace_bytes, timeout_s, fault_rank, launch);
         },
         nb::arg("groups"), nb::arg("workspace_bytes"), nb::arg("timeout_s"),
-        nb::arg("fault_rank") = -1,
+        nb::arg("fault_rank") = -1, JG_LAUNCH_ARGS,
         "Several processes: this process's ranks of each group, joined by ncclCommInitRank.");
   m.def("comm_destroy", [](int64_t id) {
     nb::gil_scoped_release release;

@@ -259,9 +259,9 @@ void register_windows(Comm& comm, size_t base, const std::vector<ncclComm_t>& co
 
 // Once its window is registered and its device communicator exists: indexes rank
 // comm.ranks[i] by device and fills its launch configuration (window layout for
-// `ranks_per_node`, 0 within one node; the JAX_GIN_* launch settings of the environment).
+// `ranks_per_node`, 0 within one node; `launch`, the settings Python passed).
 void finish_rank(Comm& comm, size_t i, int g, int n, size_t lane_bytes, int ranks_per_node,
-                 double timeout_s, int fault_rank) {
+                 double timeout_s, int fault_rank, const LaunchSettings& launch) {
   RankState& s = comm.ranks[i];
   if (s.win == nullptr)
     throw std::runtime_error("jax_gin: NCCL gave no symmetric window (device API unsupported here?)");
@@ -279,16 +279,13 @@ void finish_rank(Comm& comm, size_t i, int g, int n, size_t lane_bytes, int rank
   c.diag = diag_dev;
   c.timeout_ns = uint64_t(timeout_s * 1e9);
   c.fault_rank = fault_rank;
-  c.max_lanes = default_max_lanes(s.device);
-  if (const char* v = std::getenv("JAX_GIN_MAX_LANES")) c.max_lanes = std::atoi(v);
+  c.max_lanes = launch.max_lanes ? *launch.max_lanes : default_max_lanes(s.device);
   // The LL limit may be lowered or raised (the launch caps it at the LL area's 256 KiB), but
   // never turned on where the window has no LL area (set_window_layout left it 0).
-  if (const char* v = std::getenv("JAX_GIN_LL_MAX_BYTES"); v && c.ll_max_bytes > 0)
-    c.ll_max_bytes = std::strtoull(v, nullptr, 10);
-  if (const char* v = std::getenv("JAX_GIN_CHUNK_BYTES")) c.chunk_bytes = std::strtoull(v, nullptr, 10);
-  if (const char* v = std::getenv("JAX_GIN_ONE_SHOT_CHUNK_BYTES"))
-    c.one_shot_chunk_bytes = std::strtoull(v, nullptr, 10);
-  if (const char* v = std::getenv("JAX_GIN_LANE_GRAIN_BYTES")) c.lane_grain_bytes = std::strtoull(v, nullptr, 10);
+  if (launch.ll_max_bytes && c.ll_max_bytes > 0) c.ll_max_bytes = *launch.ll_max_bytes;
+  if (launch.chunk_bytes) c.chunk_bytes = *launch.chunk_bytes;
+  if (launch.one_shot_chunk_bytes) c.one_shot_chunk_bytes = *launch.one_shot_chunk_bytes;
+  if (launch.lane_grain_bytes) c.lane_grain_bytes = *launch.lane_grain_bytes;
 }
 
 // Every rank of a group must run the same lanes (lane i talks to its peers' lane i only), but
@@ -308,7 +305,8 @@ void equalize_lanes(Comm& comm, size_t base, int k) {
 // to comm.ranks.
 void setup_ranks(Comm& comm, int g, int n, const std::vector<int>& ranks,
                  const std::vector<int>& devices, const std::vector<ncclComm_t>& comms,
-                 size_t lane_bytes, double timeout_s, int fault_rank) {
+                 size_t lane_bytes, double timeout_s, int fault_rank,
+                 const LaunchSettings& launch) {
   const int k = int(ranks.size());
   const size_t base = comm.ranks.size();
   comm.ranks.resize(base + k);
@@ -333,7 +331,7 @@ void setup_ranks(Comm& comm, int g, int n, const std::vector<int>& ranks,
   end_setup_group(comms, "ncclDevCommCreate", g, n, ranks, timeout_s);
   for (int i = 0; i < k; ++i) {
     comm.ranks[base + i].has_devcomm = true;
-    finish_rank(comm, base + i, g, n, lane_bytes, 0, timeout_s, fault_rank);
+    finish_rank(comm, base + i, g, n, lane_bytes, 0, timeout_s, fault_rank, launch);
   }
   equalize_lanes(comm, base, k);
 }
@@ -364,7 +362,7 @@ int64_t register_comm(std::unique_ptr<Comm> comm) {
 }  // namespace
 
 int64_t comm_create(const std::vector<std::vector<int>>& groups, size_t workspace_bytes,
-                    double timeout_s, int fault_rank) {
+                    double timeout_s, int fault_rank, const LaunchSettings& launch) {
   std::unique_ptr<Comm> comm = new_comm();
   const size_t lane_bytes = lane_bytes_checked(workspace_bytes);
   try {
@@ -375,7 +373,8 @@ int64_t comm_create(const std::vector<std::vector<int>>& groups, size_t workspac
       JG_NCCL(ncclCommInitAll(comms.data(), n, groups[g].data()));
       std::vector<int> ranks(n);
       for (int r = 0; r < n; ++r) ranks[r] = r;
-      setup_ranks(*comm, int(g), n, ranks, groups[g], comms, lane_bytes, timeout_s, fault_rank);
+      setup_ranks(*comm, int(g), n, ranks, groups[g], comms, lane_bytes, timeout_s, fault_rank,
+                  launch);
     }
   } catch (...) {
     destroy_ranks(comm->ranks);
@@ -418,13 +417,6 @@ std::string ranks_text(const std::vector<int>& v) {
 // decision, or those that go on would wait forever in the next collective call, so the
 // reasons are combined over the group (an NCCL all-reduce, max) before anyone acts on them.
 enum SpanReason { kNoGin = 0, kNotNodeMajor, kWorkspace, kNotEnabled, kNumSpanReasons };
-
-constexpr const char* kExperimentalGinEnv = "JAX_GIN_EXPERIMENTAL_GIN";
-
-bool experimental_gin_enabled() {
-  const char* v = std::getenv(kExperimentalGinEnv);
-  return v != nullptr && std::string(v) == "1";
-}
 
 // Frees what agree() allocated, also when it throws. After a timeout the all-reduce is still
 // waiting for peers that will not come: its stream would never drain, so the buffers and
@@ -496,12 +488,13 @@ std::vector<int> agree(const GroupSpec& spec, const std::vector<ncclComm_t>& com
 // load/store) is smaller than the group. Creates its device communicators with GIN (collective
 // over the group, like every other step here); then, unless every rank of the group can run
 // it, throws the same error on every rank: NCCL has no GIN here; the ranks are not node-major;
-// the workspace is too small; or the GIN path is not enabled (JAX_GIN_EXPERIMENTAL_GIN=1: it is
-// built but was never run on two nodes). Otherwise sets up the ranks like setup_ranks, with
+// the workspace is too small; or the GIN path is not enabled (launch.experimental_gin,
+// JAX_GIN_EXPERIMENTAL_GIN=1: it is built but was never run on two nodes). Otherwise sets up the ranks like setup_ranks, with
 // the window layout of a spanning group, and appends them to comm.ranks. Takes over `pending`
 // (the group's communicators, cleared once comm.ranks owns them).
 void setup_spanning_group(Comm& comm, const GroupSpec& spec, std::vector<ncclComm_t>& pending,
-                          int lsa_size, size_t lane_bytes, double timeout_s, int fault_rank) {
+                          int lsa_size, size_t lane_bytes, double timeout_s, int fault_rank,
+                          const LaunchSettings& launch) {
   const int n = spec.nranks, k = int(pending.size());
   const bool divides = lsa_size > 0 && n % lsa_size == 0;
   const ncclDevCommRequirements reqs = gin_requirements(divides ? gin_signal_count(n, lsa_size) : 0);
@@ -535,7 +528,7 @@ void setup_spanning_group(Comm& comm, const GroupSpec& spec, std::vector<ncclCom
                               dc.nRanks != n || dc.lsaRank != spec.ranks[i] % lsa_size;
       why[i][kWorkspace] = !divides || schedule::slot_elems(Algorithm::kHierarchical, n, lane_bytes,
                                                            8, lsa_size) == 0;
-      why[i][kNotEnabled] = !experimental_gin_enabled();
+      why[i][kNotEnabled] = !launch.experimental_gin;
     }
     try {
       why[0] = agree(spec, pending, why, timeout_s);
@@ -587,8 +580,8 @@ void setup_spanning_group(Comm& comm, const GroupSpec& spec, std::vector<ncclCom
     os << "jax_gin's GIN path (hierarchical: intra-node reduce-scatter over LSA, a ring over "
        << "GIN between the nodes' ranks of the same local rank, intra-node all-gather over LSA) "
        << "is built, and tested on one GPU with GIN emulated, but has never run on multi-node "
-       << "hardware, so it is off by default. Set " << kExperimentalGinEnv << "=1 in every "
-       << "process to use it, or reduce over mesh axes whose devices share a node. See "
+       << "hardware, so it is off by default. Set JAX_GIN_EXPERIMENTAL_GIN=1 in every process "
+       << "(or jax_gin.runtime.settings.experimental_gin = True) to use it, or reduce over mesh axes whose devices share a node. See "
        << "docs/multi-node.md.";
     throw std::runtime_error(os.str());
   }
@@ -613,7 +606,7 @@ void setup_spanning_group(Comm& comm, const GroupSpec& spec, std::vector<ncclCom
   // with GIN.
   register_windows(comm, base, comms, wbytes, spec.group, n, spec.ranks, timeout_s);
   for (int i = 0; i < k; ++i)
-    finish_rank(comm, base + i, spec.group, n, lane_bytes, lsa_size, timeout_s, fault_rank);
+    finish_rank(comm, base + i, spec.group, n, lane_bytes, lsa_size, timeout_s, fault_rank, launch);
   equalize_lanes(comm, base, k);
 }
 
@@ -629,7 +622,7 @@ void destroy_comms(std::vector<ncclComm_t>& comms) {
 }  // namespace
 
 int64_t comm_create_ranks(const std::vector<GroupSpec>& groups, size_t workspace_bytes,
-                          double timeout_s, int fault_rank) {
+                          double timeout_s, int fault_rank, const LaunchSettings& launch) {
   std::unique_ptr<Comm> comm = new_comm();
   const size_t lane_bytes = lane_bytes_checked(workspace_bytes);
   std::vector<ncclComm_t> pending;  // initialized, not yet handed to setup_ranks
@@ -681,14 +674,14 @@ int64_t comm_create_ranks(const std::vector<GroupSpec>& groups, size_t workspace
       // the whole group is one LSA team (one node, or one NVLink domain).
       const int lsa = ncclTeamLsa(pending[0]).nRanks;
       if (lsa > 0 && lsa < n) {  // spans nodes: LSA within a node, GIN between nodes
-        setup_spanning_group(*comm, spec, pending, lsa, lane_bytes, timeout_s, fault_rank);
+        setup_spanning_group(*comm, spec, pending, lsa, lane_bytes, timeout_s, fault_rank, launch);
         continue;
       }
       std::vector<ncclComm_t> comms = pending;
       pending.clear();  // from here on, comm->ranks owns them (as in comm_create)
       const size_t base = comm->ranks.size();
       setup_ranks(*comm, spec.group, n, spec.ranks, spec.devices, comms, lane_bytes, timeout_s,
-                  fault_rank);
+                  fault_rank, launch);
       for (int i = 0; i < k; ++i) {
         const ncclDevComm& dc = comm->ranks[base + i].devcomm;
         if (dc.nRanks != n || dc.rank != spec.ranks[i] || dc.lsaSize != n || dc.lsaRank != dc.rank)

@@ -7,6 +7,7 @@
 #include <nccl_device.h>
 
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -41,10 +42,22 @@ struct RankState {
   cudaEvent_t join[kAsyncSlots] = {};
 };
 
+// The launch settings of a communicator's ranks, from jax_gin.runtime.settings (Python reads
+// and checks them, JAX_GIN_* in the environment; native code reads no environment variable).
+// Unset: LaunchConfig's default (kernels.h).
+struct LaunchSettings {
+  std::optional<int> max_lanes;               // unset: the device's SM count (default_max_lanes)
+  std::optional<size_t> lane_grain_bytes;
+  std::optional<size_t> chunk_bytes;
+  std::optional<size_t> one_shot_chunk_bytes;
+  std::optional<size_t> ll_max_bytes;         // never turns LL on where the window has no LL area
+  bool experimental_gin = false;              // groups that span nodes may run over GIN
+};
+
 // Creates one communicator per group. groups[g][r] is the local CUDA ordinal of rank r of
 // group g. Throws std::runtime_error with NCCL's or CUDA's message on failure.
 int64_t comm_create(const std::vector<std::vector<int>>& groups, size_t workspace_bytes,
-                    double timeout_s, int fault_rank);
+                    double timeout_s, int fault_rank, const LaunchSettings& launch = {});
 // Several processes: this process's ranks of some groups, each group with an NCCL unique id
 // that the caller shared among the processes (the process of rank 0 made it with unique_id()).
 struct GroupSpec {
@@ -65,10 +78,10 @@ std::string unique_id();
 // TimeoutError naming the group and the ranks that did not come. A group that spans nodes
 // (NCCL's LSA team is smaller than the group) gets a device communicator with GIN and runs
 // only hierarchical; it throws (the same error on every rank) if NCCL has no GIN, the ranks
-// are not node-major, or JAX_GIN_EXPERIMENTAL_GIN=1 is not set (that path is built but never
-// ran on two nodes).
+// are not node-major, or launch.experimental_gin is off (JAX_GIN_EXPERIMENTAL_GIN; that path
+// is built but never ran on two nodes).
 int64_t comm_create_ranks(const std::vector<GroupSpec>& groups, size_t workspace_bytes,
-                          double timeout_s, int fault_rank);
+                          double timeout_s, int fault_rank, const LaunchSettings& launch = {});
 void comm_destroy(int64_t id);
 // Ranks per node of communicator `id`'s groups if they span nodes (they then run only the
 // hierarchical algorithm), else 0. Throws if this process's groups of it differ.

@@ -44,7 +44,19 @@ _RULES = {
                   "a positive finite number of seconds, at most 1e9 (there is no 'no timeout' value)"),
     "bucket_bytes": ("JAX_GIN_BUCKET_BYTES", "a positive integer number of bytes"),
     "overlap_lanes": ("JAX_GIN_OVERLAP_LANES", f"an integer from 1 to {MAX_LANES}"),
+    # GPU launch settings (gpu_launch_settings); None: the kernels' default (cuda/kernels.h).
+    "max_lanes": ("JAX_GIN_MAX_LANES", f"an integer from 1 to {MAX_LANES}"),
+    "lane_grain_bytes": ("JAX_GIN_LANE_GRAIN_BYTES", "a positive integer number of bytes"),
+    "chunk_bytes": ("JAX_GIN_CHUNK_BYTES", "an integer number of bytes, 0 or more (0: no chunks)"),
+    "one_shot_chunk_bytes": ("JAX_GIN_ONE_SHOT_CHUNK_BYTES",
+                             "an integer number of bytes, 0 or more (0: no chunks)"),
+    "ll_max_bytes": ("JAX_GIN_LL_MAX_BYTES", "an integer number of bytes, 0 or more (0: no LL)"),
+    "experimental_gin": ("JAX_GIN_EXPERIMENTAL_GIN", "1 or 0 (True or False)"),
 }
+# Fields whose None means "the kernels' default".
+_OPTIONAL = ("max_lanes", "lane_grain_bytes", "chunk_bytes", "one_shot_chunk_bytes", "ll_max_bytes")
+# Fields that may be 0.
+_ZERO_OK = ("chunk_bytes", "one_shot_chunk_bytes", "ll_max_bytes")
 
 
 def _is_int(v) -> bool:
@@ -52,18 +64,23 @@ def _is_int(v) -> bool:
 
 
 def _valid(field: str, value):
-    """`value` as the type `field` holds, or None when it breaks the field's rule."""
+    """`value` as the type `field` holds, or None when it breaks the field's rule (None itself,
+    the default of the _OPTIONAL fields, is let through by Settings.__setattr__)."""
     if field == "timeout_s":
         if not (_is_int(value) or isinstance(value, (float, np.floating))):
             return None
         value = float(value)
         return value if math.isfinite(value) and 0 < value <= _MAX_TIMEOUT_S else None
+    if field == "experimental_gin":
+        if isinstance(value, (bool, np.bool_)):
+            return bool(value)
+        return bool(value) if _is_int(value) and value in (0, 1) else None
     if not _is_int(value):
         return None
     value = int(value)
-    if field == "overlap_lanes":
+    if field in ("overlap_lanes", "max_lanes"):
         return value if 1 <= value <= MAX_LANES else None
-    return value if value >= 1 else None
+    return value if value >= (0 if field in _ZERO_OK else 1) else None
 
 
 def _bad(field: str, shown: str) -> ValueError:
@@ -72,6 +89,8 @@ def _bad(field: str, shown: str) -> ValueError:
 
 def _parse(field: str, text: str):
     """The number in `text` (integers may be written as 64e6), or None."""
+    if field == "experimental_gin":
+        return {"0": 0, "1": 1}.get(text.strip())
     try:
         return float(text) if field == "timeout_s" else int(text)
     except ValueError:
@@ -97,7 +116,8 @@ def _from_env(field: str, default):
 
 @dataclasses.dataclass
 class Settings:
-    """Runtime settings, read from the environment when jax_gin is imported.
+    """Runtime settings, read from the environment when jax_gin is imported. Native code reads
+    no environment variable of its own: it gets these values from here.
 
     workspace_bytes: symmetric workspace per rank (JAX_GIN_WORKSPACE_BYTES, a positive
         integer); messages larger than one round's capacity are pipelined through it in
@@ -113,6 +133,21 @@ class Settings:
         (JAX_GIN_OVERLAP_LANES, 1 to 128), so that the compute it overlaps keeps the other SMs.
     fault_rank: testing only -- this rank drops all its signals, so its peers time out.
 
+    GPU launch settings, fixed when a communicator is created; None is the kernels' default
+    (cuda/kernels.h). The processes of a group must agree on them (gpu_launch_settings).
+    max_lanes: the most lanes (CTAs) one all-reduce uses (JAX_GIN_MAX_LANES, 1 to 128;
+        default: the GPU's SM count, at most 128).
+    lane_grain_bytes: one lane per this many bytes of message (JAX_GIN_LANE_GRAIN_BYTES;
+        default 16 KiB).
+    chunk_bytes: ring, tree and two_shot signal each step in chunks of this size
+        (JAX_GIN_CHUNK_BYTES, 0: whole steps; default 512 KiB).
+    one_shot_chunk_bytes: one_shot stores chunk c+1 to its peers before it reduces chunk c
+        (JAX_GIN_ONE_SHOT_CHUNK_BYTES, 0: one chunk; default 32 KiB).
+    ll_max_bytes: one_shot uses the LL protocol up to this size (JAX_GIN_LL_MAX_BYTES, 0: never;
+        default 256 KiB, at most the LL area's 256 KiB).
+    experimental_gin: groups that span nodes may run over NCCL's GIN (JAX_GIN_EXPERIMENTAL_GIN=1;
+        built, never run on two nodes: docs/multi-node.md).
+
     Values are checked when read from the environment and when assigned: a bad one raises a
     ValueError that names the variable and the value.
     """
@@ -127,9 +162,19 @@ class Settings:
     overlap_lanes: int = dataclasses.field(
         default_factory=lambda: _from_env("overlap_lanes", _DEFAULT_OVERLAP_LANES))
     fault_rank: int = -1
+    max_lanes: int | None = dataclasses.field(default_factory=lambda: _from_env("max_lanes", None))
+    lane_grain_bytes: int | None = dataclasses.field(
+        default_factory=lambda: _from_env("lane_grain_bytes", None))
+    chunk_bytes: int | None = dataclasses.field(default_factory=lambda: _from_env("chunk_bytes", None))
+    one_shot_chunk_bytes: int | None = dataclasses.field(
+        default_factory=lambda: _from_env("one_shot_chunk_bytes", None))
+    ll_max_bytes: int | None = dataclasses.field(
+        default_factory=lambda: _from_env("ll_max_bytes", None))
+    experimental_gin: bool = dataclasses.field(
+        default_factory=lambda: _from_env("experimental_gin", False))
 
     def __setattr__(self, name: str, value) -> None:
-        if name in _RULES:
+        if name in _RULES and not (value is None and name in _OPTIONAL):
             checked = _valid(name, value)
             if checked is None:
                 raise _bad(name, f"jax_gin.runtime.settings.{name} = {value!r} ({_RULES[name][0]})")
@@ -225,9 +270,13 @@ def communicator(platform: str, mesh, axes: tuple) -> int:
     ws = workspace_bytes(platform)
     key = (platform, device_ids, names, sizes, tuple(axes), ws, settings.timeout_s,
            settings.fault_rank)
+    # The GPU launch settings select the cached communicator too, but stay out of `key`, which
+    # names the communicator's set-up across processes (_distributed.communicator_tag): the
+    # processes of a group meet there and then compare them, naming any difference.
+    cache_key = key if platform == "cpu" else key + (tuple(gpu_launch_kwargs().items()),)
     _distributed.check_initialized(len({d.process_index for d in devices}))
     with _lock:
-        comm = _cache.get(key)
+        comm = _cache.get(cache_key)
         if comm is not None:
             return comm
         layout = group_layout(names, sizes, tuple(axes))
@@ -235,7 +284,7 @@ def communicator(platform: str, mesh, axes: tuple) -> int:
             comm = _create_cpu_comm(mesh, devices, layout, ws, key)
         else:
             comm = _create_cuda_comm(mesh, layout, ws, key)
-        _cache[key] = comm
+        _cache[cache_key] = comm
         return comm
 
 
@@ -267,24 +316,32 @@ def _create_cuda_comm(mesh, layout: GroupLayout, ws: int, key=None) -> int:
     groups = [[None] * layout.nranks for _ in range(layout.ngroups)]
     for logical, d in enumerate(devices):
         groups[layout.group_of[logical]][layout.rank_of[logical]] = int(d.local_hardware_id)
-    return _native.cuda.comm_create(groups, ws, settings.timeout_s, settings.fault_rank)
+    return _native.cuda.comm_create(groups, ws, settings.timeout_s, settings.fault_rank,
+                                    **gpu_launch_kwargs())
 
 
-# Environment variables that the CUDA runtime reads (cuda/nccl_runtime.cu) and that shape
-# every kernel launch of a group: they must agree over the processes of a group.
-_GPU_LAUNCH_ENV = ("JAX_GIN_CHUNK_BYTES", "JAX_GIN_ONE_SHOT_CHUNK_BYTES", "JAX_GIN_LANE_GRAIN_BYTES",
-                   "JAX_GINMAX_LANES", "JAX_GIN_LL_MAX_BYTES", "JAX_GIN_EXPERIMENTAL_GIN")
+# The settings that shape every kernel launch of a GPU group, passed to the native
+# communicator creation (cuda/nccl_runtime.h, LaunchSettings): they must agree over the
+# processes of a group.
+_GPU_LAUNCH_FIELDS = ("max_lanes", "lane_grain_bytes", "chunk_bytes", "one_shot_chunk_bytes",
+                      "ll_max_bytes", "experimental_gin")
+
+
+def gpu_launch_kwargs() -> dict:
+    """The GPU launch settings, as the native comm_create and comm_create_ranks take them."""
+    return {f: getattr(settings, f) for f in _GPU_LAUNCH_FIELDS}
 
 
 def gpu_launch_settings(workspace_bytes: int, default_max_lanes: int | None = None) -> dict:
-    """What must be equal in every process of a GPU group (checked at bootstrap).
+    """What must be equal in every process of a GPU group (checked at bootstrap), by the
+    environment variable that sets it.
 
     default_max_lanes: the smallest default lane cap (SM count, at most 128) of this process's
-    devices in the group; it decides the lanes unless JAX_GINMAX_LANES is set."""
+    devices in the group; it decides the lanes unless max_lanes (JAX_GIN_MAX_LANES) is set."""
     out = {"workspace_bytes": int(workspace_bytes)}
-    out.update({k: os.environ.get(k) for k in _GPU_LAUNCH_ENV})
-    if default_max_lanes is not None and not os.environ.get("JAX_GINMAX_LANES"):
-        out["default max lanes (SM count; set JAX_GINMAX_LANES alike to override)"] = \
+    out.update({_RULES[f][0]: v for f, v in gpu_launch_kwargs().items()})
+    if default_max_lanes is not None and settings.max_lanes is None:
+        out["default max lanes (SM count; set JAX_GIN_MAX_LANES alike to override)"] = \
             int(default_max_lanes)
     return out
 
@@ -325,7 +382,8 @@ def _comm_create_ranks(specs: list, ws: int, what: str) -> int:
     the communicators are aborted) becomes BootstrapTimeoutError, like a missing peer in the
     key-value bootstrap before it."""
     try:
-        return _native.cuda.comm_create_ranks(specs, ws, settings.timeout_s, settings.fault_rank)
+        return _native.cuda.comm_create_ranks(specs, ws, settings.timeout_s, settings.fault_rank,
+                                              **gpu_launch_kwargs())
     except _distributed.BootstrapTimeoutError:
         raise
     except TimeoutError as e:

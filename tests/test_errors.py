@@ -73,26 +73,27 @@ def test_cuda_lowering_without_cuda_build(monkeypatch):
 
 
 def test_gpu_launch_settings_must_match_across_processes(monkeypatch):
-    """The GPU bootstrap compares every process's launch settings: a different workspace, env
-    setting or default lane cap (SM count: different GPU models) is named, not run."""
+    """The GPU bootstrap compares every process's launch settings: a different workspace,
+    launch setting or default lane cap (SM count: different GPU models) is named, not run."""
     from jax_gin import _distributed
-    from jax_gin._runtime import gpu_launch_settings
-    monkeypatch.delenv("JAX_GIN_MAX_LANES", raising=False)
+    from jax_gin._runtime import gpu_launch_settings, settings
+    monkeypatch.setattr(settings, "max_lanes", None)
     mine = gpu_launch_settings(64 << 20, 128)
     _distributed.check_same_settings(mine, gpu_launch_settings(64 << 20, 128), 1, "group 0")
     with pytest.raises(ValueError, match=r"default max lanes.*128.*here but 108 in process 1"):
         _distributed.check_same_settings(mine, gpu_launch_settings(64 << 20, 108), 1, "group 0")
     with pytest.raises(ValueError, match=r"workspace_bytes=67108864 here but 33554432"):
         _distributed.check_same_settings(mine, gpu_launch_settings(32 << 20, 128), 1, "group 0")
-    # JAX_GIN_MAX_LANES set alike everywhere decides the lanes: the SM counts may then differ
-    monkeypatch.setenv("JAX_GIN_MAX_LANES", "64")
+    # max_lanes (JAX_GIN_MAX_LANES) set alike everywhere decides the lanes: the SM counts may
+    # then differ
+    monkeypatch.setattr(settings, "max_lanes", 64)
     _distributed.check_same_settings(gpu_launch_settings(64 << 20, 128),
                                      gpu_launch_settings(64 << 20, 108), 1, "group 0")
     # one_shot's chunk decides its flag tags: a difference is named too
-    monkeypatch.setenv("JAX_GIN_ONE_SHOT_CHUNK_BYTES", "16384")
+    monkeypatch.setattr(settings, "one_shot_chunk_bytes", 16384)
     theirs = gpu_launch_settings(64 << 20, 128)
-    monkeypatch.setenv("JAX_GIN_ONE_SHOT_CHUNK_BYTES", "32768")
-    with pytest.raises(ValueError, match=r"JAX_GIN_ONE_SHOT_CHUNK_BYTES='32768' here but '16384'"):
+    monkeypatch.setattr(settings, "one_shot_chunk_bytes", 32768)
+    with pytest.raises(ValueError, match=r"JAX_GIN_ONE_SHOT_CHUNK_BYTES=32768 here but 16384"):
         _distributed.check_same_settings(gpu_launch_settings(64 << 20, 128), theirs, 1, "group 0")
 
 
@@ -102,7 +103,10 @@ def test_gpu_launch_settings_must_match_across_processes(monkeypatch):
     ("JAX_GIN_TIMEOUT_S", "0"), ("JAX_GIN_TIMEOUT_S", "-1"), ("JAX_GIN_TIMEOUT_S", "inf"),
     ("JAX_GIN_TIMEOUT_S", "nan"), ("JAX_GIN_BUCKET_BYTES", "0"), ("JAX_GIN_BUCKET_BYTES", "-1"),
     ("JAX_GIN_OVERLAP_LANES", "0"), ("JAX_GIN_OVERLAP_LANES", "129"),
-    ("JAX_GIN_OVERLAP_LANES", "2.5"),
+    ("JAX_GIN_OVERLAP_LANES", "2.5"), ("JAX_GIN_MAX_LANES", "0"), ("JAX_GIN_MAX_LANES", "129"),
+    ("JAX_GIN_LANE_GRAIN_BYTES", "0"), ("JAX_GIN_CHUNK_BYTES", "-1"),
+    ("JAX_GIN_ONE_SHOT_CHUNK_BYTES", "1.5"), ("JAX_GIN_LL_MAX_BYTES", "big"),
+    ("JAX_GIN_EXPERIMENTAL_GIN", "yes"), ("JAX_GIN_EXPERIMENTAL_GIN", "2"),
 ])
 def test_bad_env_values(monkeypatch, var, value):
     monkeypatch.setenv(var, value)
@@ -118,6 +122,19 @@ def test_good_env_values(monkeypatch):
     s = jax_gin.runtime.Settings()
     assert s.cpu_workspace_bytes == s.gpu_workspace_bytes == 2_000_000
     assert s.timeout_s == 0.25 and s.bucket_bytes == 64 << 20 and s.overlap_lanes == 128
+    # the GPU launch settings: unset is None (the kernels' default); 0 turns chunks and LL off
+    for var in ("JAX_GIN_MAX_LANES", "JAX_GIN_LANE_GRAIN_BYTES", "JAX_GIN_ONE_SHOT_CHUNK_BYTES",
+                "JAX_GIN_EXPERIMENTAL_GIN"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("JAX_GIN_CHUNK_BYTES", "0")
+    monkeypatch.setenv("JAX_GIN_LL_MAX_BYTES", "64e3")
+    s = jax_gin.runtime.Settings()
+    assert (s.max_lanes, s.lane_grain_bytes, s.one_shot_chunk_bytes) == (None, None, None)
+    assert s.chunk_bytes == 0 and s.ll_max_bytes == 64_000 and s.experimental_gin is False
+    monkeypatch.setenv("JAX_GIN_MAX_LANES", "128")
+    monkeypatch.setenv("JAX_GIN_EXPERIMENTAL_GIN", "1")
+    s = jax_gin.runtime.Settings()
+    assert s.max_lanes == 128 and s.experimental_gin is True
 
 
 @pytest.mark.parametrize("field,value,var", [
@@ -126,6 +143,8 @@ def test_good_env_values(monkeypatch):
     ("timeout_s", 0, "JAX_GIN_TIMEOUT_S"), ("timeout_s", -1.0, "JAX_GIN_TIMEOUT_S"),
     ("timeout_s", "3", "JAX_GIN_TIMEOUT_S"), ("bucket_bytes", 0, "JAX_GIN_BUCKET_BYTES"),
     ("overlap_lanes", 200, "JAX_GIN_OVERLAP_LANES"), ("overlap_lanes", True, "JAX_GIN_OVERLAP_LANES"),
+    ("max_lanes", 0, "JAX_GIN_MAX_LANES"), ("chunk_bytes", -1, "JAX_GIN_CHUNK_BYTES"),
+    ("experimental_gin", "1", "JAX_GIN_EXPERIMENTAL_GIN"),
 ])
 def test_bad_settings_assignment(field, value, var):
     settings = jax_gin.runtime.settings

@@ -35,8 +35,8 @@ class _FakeCuda:
         self.error = error
         self.calls = []
 
-    def comm_create_ranks(self, specs, ws, timeout_s, fault_rank):
-        self.calls.append((specs, ws, timeout_s, fault_rank))
+    def comm_create_ranks(self, specs, ws, timeout_s, fault_rank, **launch):
+        self.calls.append((specs, ws, timeout_s, fault_rank, launch))
         if self.error is not None:
             raise self.error
         return 7
@@ -53,7 +53,7 @@ def test_init_timeout_becomes_bootstrap_timeout_error_cpu(monkeypatch):
         _runtime._comm_create_ranks([(0, 2, b"id", [0], [0])], WORKSPACE, "the GPU communicator X")
     assert str(e.value) == f"{native} (setting up the GPU communicator X)"
     assert isinstance(e.value, TimeoutError)
-    assert fake.calls == [([(0, 2, b"id", [0], [0])], WORKSPACE, 3.0, -1)]
+    assert fake.calls == [([(0, 2, b"id", [0], [0])], WORKSPACE, 3.0, -1, _runtime.gpu_launch_kwargs())]
 
 
 def test_init_other_errors_pass_through_cpu(monkeypatch):

@@ -90,7 +90,7 @@ def test_bootstrap_two_processes():
     # Settings that differ: process 1 (not the id's maker) names the setting and both values.
     assert r0["mismatch"] == "no error", r0
     assert r1["mismatch"].startswith("ValueError"), r1
-    assert "JAX_GIN_CHUNK_BYTES='131072' here but '65536' in process 0" in r1["mismatch"], r1
+    assert "JAX_GIN_CHUNK_BYTES=131072 here but 65536 in process 0" in r1["mismatch"], r1
     # An unreachable key-value store says so.
     for r in (r0, r1):
         assert r["unreachable"].startswith("KeyValueStoreError"), r
@@ -170,7 +170,7 @@ def _bootstrap_worker(pid, devices, report, _distributed, _native, _runtime):
             self.made += 1
             return os.urandom(128)
 
-        def comm_create_ranks(self, specs, ws, timeout_s, fault_rank):
+        def comm_create_ranks(self, specs, ws, timeout_s, fault_rank, **launch):
             self.specs = [[g, n, bytes(uid).hex(), list(r), list(d)] for g, n, uid, r, d in specs]
             self.next += 1
             return self.next
@@ -209,10 +209,10 @@ def _bootstrap_worker(pid, devices, report, _distributed, _native, _runtime):
 
     # Launch settings that differ between the processes of a group: refused by name (they
     # would otherwise make the kernels read data before it arrived).
-    os.environ["JAX_GIN_CHUNK_BYTES"] = str(65536 * (pid + 1))
+    _runtime.settings.chunk_bytes = 65536 * (pid + 1)
     _runtime.settings.timeout_s = 3.0 + 3e-6  # a new communicator key
     report["mismatch"] = error_of(lambda: _runtime.communicator("cuda", mesh1, ("i",)))
-    del os.environ["JAX_GIN_CHUNK_BYTES"]
+    _runtime.settings.chunk_bytes = None
     client.wait_at_barrier("test/end_mismatch", 60_000)
 
     # An unreachable key-value store.
