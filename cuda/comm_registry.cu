@@ -1,0 +1,193 @@
+// The GPU runtime's communicators in this process: the registry that the FFI handlers look
+// ranks up in, teardown, diagnostics, and the NCCL version check.
+#include "comm_internal.h"
+
+#include "jax_gin/text.h"
+
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <stdexcept>
+#include <thread>
+
+namespace jax_gin {
+namespace gpu {
+namespace detail {
+namespace {
+
+std::shared_mutex g_mu;
+std::map<int64_t, std::unique_ptr<Comm>> g_comms;
+int64_t g_next = 1;
+
+}  // namespace
+
+// A communicator with no NCCL operation in flight and no error: safe to destroy. Any other
+// (a nonblocking operation still running, e.g. set-up whose peers stopped, or a failed one)
+// must be aborted instead: ncclCommDestroy refuses such a communicator.
+bool comm_ready(ncclComm_t comm) {
+  ncclResult_t state = ncclInProgress;
+  return ncclCommGetAsyncError(comm, &state) == ncclSuccess && state == ncclSuccess;
+}
+
+void destroy_ranks(std::vector<RankState>& ranks) {
+  for (auto& s : ranks) {
+    if (s.device >= 0) cudaSetDevice(s.device), cudaDeviceSynchronize();
+  }
+  for (auto& s : ranks) {  // abort first: it frees the windows and device communicators too
+    if (s.device < 0 || !s.comm || comm_ready(s.comm)) continue;
+    cudaSetDevice(s.device);
+    ncclCommAbort(s.comm);
+    s.comm = nullptr;
+    s.win = nullptr;
+    s.has_devcomm = false;
+  }
+  // On nonblocking communicators (comm_create_ranks) each of these calls may return
+  // ncclInProgress and finish in NCCL's thread: settle() waits for it (10 s at most: this is
+  // teardown) before the next call, and before the window's memory is freed.
+  const auto settle = [](ncclComm_t c) {
+    ncclResult_t st = ncclInProgress;
+    for (int i = 0; i < 100000 && ncclCommGetAsyncError(c, &st) == ncclSuccess &&
+                    st == ncclInProgress; ++i)
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+  };
+  for (auto& s : ranks) {
+    if (s.device < 0) continue;
+    cudaSetDevice(s.device);
+    if (s.has_devcomm) ncclDevCommDestroy(s.comm, &s.devcomm), settle(s.comm);
+    if (s.win) ncclCommWindowDeregister(s.comm, s.win), settle(s.comm);
+    if (s.window_ptr) ncclMemFree(s.window_ptr);
+    if (s.rounds) cudaFree(s.rounds);
+    if (s.diag_host) cudaFreeHost(s.diag_host);
+    for (int k = 0; k < kAsyncSlots; ++k) {
+      if (s.fork[k]) cudaEventDestroy(s.fork[k]);
+      if (s.join[k]) cudaEventDestroy(s.join[k]);
+    }
+    if (s.side) cudaStreamDestroy(s.side);
+    if (s.comm) ncclCommDestroy(s.comm);
+  }
+  ranks.clear();
+}
+
+// What comm_create and comm_create_ranks both start with: an NCCL new enough for the device
+// API, an empty Comm with no device mapped, and lanes that fit the workspace.
+std::unique_ptr<Comm> new_comm() {
+  if (std::string why = check_nccl_version(); !why.empty()) throw std::runtime_error(why);
+  auto comm = std::make_unique<Comm>();
+  for (int& d : comm->by_device) d = -1;
+  return comm;
+}
+
+int64_t register_comm(std::unique_ptr<Comm> comm) {
+  std::unique_lock<std::shared_mutex> lock(g_mu);
+  comm->id = g_next++;
+  const int64_t id = comm->id;
+  g_comms[id] = std::move(comm);
+  return id;
+}
+
+}  // namespace detail
+
+using namespace detail;
+
+int nccl_runtime_version() {
+  int v = 0;
+  ncclGetVersion(&v);
+  return v;
+}
+
+std::string check_nccl_version() {
+  const int rt = nccl_runtime_version();
+  Text os;
+#if NCCL_VERSION_CODE < NCCL_VERSION(2, 29, 0)
+  const bool ok = rt >= NCCL_VERSION(2, 28, 7) && rt < NCCL_VERSION(2, 29, 0);
+#else
+  const bool ok = rt >= NCCL_VERSION_CODE;
+#endif
+  if (!ok) {
+    os << "jax_gin was built against NCCL " << NCCL_VERSION_CODE << " but NCCL " << rt
+       << " is loaded; the device API is not ABI-stable across these versions (needs 2.28.7+ "
+          "and the same 2.28/2.29+ family): rebuild jax_gin against the NCCL that JAX loads";
+  }
+  return os.str();
+}
+
+void comm_destroy(int64_t id) {
+  std::unique_ptr<Comm> c;
+  {
+    std::unique_lock<std::shared_mutex> lock(g_mu);
+    auto it = g_comms.find(id);
+    if (it == g_comms.end()) return;
+    c = std::move(it->second);
+    g_comms.erase(it);
+  }
+  destroy_ranks(c->ranks);
+}
+
+int comm_ranks_per_node(int64_t id) {
+  std::shared_lock<std::shared_mutex> lock(g_mu);
+  auto it = g_comms.find(id);
+  if (it == g_comms.end()) throw std::runtime_error("jax_gin: no communicator " + std::to_string(id));
+  const std::vector<RankState>& ranks = it->second->ranks;
+  const int rpn = ranks.empty() ? 0 : ranks[0].cfg.ranks_per_node;
+  for (const RankState& s : ranks) {
+    if (s.cfg.ranks_per_node != rpn)
+      throw std::runtime_error(
+          "jax_gin: the groups of one reduction differ here: group " + std::to_string(ranks[0].group) +
+          (rpn > 0 ? " spans nodes" : " lies in one node") + " but group " + std::to_string(s.group) +
+          (s.cfg.ranks_per_node > 0 ? " spans nodes" : " lies in one node") +
+          "; they would need different algorithms. Use a mesh whose groups are alike (the "
+          "same number of devices of each node in every group).");
+  }
+  return rpn;
+}
+
+const RankState* find_rank(int64_t id, int device) {
+  std::shared_lock<std::shared_mutex> lock(g_mu);
+  auto it = g_comms.find(id);
+  if (it == g_comms.end() || device < 0 || device >= 256) return nullptr;
+  const int i = it->second->by_device[device];
+  return i < 0 ? nullptr : &it->second->ranks[i];
+}
+
+std::string describe(const Diagnostic& d, int nranks) {
+  Text os;
+  os << "jax_gin " << redop_name(RedOp(d.op)) << " (" << algorithm_name(Algorithm(d.algorithm))
+     << ") on GPU: rank " << d.rank << " of group " << d.group << " (" << nranks
+     << " ranks) timed out waiting for peer " << d.peer;
+  if (d.step < 0) os << " to release its window (credit) before round " << d.round;
+  else os << " at step " << d.step << " of round " << d.round;
+  os << " (lane " << d.lane << ", flag " << d.seen << ", expected " << d.expected
+     << "). Set JAX_GIN_TIMEOUT_S to wait longer.";
+  return os.str();
+}
+
+std::vector<std::string> diagnostics(int64_t id) {
+  std::vector<std::string> out;
+  std::shared_lock<std::shared_mutex> lock(g_mu);
+  for (auto& [cid, c] : g_comms) {
+    if (id >= 0 && cid != id) continue;
+    for (auto& s : c->ranks) {
+      Diagnostic d;
+      std::memcpy(&d, const_cast<const Diagnostic*>(s.diag_host), sizeof d);
+      if (d.valid) out.push_back(describe(d, s.nranks));
+    }
+  }
+  return out;
+}
+
+void shutdown() {
+  std::map<int64_t, std::unique_ptr<Comm>> all;
+  {
+    std::unique_lock<std::shared_mutex> lock(g_mu);
+    all.swap(g_comms);
+  }
+  for (auto& [id, c] : all) destroy_ranks(c->ranks);
+}
+
+}  // namespace gpu
+}  // namespace jax_gin
