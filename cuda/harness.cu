@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "device_types.cuh"
+#include "jax_gin/reduce.h"
 #include "kernels.h"
 #include "nccl_runtime.h"
 
@@ -226,7 +227,11 @@ int main(int argc, char** argv) {
         for (const auto& d : kDTypes) if (ds == d.name) dt = &d;
         if (!dt) { std::fprintf(stderr, "unknown dtype %s\n", ds.c_str()); return 2; }
         for (const auto& os_ : ops_s) {
-          const RedOp op = os_ == "sum" ? RedOp::kSum : os_ == "max" ? RedOp::kMax : RedOp::kMin;
+          RedOp op = RedOp(-1);
+#define JG_OP(E, code, name, api_name) if (os_ == #name) op = RedOp::k##E;
+          JAX_GIN_REDOPS(JG_OP)
+#undef JG_OP
+          if (int(op) < 0) { std::fprintf(stderr, "unknown op %s\n", os_.c_str()); return 2; }
           for (const auto& as : lay.algos) {
             Algorithm algo = Algorithm::kHierarchical;
             for (int a = 0; a < kNumAlgorithms; ++a) if (as == algorithm_name(Algorithm(a))) algo = Algorithm(a);
@@ -256,7 +261,7 @@ int main(int argc, char** argv) {
                 for (int r = 0; r < N; ++r) vals[r][i] = double(int(gen() % 15) - (dt->is_unsigned ? 0 : 7));
                 double acc = vals[0][i];
                 for (int r = 1; r < N; ++r)
-                  acc = op == RedOp::kSum ? acc + vals[r][i] : op == RedOp::kMax ? std::max(acc, vals[r][i]) : std::min(acc, vals[r][i]);
+                  acc = with_redop(op, 0.0, [&](auto red) { return decltype(red)::apply(acc, vals[r][i]); });
                 ref[i] = acc;
               }
               std::vector<char> host(count * dt->size), want(count * dt->size);

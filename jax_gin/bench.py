@@ -61,9 +61,9 @@ from ._bench_measure import (AXIS, LARGE_CHAIN, LAX_NAME, SMALL_CHAIN, SMALL_CHA
                              Record, auto_choice, chain_length, fill_vs_lax, measure_size)
 from ._bench_report import (Progress, footer_lines, format_row, header_lines, metadata,
                             table_header, write_json, write_plot)
+from ._ops import OPS
 
 ALGO_CHOICES = ("auto",) + tuple(jax_gin.ALGORITHMS) + (LAX_NAME,)
-OPS = ("sum", "max", "min")
 
 # nccl-tests' type names, so that `-d float -d half` mean what they mean there.
 DTYPE_ALIASES = {"float": "float32", "half": "float16", "double": "float64", "bf16": "bfloat16",
