@@ -1,6 +1,7 @@
 // Host-side element types of the CPU backend. bfloat16 and float16 are reduced in float
-// (Widen, reduce.h) and rounded back to nearest-even once per result, as lax's own reduction
-// does; integer-valued inputs therefore give the exact bits that lax gives.
+// (Widen, reduce.h) and rounded back to nearest-even once per reduction pass (each hop of ring
+// and tree rounds once), as on the GPU; integer-valued inputs therefore give the exact bits
+// that lax gives.
 #pragma once
 
 #include <cmath>

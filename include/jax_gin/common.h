@@ -35,7 +35,8 @@ constexpr int kNumInternalAlgorithms = 5;  // public ones plus kHierarchical
 // X(ENUM, code, name, short_name, host_type, device_type, bytes): ENUM names DType::kENUM and
 // xla::ffi::DataType::ENUM; `name` is the NumPy/JAX name, `short_name` the native harness's;
 // host_type is the CPU backend's element type (host_types.h), device_type the kernels'.
-// Codes are consecutive from 0, in this order.
+// Codes are consecutive from 0, in this order. One entry per line, beginning
+// "  X(ENUM, code, name, short_name,": CMakeLists.txt finds the entries by that pattern.
 #define JAX_GIN_DTYPES(X)                                    \
   X(F32, 0, float32, f32, float, float, 4)                   \
   X(F64, 1, float64, f64, double, double, 8)                 \

@@ -1,8 +1,8 @@
 // The reduction functors of both backends: each reduces two values of the wide type, the one
-// an element type accumulates in (Widen<T>::type). Pairwise results of 16-bit floats are
-// rounded back once per result, by the caller, as NCCL and lax do; every other type is its
-// own wide type. Compiles with a plain C++17 compiler (the CPU backend) and with nvcc (the
-// kernels: __host__ __device__).
+// an element type accumulates in (Widen<T>::type: float for the 16-bit floats, the type itself
+// otherwise). The caller widens the sources, accumulates, and rounds back once per reduction
+// pass. Compiles with a plain C++17 compiler (the CPU backend) and with nvcc (the kernels:
+// __host__ __device__).
 #pragma once
 
 #include "jax_gin/common.h"
