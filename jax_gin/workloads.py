@@ -770,7 +770,8 @@ def main(argv=None) -> int:
     changed = [f"{k}={v}" for k, v in given.items() if v is not None]
     sizes = ("GPU defaults" if platform == "gpu" else "CPU defaults (tiny)") + \
         (f", changed: {' '.join(changed)}" if changed else "") + \
-        (", jax_gin with overlap=True" if args.overlap else "")
+        ("" if not args.overlap else ", jax_gin as psum_overlapping beside the matmuls"
+         if args.workload == "overlap" else ", jax_gin with overlap=True")
     rounds = args.rounds if args.rounds is not None else (10 if platform == "cpu" else 20)
     mesh = make_mesh(args.workload, devices)
     try:

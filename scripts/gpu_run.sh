@@ -8,7 +8,8 @@
 #                                      the 2-process GPU tests
 #   bash scripts/gpu_run.sh record     the results of record: the op sweep (auto and lax, float32,
 #                                      4 KiB - 1 GiB) and the whole-step workloads
-#                                      (dp-train, tp-train, tp-decode, overlap); copy $OUT into
+#                                      (dp-train, tp-train, tp-decode, overlap at 256 and
+#                                      64 MiB); copy $OUT into
 #                                      benchmarks/results/<machine>/
 #   bash scripts/gpu_run.sh workloads  the workloads alone
 #   bash scripts/gpu_run.sh ceiling    NVLink ceilings (copy engines, SM push and pull by CTAs)
@@ -84,11 +85,14 @@ sweep() {
 }
 
 workloads() {
-  for w in dp-train tp-train tp-decode overlap; do
-    JAX_PLATFORMS=cuda timeout 240 $PY -m jax_gin.bench --workload $w --json "$OUT/$w.json" \
-      > "$OUT/$w.txt" 2>> "$OUT/build.log"
-    log "workload $w rc=$?"
-    grep -E "^ |lax / jax_gin|bitwise|together" "$OUT/$w.txt"
+  # the overlap workload with --overlap: jax_gin as psum_overlapping beside the matmuls
+  for spec in "dp-train dp-train" "tp-train tp-train" "tp-decode tp-decode" \
+              "overlap overlap --overlap" "overlap_64mib overlap --overlap --mib 64"; do
+    set -- $spec; name=$1; shift
+    JAX_PLATFORMS=cuda timeout 240 $PY -m jax_gin.bench --workload "$@" --json "$OUT/$name.json" \
+      > "$OUT/$name.txt" 2>> "$OUT/build.log"
+    log "workload $name rc=$?"
+    grep -E "^ |lax / jax_gin|bitwise|together" "$OUT/$name.txt"
   done
 }
 
