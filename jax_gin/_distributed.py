@@ -94,7 +94,8 @@ def check_initialized(mesh_processes: int) -> None:
         raise RuntimeError(
             f"jax_gin: the mesh spans {mesh_processes} processes but jax.distributed is not "
             f"initialized (or was shut down): {howto}")
-    if os.environ.get("JAX_GIN_SINGLE_PROCESS", "") not in ("", "0"):
+    from . import _runtime
+    if _runtime.settings.single_process:
         return
     launcher = _launcher_processes()
     if launcher is not None:

@@ -148,6 +148,11 @@ class Settings:
     experimental_gin: groups that span nodes may run over NCCL's GIN (JAX_GIN_EXPERIMENTAL_GIN=1;
         built, never run on two nodes: docs/multi-node.md).
 
+    tuning_dir: a directory searched for `auto`'s tuning tables before the ones jax_gin ships
+        (JAX_GIN_TUNING_DIR; None: only those).
+    single_process: this process is on its own even where a launcher's variables say it is one
+        of several (JAX_GIN_SINGLE_PROCESS=1; see _distributed.check_initialized).
+
     Values are checked when read from the environment and when assigned: a bad one raises a
     ValueError that names the variable and the value.
     """
@@ -172,6 +177,10 @@ class Settings:
         default_factory=lambda: _from_env("ll_max_bytes", None))
     experimental_gin: bool = dataclasses.field(
         default_factory=lambda: _from_env("experimental_gin", False))
+    tuning_dir: str | None = dataclasses.field(
+        default_factory=lambda: os.environ.get("JAX_GIN_TUNING_DIR") or None)
+    single_process: bool = dataclasses.field(
+        default_factory=lambda: os.environ.get("JAX_GIN_SINGLE_PROCESS", "") not in ("", "0"))
 
     def __setattr__(self, name: str, value) -> None:
         if name in _RULES and not (value is None and name in _OPTIONAL):
@@ -179,9 +188,18 @@ class Settings:
             if checked is None:
                 raise _bad(name, f"jax_gin.runtime.settings.{name} = {value!r} ({_RULES[name][0]})")
             value = checked
+        if name == "tuning_dir" and not (value is None or isinstance(value, (str, os.PathLike))):
+            raise ValueError(f"jax_gin.runtime.settings.tuning_dir = {value!r}: must be a "
+                             "directory path or None (JAX_GIN_TUNING_DIR)")
+        if name == "single_process" and not isinstance(value, bool):
+            raise ValueError(f"jax_gin.runtime.settings.single_process = {value!r}: must be "
+                             "True or False (JAX_GIN_SINGLE_PROCESS)")
         super().__setattr__(name, value)
+        if name == "tuning_dir" and "load_table" in _select_cache:
+            _select_cache["load_table"].cache_clear()  # tables are read again from there
 
 
+_select_cache: dict = {}  # _select.load_table, registered by _select (imported after us)
 settings = Settings()
 
 

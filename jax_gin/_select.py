@@ -15,6 +15,7 @@ import functools
 import json
 import os
 
+from . import _runtime
 from ._ops import ALGORITHMS, XLA_FALLBACK
 
 SMALL_BYTES = {"cpu": 64 << 10, "cuda": 512 << 10}
@@ -26,7 +27,7 @@ def load_table(device_kind: str, nranks: int):
     """The tuning table for this device kind and group size, or None."""
     from .tune import TABLE_DIR, table_name
     name = table_name(device_kind, nranks)
-    for d in (os.environ.get("JAX_GIN_TUNING_DIR"), TABLE_DIR):
+    for d in (_runtime.settings.tuning_dir, TABLE_DIR):
         if d and os.path.exists(os.path.join(d, name)):
             with open(os.path.join(d, name)) as f:
                 table = json.load(f)
@@ -34,6 +35,9 @@ def load_table(device_kind: str, nranks: int):
                                             for e in table["entries"]):
                 return table
     return None
+
+
+_runtime._select_cache["load_table"] = load_table  # a new settings.tuning_dir clears it
 
 
 def choose(platform: str, nbytes: int, nranks: int, device_kind: str | None = None) -> tuple[str, str]:

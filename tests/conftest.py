@@ -39,6 +39,7 @@ def platform():
 def cpu_table_with_xla(tmp_path, monkeypatch):
     """A tuning table for this CPU mesh: one_shot up to 1 KiB, XLA's all-reduce above."""
     import json
+    import jax_gin
     from jax_gin import _select, tune
 
     kind = jax.devices()[0].device_kind
@@ -46,7 +47,7 @@ def cpu_table_with_xla(tmp_path, monkeypatch):
         table = {"device_kind": kind, "nranks": n, "measured": "2026-11-30", "entries": [
             {"max_bytes": 1024, "algorithm": "one_shot"}, {"max_bytes": 1 << 40, "algorithm": "xla"}]}
         (tmp_path / tune.table_name(kind, n)).write_text(json.dumps(table))
-    monkeypatch.setenv("JAX_GIN_TUNING_DIR", str(tmp_path))
+    monkeypatch.setattr(jax_gin.runtime.settings, "tuning_dir", str(tmp_path))
     _select.load_table.cache_clear()
     yield kind
     _select.load_table.cache_clear()

@@ -369,7 +369,7 @@ def test_matmul_with_auto_xla_fallback(tmp_path, monkeypatch):
         table = {"device_kind": kind, "nranks": n, "measured": "2026-11-30",
                  "entries": [{"max_bytes": 1 << 40, "algorithm": "xla"}]}
         (tmp_path / tune.table_name(kind, n)).write_text(json.dumps(table))
-    monkeypatch.setenv("JAX_GIN_TUNING_DIR", str(tmp_path))
+    monkeypatch.setattr(jax_gin.runtime.settings, "tuning_dir", str(tmp_path))
     _select.load_table.cache_clear()
     try:
         mesh = mesh_1d()

@@ -115,7 +115,7 @@ def test_multiprocess_job_without_initialize(monkeypatch):
         raise AssertionError("no error")
     assert "jax.distributed.initialize()" in msg and "JAX_COORDINATOR_ADDRESS" in msg, msg
     assert "before any other JAX call" in msg, msg
-    monkeypatch.setenv("JAX_GIN_SINGLE_PROCESS", "1")  # independent processes: allowed
+    monkeypatch.setattr(jax_gin.runtime.settings, "single_process", True)  # independent processes: allowed
     jax.block_until_ready(f(x))
 
 

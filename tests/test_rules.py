@@ -196,7 +196,7 @@ def test_auto_uses_the_tuning_table(tmp_path, monkeypatch):
     table = {"device_kind": "Fake GPU", "nranks": 8, "measured": "2026-11-30", "entries": [
         {"max_bytes": 1024, "algorithm": "tree"}, {"max_bytes": 1 << 20, "algorithm": "ring"}]}
     (tmp_path / tune.table_name("Fake GPU", 8)).write_text(json.dumps(table))
-    monkeypatch.setenv("JAX_GIN_TUNING_DIR", str(tmp_path))
+    monkeypatch.setattr(jax_gin.runtime.settings, "tuning_dir", str(tmp_path))
     _select.load_table.cache_clear()
     try:
         assert _select.choose("cuda", 512, 8, "Fake GPU")[0] == "tree"
