@@ -4,7 +4,9 @@
 #include <string>
 
 #include "jax_gin/common.h"
+#include "host_types.h"
 #include "jax_gin/message.h"
+#include "jax_gin/norm.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_gin {
@@ -63,6 +65,44 @@ inline xla::ffi::Error collect_segments(const xla::ffi::RemainingArgs& args,
     seg[i] = Segment{0, x->element_count(), x->untyped_data(), (*y)->untyped_data()};
   }
   *nseg = int(n);
+  return ffi::Error::Success();
+}
+
+
+// "psum_add_rmsnorm: ... " for an element type without a norm (norm.h).
+inline std::string norm_dtype_error(DType t) {
+  return std::string("jax_gin: psum_add_rmsnorm supports float32, bfloat16 and float16, not ") +
+         dtype_name(t);
+}
+
+// The buffers of psum_add_rmsnorm: x, residual, normed and new_residual of one element type
+// and shape (..., d), weight (d,) of that type. Fills *dtype, *rows and *d.
+inline xla::ffi::Error check_norm_buffers(const xla::ffi::AnyBuffer& x,
+                                          const xla::ffi::AnyBuffer& residual,
+                                          const xla::ffi::AnyBuffer& weight,
+                                          const xla::ffi::AnyBuffer& normed,
+                                          const xla::ffi::AnyBuffer& new_residual, DType* dtype,
+                                          size_t* rows, size_t* d) {
+  namespace ffi = xla::ffi;
+  if (ffi::Error err = to_dtype(x.element_type(), dtype); err.failure()) return err;
+  const bool norm_type = with_dtype<HostElem>(
+      *dtype, false, [](auto tag) { return NormElem<typename decltype(tag)::type>::ok; });
+  if (!norm_type) return ffi::Error::InvalidArgument(norm_dtype_error(*dtype));
+  auto dims = x.dimensions();
+  const bool same = residual.element_type() == x.element_type() &&
+                    weight.element_type() == x.element_type() &&
+                    normed.element_type() == x.element_type() &&
+                    new_residual.element_type() == x.element_type() &&
+                    residual.element_count() == x.element_count() &&
+                    normed.element_count() == x.element_count() &&
+                    new_residual.element_count() == x.element_count();
+  if (!same || dims.size() < 1 || weight.dimensions().size() != 1 ||
+      weight.dimensions()[0] != dims[dims.size() - 1])
+    return ffi::Error::InvalidArgument(
+        "jax_gin: psum_add_rmsnorm takes x and residual of one shape (..., d) and a weight "
+        "(d,), all of one element type");
+  *d = size_t(dims[dims.size() - 1]);
+  *rows = *d == 0 ? 0 : x.element_count() / *d;
   return ffi::Error::Success();
 }
 

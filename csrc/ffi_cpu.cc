@@ -9,6 +9,8 @@
 
 #include "cpu_backend.h"
 #include "ffi_common.h"
+#include "host_types.h"
+#include "jax_gin/norm.h"
 
 namespace ffi = xla::ffi;
 
@@ -66,6 +68,53 @@ ffi::Error CpuAllReduceDoneImpl(ffi::Buffer<ffi::U32> order_in, ffi::RemainingAr
   return ffi::Error::Success();
 }
 
+
+// psum_add_rmsnorm: x is reduced into new_residual by the all-reduce, then each row becomes
+// residual + sum (rounded to the element type) and its RMSNorm (norm.h), in the same order on
+// every rank, so that every rank's results are bitwise the same.
+ffi::Error CpuAddRmsNormImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Buffer<ffi::U32> order_in,
+                             ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer weight,
+                             ffi::Result<ffi::Buffer<ffi::U32>> order_out,
+                             ffi::Result<ffi::AnyBuffer> normed,
+                             ffi::Result<ffi::AnyBuffer> new_residual, int64_t comm,
+                             int32_t algorithm, float eps) {
+  (void)order_in;
+  order_out->typed_data()[0] = 0;
+  size_t rows = 0, d = 0;
+  DType dtype;
+  if (ffi::Error err = check_norm_buffers(x, residual, weight, *normed, *new_residual, &dtype,
+                                          &rows, &d);
+      err.failure())
+    return err;
+  if (ffi::Error err = check_enums(int32_t(RedOp::kSum), algorithm); err.failure()) return err;
+  auto c = cpu::find_comm(comm);
+  if (!c) {
+    return ffi::Error::Internal("jax_gin: communicator " + std::to_string(comm) +
+                                " does not exist (was jax_gin.runtime.reset() called after "
+                                "compilation?)");
+  }
+  Segment seg{0, x.element_count(), x.untyped_data(), new_residual->untyped_data()};
+  std::string err = cpu::allreduce_logical(*c, partition_id.typed_data()[0], dtype, RedOp::kSum,
+                                           Algorithm(algorithm), &seg, 1);
+  if (!err.empty()) return ffi::Error::Internal(err);
+  const bool ok = with_dtype<HostElem>(dtype, false, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if constexpr (NormElem<T>::ok) {
+      const T* res = static_cast<const T*>(residual.untyped_data());
+      const T* w = static_cast<const T*>(weight.untyped_data());
+      T* nr = static_cast<T*>(new_residual->untyped_data());
+      T* out = static_cast<T*>(normed->untyped_data());
+      for (size_t r = 0; r < rows; ++r)
+        add_rmsnorm_row(res + r * d, nr + r * d, w, out + r * d, d, eps);
+      return true;
+    } else {
+      return false;
+    }
+  });
+  if (!ok) return ffi::Error::InvalidArgument(norm_dtype_error(dtype));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jax_gin
 
@@ -101,3 +150,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAllReduceDone, jax_gin::CpuAllReduceDoneI
                                   .RemainingRets()                // the reductions (aliased)
                                   .Attr<int64_t>("comm")          // communicator id (runtime)
                                   .Attr<int32_t>("slot"));        // GPU event slot (unused here)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAddRmsNorm, jax_gin::CpuAddRmsNormImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // partition id (logical id)
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // order token of the previous call
+                                  .Arg<ffi::AnyBuffer>()          // x (..., d): summed over the group
+                                  .Arg<ffi::AnyBuffer>()          // residual (..., d)
+                                  .Arg<ffi::AnyBuffer>()          // weight (d,)
+                                  .Ret<ffi::Buffer<ffi::U32>>()   // order token for the next call
+                                  .Ret<ffi::AnyBuffer>()          // normed (..., d)
+                                  .Ret<ffi::AnyBuffer>()          // new residual (..., d)
+                                  .Attr<int64_t>("comm")          // communicator id (runtime)
+                                  .Attr<int32_t>("algorithm")     // Algorithm
+                                  .Attr<float>("eps"));

@@ -114,6 +114,7 @@ NB_MODULE(_jax_gin, m) {
     d["jax_gin_all_reduce_cpu"] = encapsulate_ffi_handler(JaxGinCpuAllReduce);
     d["jax_gin_all_reduce_start_cpu"] = encapsulate_ffi_handler(JaxGinCpuAllReduceStart);
     d["jax_gin_all_reduce_done_cpu"] = encapsulate_ffi_handler(JaxGinCpuAllReduceDone);
+    d["jax_gin_add_rmsnorm_cpu"] = encapsulate_ffi_handler(JaxGinCpuAddRmsNorm);
     return d;
   });
   // Names by code of the element types and reduction ops (JAX_GIN_DTYPES, JAX_GIN_REDOPS in

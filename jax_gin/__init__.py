@@ -12,6 +12,7 @@ from . import _runtime as runtime
 from ._ops import ALGORITHMS, SUPPORTED_DTYPE_NAMES as SUPPORTED_DTYPES
 from ._primitive import allreduce_p, pmax, pmin, psum
 from ._overlap import psum_overlapping
+from ._fused import psum_add_rmsnorm
 from ._explain import explain
 from .global_ops import einsum, matmul, max, mean, min, sum  # global view (jit/pjit)
 
@@ -19,6 +20,6 @@ __version__ = "0.1.0"
 
 has_cuda = _native.has_cuda
 
-__all__ = ["psum", "pmax", "pmin", "psum_overlapping", "ALGORITHMS", "SUPPORTED_DTYPES", "explain", "runtime",
+__all__ = ["psum", "pmax", "pmin", "psum_overlapping", "psum_add_rmsnorm", "ALGORITHMS", "SUPPORTED_DTYPES", "explain", "runtime",
            "has_cuda", "allreduce_p", "__version__"]
 __all__ += ["einsum", "matmul", "sum", "mean", "max", "min"]

@@ -1,0 +1,55 @@
+// The epilogue of psum_add_rmsnorm, shared by the CPU backend and the CUDA kernel: per row of
+// d elements, new_residual = residual + sum (rounded to the element type T), then
+// normed = T(r * inv) * weight with r = float(new_residual) and
+// inv = rsqrt(sum(r * r) / d + eps), all in float, the rsqrt correctly rounded. Only the element types that accumulate
+// in float (Widen, reduce.h) have it: float32, bfloat16 and float16. Compiles with a plain
+// C++17 compiler and with nvcc.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <type_traits>
+
+#include "jax_gin/common.h"
+#include "jax_gin/reduce.h"
+
+namespace jax_gin {
+
+template <class T> struct NormElem {
+  static constexpr bool ok = std::is_same<typename Widen<T>::type, float>::value;
+};
+
+// residual + sum, rounded to T once (as residual + psum(x) in T is).
+template <class T> JG_HD T add_residual(T residual, T sum) {
+  return Widen<T>::down(Widen<T>::up(residual) + Widen<T>::up(sum));
+}
+
+// rsqrt(mean + eps) with mean and sum rounded to float, and the rsqrt rounded once to float
+// from a double 1 / sqrt: a definite result (XLA's and CUDA's float rsqrt are approximate),
+// the same on the host and on the device. Once per row, so its cost does not matter.
+JG_HD float inv_rms(float sum_sq, size_t d, float eps) {
+  const float v = sum_sq / float(d) + eps;
+  return float(1.0 / sqrt(double(v)));
+}
+
+// T(r * inv) * weight: the product rounded to T, then the product with the weight in T.
+template <class T> JG_HD T scale(float r, float inv, T weight) {
+  const T n = Widen<T>::down(r * inv);
+  return Widen<T>::down(Widen<T>::up(n) * Widen<T>::up(weight));
+}
+
+// One row on the host: `nr` holds the row's sum on entry and new_residual on return. The
+// squares are summed in element order.
+template <class T>
+inline void add_rmsnorm_row(const T* res, T* nr, const T* w, T* out, size_t d, float eps) {
+  float sum_sq = 0.0f;
+  for (size_t i = 0; i < d; ++i) {
+    nr[i] = add_residual(res[i], nr[i]);
+    const float r = Widen<T>::up(nr[i]);
+    sum_sq += r * r;
+  }
+  const float inv = inv_rms(sum_sq, d, eps);
+  for (size_t i = 0; i < d; ++i) out[i] = scale(Widen<T>::up(nr[i]), inv, w[i]);
+}
+
+}  // namespace jax_gin

@@ -1,0 +1,330 @@
+"""jax_gin.psum_add_rmsnorm: against lax and the unfused jax_gin composition, bit for bit where
+the math allows it, across ranks, under check_vma on and off, with grad, jvp and vmap, and its
+errors at trace time.
+
+The reference of normed is defined precisely (include/jax_gin/norm.h): per row, in float32,
+v = sum(r * r) / d + eps, inv = float32(1 / sqrt(float64(v))) (a correctly rounded rsqrt),
+normed = T(T(r * inv) * weight). On exact inputs (small integers; weights powers of two) the
+sum of squares is exact, so a NumPy reference gives the very bits on every backend. XLA's own
+rsqrt is approximate (up to 2 ulp of float32 on CPU), so a jnp composition with lax.rsqrt
+agrees only to a tolerance: NORM_RTOL per dtype (4 ulp of float32; 1 ulp of the 16-bit types,
+where the product may round the other way).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jax_gin
+from conftest import mesh_1d, mesh_2d, ndev
+from helpers import assert_bitwise
+
+DTYPES = ["float32", "bfloat16", "float16"]
+ALGOS = jax_gin.ALGORITHMS + ("auto",)
+NORM_RTOL = {"float32": 4 * 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}
+EPS = 1e-6
+
+
+def _exact(shape, dtype, seed, lo=-7, hi=8):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.integers(lo, hi, size=shape).astype(np.float32)).astype(dtype)
+
+
+def _weight(d, dtype, seed=3):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(2.0 ** rng.integers(-2, 3, size=(d,))).astype(dtype)
+
+
+def _np_norm(new_res, weight, eps=EPS):
+    """The norm as norm.h defines it, in NumPy."""
+    new_res, weight = np.asarray(new_res), np.asarray(weight)
+    dt = new_res.dtype
+    r = new_res.astype(np.float32)
+    ss = np.sum(r * r, axis=-1, keepdims=True, dtype=np.float32)  # exact on exact inputs
+    v = ss / np.float32(r.shape[-1]) + np.float32(eps)
+    inv = (1.0 / np.sqrt(v.astype(np.float64))).astype(np.float32)
+    n = (r * inv).astype(dt)
+    return (n.astype(np.float32) * weight.astype(np.float32)).astype(dt)
+
+
+def _jnp_norm(new_res, weight, eps=EPS):
+    r = new_res.astype(jnp.float32)
+    return (r * lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + eps)).astype(new_res.dtype) * weight
+
+
+def _fused_and_refs(mesh, specs, axes, algo, check_vma, eps=EPS):
+    def f(x, res, w):
+        normed, new_res = jax_gin.psum_add_rmsnorm(x, res, w, axes, eps=eps, algorithm=algo)
+        lax_res = res + lax.psum(x, axes)
+        gin_res = res + jax_gin.psum(x, axes, algorithm=algo)
+        return normed, new_res, lax_res, _jnp_norm(lax_res, w, eps), gin_res
+    out = specs[0]
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=(out,) * 5,
+                                 check_vma=check_vma))
+
+
+def _check(got, x, res, w, dtype):
+    normed, new_res, lax_res, jnp_normed, gin_res = got
+    assert new_res.dtype == normed.dtype == np.dtype(dtype)
+    assert_bitwise(new_res, lax_res)
+    assert_bitwise(new_res, gin_res)
+    assert_bitwise(normed, _np_norm(new_res, np.asarray(w)))
+    np.testing.assert_allclose(np.asarray(normed, np.float32), np.asarray(jnp_normed, np.float32),
+                               rtol=NORM_RTOL[dtype], atol=0)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bitwise_1d(dtype, algo, check_vma):
+    n = ndev()
+    mesh = mesh_1d()
+    # rows odd, d odd, a single row, a 3-D input, and rows longer than a CTA on the GPU
+    for k, local in enumerate([(3, 5), (1, 127), (2, 3, 33), (3, 1031)]):
+        shape = (n * local[0],) + local[1:]
+        x, res = _exact(shape, dtype, seed=k), _exact(shape, dtype, seed=10 + k)
+        w = _weight(local[-1], dtype, seed=k)
+        f = _fused_and_refs(mesh, (P("i"), P("i"), P()), "i", algo, check_vma)
+        _check(f(x, res, w), x, res, w, dtype)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("axes", ["x", "y", ("x", "y")])
+def test_bitwise_2d_mesh(axes, check_vma):
+    """Residual and weight vary over other axes than x's remaining ones (the vma union)."""
+    mesh = mesh_2d()
+    nx, ny = mesh.devices.shape
+    x = _exact((nx * ny * 3, 9), "bfloat16", seed=1)
+    res = _exact((nx * 3, 9), "bfloat16", seed=2)
+    w = jnp.concatenate([_weight(9, "bfloat16", seed=s) for s in range(ny)])
+    # x: rows over both axes; residual: rows over x only; weight: one per y coordinate
+    f = _fused_and_refs(mesh, (P(("x", "y")), P("x"), P("y")), axes, "one_shot", check_vma)
+    if check_vma:
+        got = f(x, res, w)
+    else:
+        # without vma typing every output is assumed to vary over both axes
+        f = _fused_and_refs(mesh, (P(("x", "y")), P(("x", "y")), P()), axes, "one_shot", False)
+        res = jnp.tile(res.reshape(nx, 1, 3, 9), (1, ny, 1, 1)).reshape(-1, 9)
+        w = w[:9]
+        got = f(x, res, w)
+    normed, new_res, lax_res, jnp_normed, gin_res = got
+    assert_bitwise(new_res, lax_res)
+    assert_bitwise(new_res, gin_res)
+    np.testing.assert_allclose(np.asarray(normed, np.float32), np.asarray(jnp_normed, np.float32),
+                               rtol=NORM_RTOL["bfloat16"], atol=0)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ranks_bitwise_identical(dtype, algo):
+    """Random (inexact) inputs: every rank's results are the same bits."""
+    n = ndev()
+    mesh = mesh_1d()
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((n * 5, 257)), dtype)
+    res = jnp.asarray(rng.standard_normal((5, 257)), dtype)
+    w = jnp.asarray(rng.standard_normal((257,)), dtype)
+    f = jax.jit(jax.shard_map(
+        lambda x, r, w: jax_gin.psum_add_rmsnorm(x, r, w, "i", eps=1e-5, algorithm=algo),
+        mesh=mesh, in_specs=(P("i"), P(), P()), out_specs=(P("i"), P("i")), check_vma=False))
+    normed, new_res = (np.asarray(o).reshape(n, 5, 257) for o in f(x, res, w))
+    for k in range(1, n):
+        assert_bitwise(normed[k], normed[0])
+        assert_bitwise(new_res[k], new_res[0])
+    want = np.asarray(res) + np.asarray(x, np.float32).reshape(n, 5, 257).sum(0)
+    np.testing.assert_allclose(np.asarray(new_res[0], np.float32), want, rtol=0.02, atol=0.05)
+
+
+def _unfused(x, res, w, axes, eps=EPS, algo="auto"):
+    new_res = res + jax_gin.psum(x, axes, algorithm=algo)
+    return _jnp_norm(new_res, w, eps), new_res
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("algo", ["one_shot", "ring"])
+def test_grad_matches_unfused(algo, check_vma):
+    n = ndev()
+    mesh = mesh_1d()
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((n * 3, 17)), jnp.float32)
+    res = jnp.asarray(rng.standard_normal((n * 3, 17)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((17,)), jnp.float32)
+    c1 = jnp.asarray(rng.standard_normal((n * 3, 17)), jnp.float32)
+    c2 = jnp.asarray(rng.standard_normal((n * 3, 17)), jnp.float32)
+
+    def loss(fn):
+        sm = jax.shard_map(fn, mesh=mesh, in_specs=(P("i"), P("i"), P()),
+                           out_specs=(P("i"), P("i")), check_vma=check_vma)
+        return jax.jit(jax.grad(lambda x, r, w: jnp.sum(sm(x, r, w)[0] * c1)
+                                + jnp.sum(sm(x, r, w)[1] * c2), argnums=(0, 1, 2)))
+
+    fused = loss(lambda x, r, w: jax_gin.psum_add_rmsnorm(x, r, w, "i", algorithm=algo))
+    unfused = loss(lambda x, r, w: _unfused(x, r, w, "i", algo=algo))
+    for g, u in zip(fused(x, res, w), unfused(x, res, w)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(u), rtol=1e-5, atol=1e-5)
+
+
+def test_jvp_matches_unfused():
+    n = ndev()
+    mesh = mesh_1d()
+    rng = np.random.default_rng(12)
+    args = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((n * 2, 8), (n * 2, 8), (8,))]
+    tans = [jnp.asarray(rng.standard_normal(a.shape), jnp.float32) for a in args]
+
+    def run(fn):
+        sm = jax.shard_map(fn, mesh=mesh, in_specs=(P("i"), P("i"), P()),
+                           out_specs=(P("i"), P("i")))
+        return jax.jit(lambda a, t: jax.jvp(sm, a, t))(tuple(args), tuple(tans))
+
+    (p1, t1) = run(lambda x, r, w: jax_gin.psum_add_rmsnorm(x, r, w, "i"))
+    (p2, t2) = run(lambda x, r, w: _unfused(x, r, w, "i"))
+    for a, b in zip(list(p1) + list(t1), list(p2) + list(t2)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("weight_batched", [False, True])
+def test_vmap(weight_batched):
+    n = ndev()
+    mesh = mesh_1d()
+    B, d = 3, 11
+    x = _exact((B, n * 2, d), "float32", seed=1)
+    res = _exact((B, n * 2, d), "float32", seed=2)
+    w = jnp.stack([_weight(d, "float32", seed=s) for s in range(B)])
+    w_axis = 0 if weight_batched else None
+    w_in = w if weight_batched else w[0]
+
+    def body(fn):
+        return jax.vmap(fn, in_axes=(0, 0, w_axis))
+
+    def run(fn):
+        return jax.jit(jax.shard_map(body(fn), mesh=mesh, in_specs=(P(None, "i"), P(None, "i"), P()),
+                                     out_specs=(P(None, "i"), P(None, "i"))))(x, res, w_in)
+
+    normed, new_res = run(lambda x, r, w: jax_gin.psum_add_rmsnorm(x, r, w, "i"))
+    _, want_res = run(lambda x, r, w: _unfused(x, r, w, "i"))
+    assert_bitwise(new_res, want_res)
+    ws = np.asarray(w) if weight_batched else np.broadcast_to(np.asarray(w[0]), w.shape)
+    for b in range(B):
+        assert_bitwise(normed[b], _np_norm(new_res[b], ws[b]))
+
+
+def test_xla_fallback(cpu_table_with_xla):
+    """Where `auto` picks XLA's all-reduce, the op lowers to the unfused composition."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the fixture's table is for CPU devices")
+    n = ndev()
+    mesh = mesh_1d()
+    x, res = _exact((n * 4, 1000), "float32", 1), _exact((n * 4, 1000), "float32", 2)
+    w = _weight(1000, "float32")
+    f = _fused_and_refs(mesh, (P("i"), P("i"), P()), "i", "auto", True)
+    text = f.lower(x, res, w).as_text()
+    assert "jax_gin_add_rmsnorm" not in text and "all_reduce" in text
+    normed, new_res, lax_res, jnp_normed, _ = f(x, res, w)
+    assert_bitwise(new_res, lax_res)
+    assert_bitwise(normed, jnp_normed)  # the same XLA math
+
+
+def test_one_custom_call():
+    mesh = mesh_1d()
+    n = ndev()
+    x = _exact((n * 2, 8), "bfloat16", 1)
+    f = jax.jit(jax.shard_map(lambda x, r, w: jax_gin.psum_add_rmsnorm(x, r, w, "i", algorithm="one_shot"),
+                              mesh=mesh, in_specs=(P("i"), P("i"), P()), out_specs=(P("i"), P("i"))))
+    text = f.lower(x, x, _weight(8, "bfloat16")).as_text()
+    assert text.count("custom_call") == 1 and "jax_gin_add_rmsnorm" in text
+    assert "all_reduce" not in text
+
+
+def test_no_axes_and_constant_x():
+    mesh = mesh_1d()
+    n = ndev()
+    x, res, w = _exact((n, 4), "float32", 1), _exact((n, 4), "float32", 2), _weight(4, "float32")
+    f = jax.jit(jax.shard_map(lambda x, r, w: jax_gin.psum_add_rmsnorm(x, r, w, ()),
+                              mesh=mesh, in_specs=(P("i"), P("i"), P()), out_specs=(P("i"), P("i"))))
+    normed, new_res = f(x, res, w)
+    assert_bitwise(new_res, res + x)
+    c = jnp.ones((1, 4), jnp.float32)
+    g = jax.jit(jax.shard_map(lambda r, w: jax_gin.psum_add_rmsnorm(c, r, w, "i"),
+                              mesh=mesh, in_specs=(P("i"), P()), out_specs=(P("i"), P("i"))))
+    _, new_res = g(res, w)
+    assert_bitwise(new_res, res + n)
+
+
+# ---- errors at trace time ------------------------------------------------------------------
+
+def _trace(x, res, w, axis="i", **kw):
+    mesh = mesh_1d()
+    specs = tuple(P("i") if np.ndim(a) >= 1 and np.shape(a)[0] % ndev() == 0 and np.ndim(a) > 1
+                  else P() for a in (x, res, w))
+    f = jax.shard_map(lambda x, r, w: jax_gin.psum_add_rmsnorm(x, r, w, axis, **kw), mesh=mesh,
+                      in_specs=specs, out_specs=(P(), P()), check_vma=False)
+    return jax.jit(f).lower(x, res, w)
+
+
+def _good(d=8, dtype="float32"):
+    n = ndev()
+    return _exact((n * 2, d), dtype, 1), _exact((n * 2, d), dtype, 2), _weight(d, dtype)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("residual_shape", "residual must have x's shape"),
+    ("residual_dtype", "residual must have x's shape and dtype"),
+    ("weight_size", r"weight must be 1-D of size x.shape\[-1\] = 8"),
+    ("weight_2d", r"weight must be 1-D of size x.shape\[-1\] = 8"),
+    ("weight_dtype", "weight must be 1-D"),
+])
+def test_bad_shapes(case, match):
+    n = ndev()
+    x, res, w = _good()
+    if case == "residual_shape":
+        res = _exact((n * 2, 4), "float32", 2)
+    elif case == "residual_dtype":
+        res = res.astype(jnp.bfloat16)
+    elif case == "weight_size":
+        w = _weight(7, "float32")
+    elif case == "weight_2d":
+        w = jnp.ones((1, 8), jnp.float32)
+    elif case == "weight_dtype":
+        w = w.astype(jnp.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        _trace(x, res, w)
+
+
+@pytest.mark.parametrize("dtype, err, match", [
+    ("int32", TypeError, "x must be a floating-point array"),
+    ("float64", TypeError, "unsupported dtype float64; supported dtypes are float32, bfloat16, float16"),
+])
+def test_bad_dtype(dtype, err, match):
+    with jax.enable_x64(True):
+        x, res, w = (a.astype(dtype) for a in _good())
+        with pytest.raises(err, match=match):
+            _trace(x, res, w)
+
+
+@pytest.mark.parametrize("eps", [-1.0, float("nan"), float("inf"), True, "1e-6", None])
+def test_bad_eps(eps):
+    with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+        _trace(*_good(), eps=eps)
+
+
+def test_unknown_axis():
+    with pytest.raises(NameError, match="unbound axis name: j"):
+        _trace(*_good(), axis="j")
+
+
+def test_unknown_algorithm():
+    with pytest.raises(ValueError, match="psum_add_rmsnorm"):
+        _trace(*_good(), algorithm="bogus")
+
+
+def test_scalar_x():
+    with pytest.raises(ValueError, match="at least one dimension"):
+        _trace(jnp.float32(1), jnp.float32(1), jnp.ones((1,), jnp.float32))
+
+
+def test_outside_shard_map():
+    x, res, w = _good()
+    with pytest.raises(NameError):
+        jax.jit(lambda x, r, w: jax_gin.psum_add_rmsnorm(x, r, w, "i"))(x, res, w)
