@@ -130,6 +130,41 @@ ffi::Error CudaAllReduceDoneImpl(cudaStream_t stream, int32_t device, ffi::Buffe
   return ffi::Error::Success();
 }
 
+
+// psum_add_rmsnorm: the all-reduce of x into new_residual, then the epilogue kernel, both on
+// XLA's stream (one call, two launches).
+ffi::Error CudaAddRmsNormImpl(cudaStream_t stream, int32_t device,
+                              ffi::Buffer<ffi::U32> partition_id, ffi::Buffer<ffi::U32> order_in,
+                              ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer weight,
+                              ffi::Result<ffi::Buffer<ffi::U32>> order_out,
+                              ffi::Result<ffi::AnyBuffer> normed,
+                              ffi::Result<ffi::AnyBuffer> new_residual, int64_t comm,
+                              int32_t algorithm, float eps) {
+  (void)partition_id;
+  (void)order_in;
+  (void)order_out;
+  size_t rows = 0, d = 0;
+  DType dtype;
+  if (ffi::Error err = check_norm_buffers(x, residual, weight, *normed, *new_residual, &dtype,
+                                          &rows, &d);
+      err.failure())
+    return err;
+  const bool hier = algorithm == int32_t(Algorithm::kHierarchical);
+  if (ffi::Error err = check_enums(int32_t(RedOp::kSum), hier ? 0 : algorithm); err.failure()) return err;
+  const gpu::RankState* st = nullptr;
+  if (ffi::Error err = rank_state(comm, device, algorithm, &st); err.failure()) return err;
+  const gpu::PeerAccess peers{st->win, nullptr, hier ? &st->devcomm : nullptr};
+  Segment seg{0, x.element_count(), x.untyped_data(), new_residual->untyped_data()};
+  if (cudaError_t e = gpu::launch_allreduce(peers, st->cfg, dtype, RedOp::kSum,
+                                            Algorithm(algorithm), &seg, 1, stream))
+    return cuda_error("kernel launch failed", e);
+  if (cudaError_t e = gpu::launch_add_rmsnorm(dtype, residual.untyped_data(),
+                                              new_residual->untyped_data(), weight.untyped_data(),
+                                              normed->untyped_data(), rows, d, eps, stream))
+    return cuda_error("add_rmsnorm launch failed", e);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jax_gin
 
@@ -172,3 +207,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCudaAllReduceDone, jax_gin::CudaAllReduceDon
                                   .RemainingRets()                // the same buffers (aliased)
                                   .Attr<int64_t>("comm")          // communicator id (runtime)
                                   .Attr<int32_t>("slot"));        // event slot of its start
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCudaAddRmsNorm, jax_gin::CudaAddRmsNormImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
+                                  .Ctx<ffi::DeviceOrdinal>()      // local CUDA ordinal
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // partition id (unused on GPU)
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // order token of the previous call
+                                  .Arg<ffi::AnyBuffer>()          // x (..., d): summed over the group
+                                  .Arg<ffi::AnyBuffer>()          // residual (..., d)
+                                  .Arg<ffi::AnyBuffer>()          // weight (d,)
+                                  .Ret<ffi::Buffer<ffi::U32>>()   // order token for the next call
+                                  .Ret<ffi::AnyBuffer>()          // normed (..., d)
+                                  .Ret<ffi::AnyBuffer>()          // new residual (..., d)
+                                  .Attr<int64_t>("comm")          // communicator id (runtime)
+                                  .Attr<int32_t>("algorithm")     // Algorithm
+                                  .Attr<float>("eps"),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -59,6 +59,7 @@ NB_MODULE(_jax_gin_cuda, m) {
     d["jax_gin_all_reduce_cuda"] = nb::capsule(reinterpret_cast<void*>(JaxGinCudaAllReduce));
     d["jax_gin_all_reduce_start_cuda"] = nb::capsule(reinterpret_cast<void*>(JaxGinCudaAllReduceStart));
     d["jax_gin_all_reduce_done_cuda"] = nb::capsule(reinterpret_cast<void*>(JaxGinCudaAllReduceDone));
+    d["jax_gin_add_rmsnorm_cuda"] = nb::capsule(reinterpret_cast<void*>(JaxGinCudaAddRmsNorm));
     return d;
   });
   m.def("comm_create",

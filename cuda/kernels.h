@@ -111,5 +111,12 @@ cudaError_t resident_ctas(Algorithm algo, DType dtype, int threads, int* ctas);
 // that all of them are resident at once (a lane may spin until its peers' same lane runs).
 int default_max_lanes(int device);
 
+// psum_add_rmsnorm's epilogue (norm.h), after the all-reduce has written the sum of each
+// element into `new_residual`: per row of d, new_residual = residual + sum and `normed` its
+// RMSNorm times `weight`. float32, bfloat16 and float16 only (cudaErrorInvalidValue else).
+cudaError_t launch_add_rmsnorm(DType dtype, const void* residual, void* new_residual,
+                               const void* weight, void* normed, size_t rows, size_t d, float eps,
+                               cudaStream_t stream);
+
 }  // namespace gpu
 }  // namespace jax_gin
