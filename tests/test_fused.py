@@ -328,3 +328,24 @@ def test_outside_shard_map():
     x, res, w = _good()
     with pytest.raises(NameError):
         jax.jit(lambda x, r, w: jax_gin.psum_add_rmsnorm(x, r, w, "i"))(x, res, w)
+
+
+def test_partially_manual_shard_map():
+    """axis_names= one mesh axis, the other automatic: the unfused composition, sharded."""
+    if ndev() < 8:
+        pytest.skip("needs 8 devices")
+    from jax.sharding import Mesh, NamedSharding
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("x", "y"))
+    x = jax.device_put(_exact((8, 6), "float32", 1), NamedSharding(mesh, P("x", None)))
+    res = jax.device_put(_exact((8, 6), "float32", 2), NamedSharding(mesh, P("x", None)))
+    w = _weight(6, "float32")
+
+    def f(x, r, w):
+        normed, new_res = jax_gin.psum_add_rmsnorm(x, r, w, "x", algorithm="one_shot")
+        want = r + lax.psum(x, "x")
+        return normed, new_res, want
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("x"), P("x"), P()),
+                              out_specs=(P("x"),) * 3, axis_names={"x"}))
+    normed, new_res, want = g(x, res, w)
+    assert_bitwise(new_res, want)
+    np.testing.assert_allclose(np.asarray(normed), np.asarray(_jnp_norm(want, w)), rtol=NORM_RTOL["float32"])
