@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <climits>
@@ -53,6 +54,19 @@ void futex_wake(std::atomic<uint64_t>* flag) {
 namespace cpu {
 namespace {
 
+std::atomic<bool> g_record{false};
+
+// The recorder's clock: CLOCK_MONOTONIC in ns, one clock for every process of a host (Python:
+// time.monotonic_ns()).
+uint64_t now_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec);
+}
+
+template <class T> void store_release(T& x, T v) { __atomic_store_n(&x, v, __ATOMIC_RELEASE); }
+template <class T> T load_acquire(const T& x) { return __atomic_load_n(&x, __ATOMIC_ACQUIRE); }
+
 std::shared_mutex g_registry_mu;
 std::map<int64_t, std::shared_ptr<Comm>> g_registry;
 int64_t g_next_id = 1;
@@ -60,10 +74,12 @@ int64_t g_next_id = 1;
 // The transport for one rank of a CPU group: peers' windows are plain host memory.
 class HostTransport {
  public:
+  // `entry`: the call's flight-recorder entry (null: not recording), whose first round is
+  // `round0`.
   HostTransport(Workspace& ws, const CommConfig& cfg, int group, int rank, size_t slot_bytes,
-                RedOp op, Algorithm algo)
+                RedOp op, Algorithm algo, RecEntry* entry, uint64_t round0)
       : ws_(ws), cfg_(cfg), group_(group), rank_(rank), slot_bytes_(slot_bytes), op_(op),
-        algo_(algo) {}
+        algo_(algo), entry_(entry), round0_(round0) {}
 
   int rank() const { return rank_; }
   int nranks() const { return ws_.nranks(); }
@@ -125,7 +141,8 @@ class HostTransport {
     }
   }
 
-  void signal(int peer, int kind, uint64_t value) {
+  void signal(int peer, int kind, uint64_t value, int step) {
+    if (entry_) note(kind == kCredit ? kRecCredit : kRecSend, step, peer, value);
     if (rank_ == cfg_.fault_rank) return;  // injected fault: this rank's signals are lost
     std::atomic<uint64_t>& f = ws_.flags(peer)[flag_index(0, rank_, kind, nranks())];
     // seq_cst store, then seq_cst load of the peer's sleeper count; the waiter does the
@@ -141,11 +158,17 @@ class HostTransport {
   bool wait(int peer, int kind, uint64_t value, int step) {
     std::atomic<uint64_t>& f = ws_.flags(rank_)[flag_index(0, peer, kind, nranks())];
     uint64_t seen = f.load(std::memory_order_acquire);
-    if (seen >= value) return true;
+    if (seen >= value) return waited(peer, kind, value, step);
     for (int i = 0; i < 64; ++i) {
       JG_PAUSE();
-      if ((seen = f.load(std::memory_order_acquire)) >= value) return true;
+      if ((seen = f.load(std::memory_order_acquire)) >= value) return waited(peer, kind, value, step);
     }
+    // About to sleep: say what for in the state block, for a peer's hang report.
+    RecState& st = ws_.rec_state(rank_);
+    st.wait_peer = peer;
+    st.wait_step = step;
+    st.wait_round = round_of_wait(value, step);
+    store_release(st.wait_seq, st.seq);
     using clock = std::chrono::steady_clock;
     const auto start = clock::now();
     const auto limit = std::chrono::duration<double>(cfg_.timeout_s);
@@ -156,7 +179,10 @@ class HostTransport {
       sleepers.fetch_add(1, std::memory_order_seq_cst);
       if ((seen = f.load(std::memory_order_seq_cst)) < value) futex_wait(&f, seen, 1000000);
       sleepers.fetch_sub(1, std::memory_order_seq_cst);
-      if ((seen = f.load(std::memory_order_acquire)) >= value) return true;
+      if ((seen = f.load(std::memory_order_acquire)) >= value) {
+        store_release(st.wait_seq, uint64_t(0));
+        return waited(peer, kind, value, step);
+      }
       // A peer that already failed (in this process or another) will never signal: give up
       // now instead of waiting out the whole timeout.
       if (ws_.header().broken.load(std::memory_order_relaxed)) {
@@ -173,6 +199,36 @@ class HostTransport {
   const std::string& error() const { return error_; }
 
  private:
+  bool waited(int peer, int kind, uint64_t value, int step) {
+    if (entry_) note(kind == kCredit ? kRecCreditWait : kRecWait, step, peer, value);
+    return true;
+  }
+
+  // Appends a phase event to the entry, or extends a recent run of the same kind, step and
+  // round (the chunks of a step, or its sends to several peers).
+  void note(uint8_t kind, int step, int peer, uint64_t value) {
+    const uint64_t t = now_ns();
+    const uint64_t rd = kind == kRecCredit ? value : round_of_wait(value, step);
+    const uint64_t rel = rd >= round0_ ? rd - round0_ : 0;
+    const uint16_t round = rel > 0xffff ? 0xffff : uint16_t(rel);
+    RecEntry& e = *entry_;
+    const int lo = e.nevents > 4 ? e.nevents - 4 : 0;
+    for (int i = e.nevents - 1; i >= lo; --i) {
+      RecEvent& ev = e.events[i];
+      if (ev.kind == kind && ev.step == step && ev.round == round) {
+        ev.t_last = t;
+        ev.peer = int16_t(peer);
+        if (ev.count < 255) ++ev.count;
+        return;
+      }
+    }
+    if (e.nevents >= kRecEvents) {
+      if (e.dropped < 0xffff) ++e.dropped;
+      return;
+    }
+    e.events[e.nevents++] = RecEvent{t, t, int16_t(step), int16_t(peer), round, kind, 1};
+  }
+
   void record(int peer, int step, uint64_t expected, uint64_t seen, const char* why) {
     Text os;
     os << "jax_gin " << redop_name(op_) << " (" << algorithm_name(algo_) << ") on CPU: rank "
@@ -187,6 +243,7 @@ class HostTransport {
     else os << " at step " << step << " of round " << round;
     os << " (flag " << seen << ", expected " << expected << ")."
        << (why ? "" : " Set JAX_GIN_TIMEOUT_S to wait longer.");
+    os << "\n" << laggard_report(ws_, group_, rank_);
     error_ = os.str();
     ws_.header().broken.store(1);
   }
@@ -198,6 +255,8 @@ class HostTransport {
   size_t slot_bytes_;
   RedOp op_;
   Algorithm algo_;
+  RecEntry* entry_;
+  uint64_t round0_;
   std::string error_;
 };
 
@@ -228,7 +287,7 @@ bool run_all(HostTransport& tp, Algorithm algo, const Segment* seg, int nseg, si
 namespace {
 
 constexpr uint64_t kWorkspaceMagic = 0x314e49475f58414aull;  // "JAX_GIN1", little-endian
-constexpr uint32_t kWorkspaceVersion = 3;  // 2: three flag kinds per (lane, sender); 3: kMaxLanes 128
+constexpr uint32_t kWorkspaceVersion = 4;  // 2: three flag kinds per (lane, sender); 3: kMaxLanes 128; 4: recorder
 constexpr size_t kHeaderBytes = 4096;
 constexpr size_t kPageBytes = 4096;
 
@@ -247,16 +306,21 @@ std::set<std::string>& linked_names() {
 
 }  // namespace
 
-Workspace::Workspace(int nranks, size_t lane_bytes) : nranks_(nranks), lane_bytes_(lane_bytes) {
+Workspace::Workspace(int nranks, size_t lane_bytes, int record_entries)
+    : nranks_(nranks), lane_bytes_(lane_bytes), record_entries_(record_entries < 1 ? 1 : record_entries),
+      local_(size_t(nranks), false) {
   lay_out();
 }
 
 // The layout, a function of (nranks, lane_bytes) only, so it is the same in every process:
-// header | control word per rank | flags per rank | window per rank (page-aligned).
+// header | control word per rank | flags per rank | recorder state per rank | recorder ring
+// per rank | window per rank (page-aligned).
 void Workspace::lay_out() {
   ctrl_off_ = kHeaderBytes;
   flags_off_ = round_up(ctrl_off_ + size_t(nranks_) * sizeof(RankControl), 64);
-  windows_off_ = round_up(flags_off_ + size_t(nranks_) * flag_words(nranks_) * sizeof(uint64_t),
+  rec_state_off_ = round_up(flags_off_ + size_t(nranks_) * flag_words(nranks_) * sizeof(uint64_t), 64);
+  rec_ring_off_ = round_up(rec_state_off_ + size_t(nranks_) * sizeof(RecState), 64);
+  windows_off_ = round_up(rec_ring_off_ + size_t(nranks_) * size_t(record_entries_) * sizeof(RecEntry),
                           kPageBytes);
   window_stride_ = round_up(lane_bytes_ == 0 ? 1 : lane_bytes_, kPageBytes);
   total_ = windows_off_ + size_t(nranks_) * window_stride_;
@@ -284,19 +348,21 @@ void Workspace::map(int fd, bool create) {
   h->nranks = uint32_t(nranks_);
   h->lane_bytes = lane_bytes_;
   h->total_bytes = total_;
+  h->record_entries = uint64_t(record_entries_);
   h->ready.store(1, std::memory_order_release);
 }
 
-std::shared_ptr<Workspace> Workspace::create_private(int nranks, size_t lane_bytes) {
-  std::shared_ptr<Workspace> ws(new Workspace(nranks, lane_bytes));
+std::shared_ptr<Workspace> Workspace::create_private(int nranks, size_t lane_bytes,
+                                                     int record_entries) {
+  std::shared_ptr<Workspace> ws(new Workspace(nranks, lane_bytes, record_entries));
   ws->map(-1, true);
   for (int r = 0; r < nranks; ++r) ws->join(r);
   return ws;
 }
 
 std::shared_ptr<Workspace> Workspace::create_shared(const std::string& name, int nranks,
-                                                    size_t lane_bytes) {
-  std::shared_ptr<Workspace> ws(new Workspace(nranks, lane_bytes));
+                                                    size_t lane_bytes, int record_entries) {
+  std::shared_ptr<Workspace> ws(new Workspace(nranks, lane_bytes, record_entries));
   int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) {
     const int e = errno;
@@ -332,8 +398,8 @@ std::shared_ptr<Workspace> Workspace::create_shared(const std::string& name, int
 }
 
 std::shared_ptr<Workspace> Workspace::attach_shared(const std::string& name, int nranks,
-                                                    size_t lane_bytes) {
-  std::shared_ptr<Workspace> ws(new Workspace(nranks, lane_bytes));
+                                                    size_t lane_bytes, int record_entries) {
+  std::shared_ptr<Workspace> ws(new Workspace(nranks, lane_bytes, record_entries));
   int fd = shm_open(name.c_str(), O_RDWR, 0600);
   if (fd < 0) {
     throw std::runtime_error("jax_gin: could not open the shared-memory segment " + name +
@@ -351,7 +417,9 @@ std::shared_ptr<Workspace> Workspace::attach_shared(const std::string& name, int
                              std::to_string(st.st_size) + " bytes, expected " +
                              std::to_string(ws->total_) + " for " + std::to_string(nranks) +
                              " ranks of " + std::to_string(lane_bytes) +
-                             " bytes (do all processes use the same JAX_GIN_WORKSPACE_BYTES?)");
+                             " bytes and " + std::to_string(ws->record_entries_) +
+                             " recorder entries (do all processes use the same "
+                             "JAX_GIN_WORKSPACE_BYTES and JAX_GIN_RECORD_ENTRIES?)");
   }
   try {
     ws->map(fd, false);
@@ -363,7 +431,8 @@ std::shared_ptr<Workspace> Workspace::attach_shared(const std::string& name, int
   const WorkspaceHeader& h = ws->header();
   if (h.ready.load(std::memory_order_acquire) != 1 || h.magic != kWorkspaceMagic ||
       h.version != kWorkspaceVersion || h.nranks != uint32_t(nranks) ||
-      h.lane_bytes != lane_bytes || h.total_bytes != ws->total_) {
+      h.lane_bytes != lane_bytes || h.total_bytes != ws->total_ ||
+      h.record_entries != uint64_t(ws->record_entries_)) {
     Text os;
     os << "jax_gin: the shared-memory segment " << name << " does not hold a jax_gin workspace "
        << "of version " << kWorkspaceVersion << " for " << nranks << " ranks of " << lane_bytes
@@ -381,7 +450,10 @@ Workspace::~Workspace() {
   if (base_) munmap(base_, total_);
 }
 
-void Workspace::join(int rank) { control(rank).joined.store(1, std::memory_order_release); }
+void Workspace::join(int rank) {
+  local_[size_t(rank)] = true;
+  control(rank).joined.store(1, std::memory_order_release);
+}
 
 std::vector<int> Workspace::wait_joined(double timeout_s) const {
   using clock = std::chrono::steady_clock;
@@ -423,7 +495,7 @@ int64_t create_comm(const CommConfig& config) {
   for (int32_t g : config.group_of) ngroups = std::max(ngroups, g + 1);
   std::vector<std::shared_ptr<Workspace>> ws;
   for (int g = 0; g < ngroups; ++g)
-    ws.push_back(Workspace::create_private(config.nranks, config.lane_bytes));
+    ws.push_back(Workspace::create_private(config.nranks, config.lane_bytes, config.record_entries));
   return create_comm(config, std::move(ws));
 }
 
@@ -511,6 +583,8 @@ std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Al
        << algorithm_name(algo) << " over " << nranks << " ranks";
     return os.str();
   }
+  // injected fault: this rank returns at once, as if it never reached the call
+  if (rank == comm.config.fault_rank && comm.config.fault_mode == 1) return std::string();
   RankControl& ctl = ws.control(rank);
   if (ctl.busy.exchange(1, std::memory_order_acquire) != 0) {
     Text os;
@@ -522,14 +596,52 @@ std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Al
     std::atomic<uint64_t>& b;
     ~Release() { b.store(0, std::memory_order_release); }
   } release{ctl.busy};
-  HostTransport tp(ws, comm.config, group, rank, slot_bytes, op, algo);
   uint64_t& round = ctl.round;
+  // Flight recorder: the state block always (a few stores), the ring entry when recording.
+  RecState& st = ws.rec_state(rank);
+  const uint64_t seq = st.seq + 1;
+  st.op = int8_t(op);
+  st.algorithm = int8_t(algo);
+  st.dtype = int8_t(dtype);
+  st.failed = 0;
+  st.bytes = uint64_t(count * esize);
+  store_release(st.seq, seq);
+  RecEntry* entry = nullptr;
+  if (g_record.load(std::memory_order_relaxed)) {
+    entry = ws.rec_ring(rank) + (seq - 1) % uint64_t(ws.record_entries());
+    store_release(entry->seq, uint64_t(0));  // a reader skips the slot while it is rewritten
+    entry->t_start = now_ns();
+    entry->t_end = 0;
+    entry->bytes = uint64_t(count * esize);
+    entry->round0 = round + 1;
+    entry->rounds = 0;
+    entry->comm = int32_t(comm.id);
+    entry->group = int16_t(group);
+    entry->rank = int16_t(rank);
+    entry->op = int8_t(op);
+    entry->algorithm = int8_t(algo);
+    entry->dtype = int8_t(dtype);
+    entry->status = kRecRunning;
+    entry->nevents = 0;
+    entry->dropped = 0;
+    entry->lane = 0;
+    store_release(entry->seq, seq);
+  }
+  HostTransport tp(ws, comm.config, group, rank, slot_bytes, op, algo, entry, round + 1);
+  const uint64_t round_before = round;
   const bool ok = with_dtype<HostElem>(dtype, false, [&](auto elem) {
     using T = typename decltype(elem)::type;
     return with_redop(op, false, [&](auto red) {
       return run_all<T, decltype(red)>(tp, algo, seg, nseg, count, lane_bytes, rpn, round);
     });
   });
+  if (entry) {
+    entry->rounds = uint32_t(round - round_before);
+    entry->status = ok ? kRecDone : kRecFailed;
+    store_release(entry->t_end, now_ns());
+  }
+  st.failed = ok ? 0 : 1;
+  store_release(st.done, seq);
   if (ok) return std::string();
   {
     std::lock_guard<std::mutex> lock(g.error_mu);
@@ -549,6 +661,198 @@ std::string allreduce_logical(Comm& comm, uint32_t logical_id, DType dtype, RedO
   }
   return allreduce(comm, cfg.group_of[logical_id], cfg.rank_of[logical_id], dtype, op, algo, seg,
                    nseg);
+}
+
+// ---------------------------------------------------------------------------------------
+// Flight recorder
+
+void set_record(bool on) { g_record.store(on, std::memory_order_relaxed); }
+bool recording() { return g_record.load(std::memory_order_relaxed); }
+
+std::vector<RecEntry> recorder_entries(const Workspace& ws, int rank) {
+  std::vector<RecEntry> out;
+  const RecEntry* ring = ws.rec_ring(rank);
+  for (int i = 0; i < ws.record_entries(); ++i) {
+    const uint64_t seq = load_acquire(ring[i].seq);
+    if (seq == 0) continue;
+    RecEntry e = ring[i];
+    if (load_acquire(ring[i].seq) != seq) continue;  // rewritten meanwhile
+    e.seq = seq;
+    out.push_back(e);
+  }
+  std::sort(out.begin(), out.end(), [](const RecEntry& a, const RecEntry& b) { return a.seq < b.seq; });
+  return out;
+}
+
+namespace {
+
+struct Seen {
+  uint64_t seq, done, wseq, wround;
+  int wpeer, wstep, op, algo;
+  bool failed;
+  bool in_call() const { return seq != 0 && done != seq; }
+  bool waiting() const { return seq != 0 && wseq == seq && wpeer >= 0; }
+};
+
+std::string call_name(uint64_t seq, int op, int algo) {
+  Text os;
+  os << "call #" << seq << " (" << redop_name(RedOp(op)) << ", " << algorithm_name(Algorithm(algo)) << ")";
+  return os.str();
+}
+
+std::string wait_text(const Seen& s) {
+  Text os;
+  os << "waiting for rank " << s.wpeer;
+  if (s.wstep < 0) os << " (credit) before round " << s.wround;
+  else os << " at step " << s.wstep << " of round " << s.wround;
+  return os.str();
+}
+
+// "0, 2-7"
+std::string rank_list(const std::vector<int>& r) {
+  Text os;
+  for (size_t i = 0; i < r.size();) {
+    size_t j = i;
+    while (j + 1 < r.size() && r[j + 1] == r[j] + 1) ++j;
+    if (i) os << ", ";
+    os << r[i];
+    if (j > i) os << (j == i + 1 ? ", " : "-") << r[j];
+    i = j + 1;
+  }
+  return os.str();
+}
+
+std::string ranks_word(const std::vector<int>& r) {
+  return (r.size() == 1 ? "rank " : "ranks ") + rank_list(r);
+}
+
+std::string steps_text(const std::vector<int>& steps) {
+  std::vector<int> u(steps);
+  std::sort(u.begin(), u.end());
+  u.erase(std::unique(u.begin(), u.end()), u.end());
+  Text os;
+  if (u.size() == 1) {
+    if (u[0] < 0) os << "for its credit";
+    else os << "at step " << u[0];
+  } else {
+    os << "at steps ";
+    for (size_t i = 0; i < u.size(); ++i) os << (i ? ", " : "") << u[i];
+  }
+  return os.str();
+}
+
+}  // namespace
+
+std::string laggard_report(const Workspace& ws, int group, int self) {
+  const int n = ws.nranks();
+  std::vector<Seen> s(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    const RecState& st = ws.rec_state(r);
+    Seen& x = s[size_t(r)];
+    x.seq = load_acquire(st.seq);
+    x.done = load_acquire(st.done);
+    x.wseq = load_acquire(st.wait_seq);
+    x.wround = st.wait_round;
+    x.wpeer = st.wait_peer;
+    x.wstep = st.wait_step;
+    x.op = st.op;
+    x.algo = st.algorithm;
+    x.failed = st.failed != 0;
+  }
+  const Seen& me = s[size_t(self)];
+  const uint64_t k = me.seq;
+  // The rank that is behind: the lowest call number, then the earliest phase (waiting in an
+  // earlier round or step, before a rank that finished the call).
+  auto phase = [](const Seen& x) -> uint64_t {
+    if (!x.in_call() && !x.failed) return ~0ull;
+    if (!x.waiting()) return 0;
+    return x.wround * kTagsPerRound + uint64_t(x.wstep + 1);
+  };
+  int behind = 0;
+  for (int r = 1; r < n; ++r) {
+    const Seen& a = s[size_t(r)];
+    const Seen& b = s[size_t(behind)];
+    if (a.seq < b.seq || (a.seq == b.seq && phase(a) < phase(b))) behind = r;
+  }
+  // Who waits in call k, and for whom.
+  auto waiters_for = [&](int target, std::vector<int>& ranks, std::vector<int>& steps) {
+    for (int r = 0; r < n; ++r) {
+      const Seen& x = s[size_t(r)];
+      if (x.seq == k && x.waiting() && x.wpeer == target) {
+        ranks.push_back(r);
+        steps.push_back(x.wstep);
+      }
+    }
+  };
+  Text os;
+  os << "diagnosis: ";
+  const Seen& lb = s[size_t(behind)];
+  std::vector<int> w, steps;
+  if (lb.seq < k) {
+    waiters_for(behind, w, steps);
+    os << "rank " << behind << " never entered " << call_name(k, me.op, me.algo);
+    if (!w.empty()) os << "; " << ranks_word(w) << " wait" << (w.size() == 1 ? "s" : "") << " for it "
+                       << steps_text(steps);
+    std::vector<int> others, other_steps;
+    for (int r = 0; r < n; ++r) {
+      const Seen& x = s[size_t(r)];
+      if (x.seq == k && x.waiting() && x.wpeer != behind) {
+        others.push_back(r);
+        other_steps.push_back(x.wstep);
+      }
+    }
+    if (!others.empty()) os << (w.empty() ? "; " : ", and ") << ranks_word(others) << " wait in that call "
+                            << steps_text(other_steps);
+    if (lb.seq == 0) os << "; it made no call on this communicator";
+    else if (lb.in_call()) os << "; it is still in its " << call_name(lb.seq, lb.op, lb.algo)
+                             << (lb.waiting() ? ", " + wait_text(lb) : std::string(", not waiting"));
+    else os << "; its last call was " << call_name(lb.seq, lb.op, lb.algo) << (lb.failed ? ", failed" : ", done");
+  } else {
+    // Every rank entered call k. A rank waited for that has finished the call did not deliver
+    // its signals; else follow the waits from this rank to one that is not waiting.
+    int culprit = -1;
+    for (int r = 0; r < n && culprit < 0; ++r) {
+      const Seen& x = s[size_t(r)];
+      if (x.seq == k && !x.in_call() && !x.failed) {
+        std::vector<int> ww, ss;
+        waiters_for(r, ww, ss);
+        if (!ww.empty()) {
+          culprit = r;
+          w = ww;
+          steps = ss;
+        }
+      }
+    }
+    if (culprit >= 0) {
+      os << "rank " << culprit << " finished " << call_name(k, me.op, me.algo) << ", but "
+         << ranks_word(w) << " still wait" << (w.size() == 1 ? "s" : "") << " for it "
+         << steps_text(steps) << ": its signals did not arrive";
+    } else {
+      int r = self, hops = 0;
+      while (s[size_t(r)].waiting() && s[size_t(r)].in_call() && hops++ < n) r = s[size_t(r)].wpeer;
+      if (hops > n) {
+        os << "the ranks of " << call_name(k, me.op, me.algo) << " wait for each other in a cycle";
+      } else if (r == self) {
+        os << "rank " << behind << " is behind in " << call_name(k, me.op, me.algo);
+      } else {
+        waiters_for(r, w, steps);
+        os << "rank " << r << " is in " << call_name(k, me.op, me.algo) << " but not waiting (busy or stopped)";
+        if (!w.empty()) os << "; " << ranks_word(w) << " wait" << (w.size() == 1 ? "s" : "") << " for it "
+                           << steps_text(steps);
+      }
+    }
+  }
+  os << ".\nlast calls of group " << group << ":";
+  for (int r = 0; r < n; ++r) {
+    const Seen& x = s[size_t(r)];
+    os << (r ? ";" : "") << " rank " << r << ": ";
+    if (x.seq == 0) { os << "none"; continue; }
+    os << "#" << x.seq << " " << redop_name(RedOp(x.op)) << "/" << algorithm_name(Algorithm(x.algo));
+    if (x.in_call()) os << (x.waiting() ? ", " + wait_text(x) : std::string(", running"));
+    else if (x.failed) os << ", failed" << (x.waiting() ? " " + wait_text(x) : std::string());
+    else os << ", done";
+  }
+  return os.str();
 }
 
 }  // namespace cpu

@@ -18,12 +18,15 @@
 
 #include "jax_gin/common.h"
 #include "jax_gin/message.h"
+#include "jax_gin/recorder.h"
 
 namespace jax_gin {
 namespace cpu {
 
 static_assert(std::atomic<uint64_t>::is_always_lock_free,
               "flags in shared memory need lock-free (address-free) 64-bit atomics");
+
+constexpr int kDefaultRecordEntries = 64;  // flight-recorder calls per rank
 
 struct CommConfig {
   int nranks = 1;                // ranks per group
@@ -34,8 +37,10 @@ struct CommConfig {
   // the tests' messages are cut into several chunks; the same in every process of a group.
   size_t chunk_bytes = 16 << 10;
   double timeout_s = 30.0;        // every wait gives up after this long
-  int fault_rank = -1;            // testing only: this rank's signals are dropped
+  int fault_rank = -1;            // testing only: the faulty rank (see fault_mode)
+  int fault_mode = 0;             // 0: its signals are dropped; 1: it never enters a call
   int ranks_per_node = 0;         // hierarchical only: ranks of a group per "node" (0: all)
+  int record_entries = kDefaultRecordEntries;  // flight-recorder ring per rank (private groups)
 };
 
 // The first bytes of a workspace. Attaching processes check it against what they expect.
@@ -45,6 +50,7 @@ struct WorkspaceHeader {
   uint32_t nranks;
   uint64_t lane_bytes;
   uint64_t total_bytes;
+  uint64_t record_entries;       // flight-recorder calls per rank
   std::atomic<uint64_t> ready;   // 1 once the creator has laid the workspace out
   std::atomic<uint64_t> broken;  // 1 once any rank of the group failed: the others give up
 };
@@ -58,17 +64,21 @@ struct alignas(64) RankControl {
                                    // wake-up syscall when there are none
 };
 
-// One group's symmetric workspace: all ranks' windows, flags and round counters.
+// One group's symmetric workspace: all ranks' windows, flags and round counters, and the
+// flight recorder (recorder.h): each rank's state block and ring of `record_entries` calls.
 class Workspace {
  public:
   // Private memory: every rank of the group runs in this process.
-  static std::shared_ptr<Workspace> create_private(int nranks, size_t lane_bytes);
+  static std::shared_ptr<Workspace> create_private(int nranks, size_t lane_bytes,
+                                                   int record_entries = kDefaultRecordEntries);
   // A new POSIX shared-memory segment `name` (fails if it exists), for other processes to
   // map with attach_shared(). Throws std::runtime_error with a message that says why.
   static std::shared_ptr<Workspace> create_shared(const std::string& name, int nranks,
-                                                  size_t lane_bytes);
+                                                  size_t lane_bytes,
+                                                  int record_entries = kDefaultRecordEntries);
   static std::shared_ptr<Workspace> attach_shared(const std::string& name, int nranks,
-                                                  size_t lane_bytes);
+                                                  size_t lane_bytes,
+                                                  int record_entries = kDefaultRecordEntries);
   ~Workspace();
   Workspace(const Workspace&) = delete;
   Workspace& operator=(const Workspace&) = delete;
@@ -83,6 +93,8 @@ class Workspace {
 
   int nranks() const { return nranks_; }
   size_t lane_bytes() const { return lane_bytes_; }
+  int record_entries() const { return record_entries_; }
+  bool runs_here(int rank) const { return local_[size_t(rank)]; }  // join()ed by this process
   const std::string& name() const { return name_; }  // empty for private memory
   bool linked() const;
 
@@ -94,15 +106,24 @@ class Workspace {
     return reinterpret_cast<std::atomic<uint64_t>*>(base_ + flags_off_) + size_t(rank) * flag_words(nranks_);
   }
   char* window(int rank) const { return base_ + windows_off_ + size_t(rank) * window_stride_; }
+  RecState& rec_state(int rank) const {
+    return reinterpret_cast<RecState*>(base_ + rec_state_off_)[rank];
+  }
+  RecEntry* rec_ring(int rank) const {
+    return reinterpret_cast<RecEntry*>(base_ + rec_ring_off_) + size_t(rank) * size_t(record_entries_);
+  }
 
  private:
-  Workspace(int nranks, size_t lane_bytes);
+  Workspace(int nranks, size_t lane_bytes, int record_entries);
   void map(int fd, bool create);
   void lay_out();
 
   int nranks_;
   size_t lane_bytes_;
-  size_t ctrl_off_ = 0, flags_off_ = 0, windows_off_ = 0, window_stride_ = 0, total_ = 0;
+  int record_entries_;
+  std::vector<bool> local_;
+  size_t ctrl_off_ = 0, flags_off_ = 0, rec_state_off_ = 0, rec_ring_off_ = 0, windows_off_ = 0,
+         window_stride_ = 0, total_ = 0;
   char* base_ = nullptr;
   std::string name_;
 };
@@ -132,6 +153,15 @@ int64_t create_comm(const CommConfig& config, std::vector<std::shared_ptr<Worksp
 void destroy_comm(int64_t id);
 std::shared_ptr<Comm> find_comm(int64_t id);
 int64_t num_comms();
+
+// The flight recorder's ring (recorder.h) is written while this is on (process-wide; off by
+// default). Each rank's state block is written always.
+void set_record(bool on);
+bool recording();
+// The ring of `rank` (a rank this process runs), oldest call first; empty slots left out.
+std::vector<RecEntry> recorder_entries(const Workspace& ws, int rank);
+// Each rank's state and last recorded call, and who is behind, as text (the hang report).
+std::string laggard_report(const Workspace& ws, int group, int self);
 
 // One rank's part of an all-reduce of `count` elements. Blocks until the rank is done.
 // Returns an empty string on success, else a message naming op, rank, peer and step.

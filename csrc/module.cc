@@ -53,7 +53,7 @@ DType dtype_of(const A& a) {
 nb::ndarray<nb::numpy> threads_allreduce(nb::ndarray<nb::c_contig, nb::device::cpu> inputs,
                                          int op, int algorithm, size_t lane_bytes, int repeats,
                                          double timeout_s, int fault_rank, int ranks_per_node,
-                                         size_t chunk_bytes) {
+                                         size_t chunk_bytes, int fault_mode) {
   if (inputs.ndim() != 2) throw nb::value_error("inputs must have shape (nranks, count)");
   const int nranks = int(inputs.shape(0));
   const size_t count = inputs.shape(1);
@@ -73,6 +73,7 @@ nb::ndarray<nb::numpy> threads_allreduce(nb::ndarray<nb::c_contig, nb::device::c
   cfg.lane_bytes = lane_bytes;
   cfg.timeout_s = timeout_s;
   cfg.fault_rank = fault_rank;
+  cfg.fault_mode = fault_mode;
   cfg.ranks_per_node = ranks_per_node;
   cfg.chunk_bytes = chunk_bytes;
   const int64_t id = cpu::create_comm(cfg);
@@ -99,6 +100,36 @@ nb::ndarray<nb::numpy> threads_allreduce(nb::ndarray<nb::c_contig, nb::device::c
   nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<char*>(p); });
   size_t shape[2] = {size_t(nranks), count};
   return nb::ndarray<nb::numpy>(out, 2, shape, owner, nullptr, inputs.dtype());
+}
+
+// One flight-recorder entry (recorder.h) as a dict; events as (kind, step, peer, round,
+// t_first, t_last, count) tuples, round relative to round0.
+nb::dict entry_dict(const RecEntry& e) {
+  nb::dict d;
+  d["seq"] = e.seq;
+  d["t_start"] = e.t_start;
+  d["t_end"] = e.t_end;
+  d["bytes"] = e.bytes;
+  d["round0"] = e.round0;
+  d["rounds"] = e.rounds;
+  d["comm"] = e.comm;
+  d["group"] = e.group;
+  d["rank"] = e.rank;
+  d["lane"] = e.lane;
+  d["op"] = redop_name(RedOp(e.op));
+  d["algorithm"] = algorithm_name(Algorithm(e.algorithm));
+  d["dtype"] = dtype_name(DType(e.dtype));
+  d["status"] = e.status == kRecDone ? "done" : e.status == kRecFailed ? "failed" : "running";
+  d["dropped"] = e.dropped;
+  nb::list ev;
+  static const char* kinds[] = {"?", "send", "wait", "credit", "credit_wait"};
+  for (int i = 0; i < e.nevents && i < kRecEvents; ++i) {
+    const RecEvent& x = e.events[i];
+    ev.append(nb::make_tuple(kinds[x.kind <= 4 ? x.kind : 0], int(x.step), int(x.peer), int(x.round),
+                             x.t_first, x.t_last, int(x.count)));
+  }
+  d["events"] = ev;
+  return d;
 }
 
 }  // namespace
@@ -142,7 +173,8 @@ NB_MODULE(_jax_gin, m) {
   // Runtime: communicators of the CPU backend.
   m.def("cpu_comm_create",
         [](int nranks, std::vector<int32_t> group_of, std::vector<int32_t> rank_of,
-           size_t lane_bytes, double timeout_s, int fault_rank, nb::object workspaces) {
+           size_t lane_bytes, double timeout_s, int fault_rank, nb::object workspaces,
+           int fault_mode, int record_entries) {
           if (nranks < 1 || nranks > kMaxRanks)
             throw nb::value_error(("jax_gin supports 1 to " + std::to_string(kMaxRanks) +
                                    " ranks per group, got " + std::to_string(nranks)).c_str());
@@ -154,6 +186,8 @@ NB_MODULE(_jax_gin, m) {
           cfg.lane_bytes = lane_bytes;
           cfg.timeout_s = timeout_s;
           cfg.fault_rank = fault_rank;
+          cfg.fault_mode = fault_mode;
+          cfg.record_entries = record_entries;
           if (workspaces.is_none()) return cpu::create_comm(cfg);
           // One Workspace (or None: no rank of that group runs here) per group.
           std::vector<std::shared_ptr<cpu::Workspace>> ws;
@@ -166,18 +200,45 @@ NB_MODULE(_jax_gin, m) {
           }
         },
         nb::arg("nranks"), nb::arg("group_of"), nb::arg("rank_of"), nb::arg("lane_bytes"),
-        nb::arg("timeout_s"), nb::arg("fault_rank") = -1, nb::arg("workspaces") = nb::none());
+        nb::arg("timeout_s"), nb::arg("fault_rank") = -1, nb::arg("workspaces") = nb::none(),
+        nb::arg("fault_mode") = 0, nb::arg("record_entries") = cpu::kDefaultRecordEntries);
+
+  // Flight recorder (include/jax_gin/recorder.h).
+  m.def("set_record", &cpu::set_record, nb::arg("on"), "write the recorder's ring (process-wide)");
+  m.def("recording", &cpu::recording);
+  m.def("cpu_recorder_entries", [](int64_t id) {
+          auto comm = cpu::find_comm(id);
+          if (!comm) throw nb::value_error(("jax_gin: no communicator " + std::to_string(id)).c_str());
+          nb::list out;
+          for (const auto& g : comm->groups) {
+            if (!g->ws) continue;
+            for (int r = 0; r < g->ws->nranks(); ++r)
+              if (g->ws->runs_here(r))
+                for (const RecEntry& e : cpu::recorder_entries(*g->ws, r)) out.append(entry_dict(e));
+          }
+          return out;
+        }, nb::arg("comm"), "the recorded calls of the ranks this process runs, by rank, oldest first");
+  m.def("cpu_laggard_report", [](int64_t id, int group, int rank) {
+          auto comm = cpu::find_comm(id);
+          if (!comm || group < 0 || group >= int(comm->groups.size()) || !comm->groups[group]->ws)
+            throw nb::value_error("jax_gin: no such communicator or group here");
+          return cpu::laggard_report(*comm->groups[group]->ws, group, rank);
+        }, nb::arg("comm"), nb::arg("group"), nb::arg("rank"));
+  m.attr("RECORD_EVENTS") = kRecEvents;
 
   // Workspaces: one group's windows, flags and round counters, in private memory or in a
   // POSIX shared-memory segment that several processes map (see jax_gin/_distributed.py).
   nb::class_<cpu::Workspace>(m, "Workspace",
                              "one group's symmetric workspace (private or POSIX shared memory)")
       .def_static("private", &cpu::Workspace::create_private, nb::arg("nranks"),
-                  nb::arg("lane_bytes"), "private memory; every rank joined")
+                  nb::arg("lane_bytes"), nb::arg("record_entries") = cpu::kDefaultRecordEntries,
+                  "private memory; every rank joined")
       .def_static("create", &cpu::Workspace::create_shared, nb::arg("name"), nb::arg("nranks"),
-                  nb::arg("lane_bytes"), "a new shared-memory segment (fails if it exists)")
+                  nb::arg("lane_bytes"), nb::arg("record_entries") = cpu::kDefaultRecordEntries,
+                  "a new shared-memory segment (fails if it exists)")
       .def_static("attach", &cpu::Workspace::attach_shared, nb::arg("name"), nb::arg("nranks"),
-                  nb::arg("lane_bytes"), "map a segment that another process created")
+                  nb::arg("lane_bytes"), nb::arg("record_entries") = cpu::kDefaultRecordEntries,
+                  "map a segment that another process created")
       .def("join", [](cpu::Workspace& w, std::vector<int> ranks) {
              for (int r : ranks) {
                if (r < 0 || r >= w.nranks()) throw nb::index_error("rank out of range");
@@ -201,7 +262,7 @@ NB_MODULE(_jax_gin, m) {
   m.def("threads_allreduce", &threads_allreduce, nb::arg("inputs"), nb::arg("op"),
         nb::arg("algorithm"), nb::arg("lane_bytes"), nb::arg("repeats") = 1,
         nb::arg("timeout_s") = 30.0, nb::arg("fault_rank") = -1, nb::arg("ranks_per_node") = 0,
-        nb::arg("chunk_bytes") = cpu::CommConfig().chunk_bytes);
+        nb::arg("chunk_bytes") = cpu::CommConfig().chunk_bytes, nb::arg("fault_mode") = 0);
   // Internal algorithm ids (not in jax_gin.ALGORITHMS), for tests through threads_allreduce.
   m.attr("ALGORITHM_HIERARCHICAL") = int(Algorithm::kHierarchical);
   // Most buffers one call reduces as one message (message.h); larger pytrees take more calls.

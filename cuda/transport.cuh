@@ -206,7 +206,9 @@ class GpuTransport {
   // All threads' earlier stores (local and remote) happen before the flag: the CTA barrier
   // orders them before thread 0's store, and a release store at system scope is cumulative
   // (the pattern NCCL's LSA barrier uses), so no separate __threadfence_system is needed.
-  __device__ void signal(int peer, int kind, uint64_t value) const {
+  // `step`: for a flight recorder (include/jax_gin/recorder.h); not recorded on the GPU yet.
+  __device__ void signal(int peer, int kind, uint64_t value, int step = -1) const {
+    (void)step;
     __syncthreads();
     if (threadIdx.x == 0 && p_.rank != p_.fault_rank) {
       uint64_t* f = reinterpret_cast<uint64_t*>(peers_.base(peer) + p_.flags_offset) +
@@ -420,9 +422,9 @@ class HierTransport {
     put_bytes_ = n * sizeof(T);
   }
 
-  __device__ void signal(int peer, int kind, uint64_t value) {
+  __device__ void signal(int peer, int kind, uint64_t value, int step = -1) {
     if (same_node(peer)) {
-      local_.signal(peer, kind, value);
+      local_.signal(peer, kind, value, step);
       return;
     }
     const bool drop = p_.rank == p_.fault_rank;

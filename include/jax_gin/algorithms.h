@@ -20,8 +20,9 @@
 //                                    what it wrote at the same position of the same range;
 //                                    reading output written under another range needs sync()
 //                                    (GPU: __syncthreads; CPU: one worker, a no-op)
-//   void signal(peer, kind, value)   release: everything this lane wrote before is visible to
-//                                    `peer` once it sees the flag
+//   void signal(peer, kind, value, step)  release: everything this lane wrote before is visible
+//                                    to `peer` once it sees the flag; `step` (-1: credit) is
+//                                    for the flight recorder (recorder.h)
 //   bool wait(peer, kind, value, step)  acquire; false once the timeout fired (the transport
 //                                    has recorded op, rank, peer, step for the host)
 //   bool needs_credit(peer)          whether `peer` may write into this rank's window, so that
@@ -85,7 +86,7 @@ JG_HD bool await_credit(Tp& tp, int peer, uint64_t round) {
 template <class Tp>
 JG_HD void give_credit(Tp& tp, uint64_t round) {
   for (int p = 0; p < tp.nranks(); ++p)
-    if (p != tp.rank() && tp.needs_credit(p)) tp.signal(p, kCredit, round);
+    if (p != tp.rank() && tp.needs_credit(p)) tp.signal(p, kCredit, round, -1);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -110,7 +111,8 @@ template <class Tp>
 JG_HD void one_shot_signal(Tp& tp, uint64_t round, int C, int c) {
   const int r = tp.rank(), N = tp.nranks();
   for (int k = 1; k < N; ++k)
-    tp.signal(schedule::mod(r + k, N), kData, data_tag(round, schedule::kOneShotStep * C + c));
+    tp.signal(schedule::mod(r + k, N), kData, data_tag(round, schedule::kOneShotStep * C + c),
+              schedule::kOneShotStep);
 }
 
 template <class T, class Op, class Tp, class IO>
@@ -164,7 +166,7 @@ JG_HD bool two_shot_round(Tp& tp, const IO& io, size_t n, size_t slot, uint64_t 
       const schedule::Range ch = schedule::chunk(seg, C, c, al);
       T* dst = tp.template slot<T>(p, r) + (ch.offset - seg.offset);
       io.each(ch.offset, ch.count, [&](size_t rel, const T* in, T*, size_t m) { tp.copy(dst + rel, in, m); });
-      tp.signal(p, kData, data_tag(round, S0 * C + c));
+      tp.signal(p, kData, data_tag(round, S0 * C + c), S0);
     }
   }
   // reduce my segment chunk by chunk from slots 0..N-1 in rank order, straight into my output
@@ -186,7 +188,7 @@ JG_HD bool two_shot_round(Tp& tp, const IO& io, size_t n, size_t slot, uint64_t 
       for (int k = kFused; k < N; ++k)
         tp.copy(tp.template slot<T>(schedule::mod(r + k, N), N + r) + rel + sub, out, m);
     });
-    for (int k = 1; k < N; ++k) tp.signal(schedule::mod(r + k, N), kData, data_tag(round, S1 * C + c));
+    for (int k = 1; k < N; ++k) tp.signal(schedule::mod(r + k, N), kData, data_tag(round, S1 * C + c), S1);
   }
   // receive every peer's reduced segment, chunk by chunk, into my output
   for (int c = 0; c < C; ++c) {
@@ -227,7 +229,7 @@ JG_HD bool ring_round(Tp& tp, const IO& io, size_t n, size_t slot, uint64_t roun
       const schedule::Range ch = schedule::chunk(snd, C, c, al);
       T* dst = tp.template slot<T>(next, 0) + (ch.offset - snd.offset);
       io.each(ch.offset, ch.count, [&](size_t rel, const T* in, T*, size_t m) { tp.copy(dst + rel, in, m); });
-      tp.signal(next, kData, tag(0, c));
+      tp.signal(next, kData, tag(0, c), 0);
     }
   }
   // steps 1 .. 2N-3: receive step s-1 from prev, then forward it as step s; the last one
@@ -256,7 +258,7 @@ JG_HD bool ring_round(Tp& tp, const IO& io, size_t n, size_t slot, uint64_t roun
           tp.copy_to(dst, arrived, m);
         }
       });
-      if (s <= last) tp.signal(next, kData, tag(s, c));
+      if (s <= last) tp.signal(next, kData, tag(s, c), s);
     }
   }
   give_credit(tp, round);
@@ -319,11 +321,11 @@ JG_HD bool tree_round(Tp& tp, const IO& io, size_t n, size_t slot, uint64_t roun
         tp.template reduce_to<T, Op>(dst, srcs, m);
       });
       if (parent >= 0) {
-        tp.signal(parent, kind[t], up(c));
+        tp.signal(parent, kind[t], up(c), schedule::kTreeUpStep);
       } else {
         for (int k = 0; k < 2; ++k) {
           const int child = schedule::tree_child(r, k, N, t);
-          if (child >= 0) tp.signal(child, kind[t], down(c));
+          if (child >= 0) tp.signal(child, kind[t], down(c), schedule::kTreeDownStep);
         }
       }
     }
@@ -347,7 +349,7 @@ JG_HD bool tree_round(Tp& tp, const IO& io, size_t n, size_t slot, uint64_t roun
       });
       for (int k = 0; k < 2; ++k) {
         const int child = schedule::tree_child(r, k, N, t);
-        if (child >= 0) tp.signal(child, kind[t], down(c));
+        if (child >= 0) tp.signal(child, kind[t], down(c), schedule::kTreeDownStep);
       }
     }
   }
@@ -381,7 +383,7 @@ JG_HD bool hierarchical_round(Tp& tp, const T* in, T* out, size_t n, size_t slot
       const schedule::Range seg = schedule::hier_segment(n, L, q, al);
       if (!await_credit(tp, p, round)) return false;
       tp.copy(tp.template slot<T>(p, schedule::hier_scatter_slot(l)), in + seg.offset, seg.count);
-      tp.signal(p, kData, tag);
+      tp.signal(p, kData, tag, schedule::kHierScatterStep);
     }
     for (int q = 0; q < L; ++q)
       if (q != l && !tp.wait(schedule::hier_rank(node, q, L), kData, tag, schedule::kHierScatterStep))
@@ -407,7 +409,7 @@ JG_HD bool hierarchical_round(Tp& tp, const T* in, T* out, size_t n, size_t slot
       const schedule::Range snd = schedule::piece(mine.count, M, schedule::ring_rs_send(node, s, M), al);
       const schedule::Range rcv = schedule::piece(mine.count, M, schedule::ring_rs_recv(node, s, M), al);
       tp.template put<T>(next, ring0, size_t(s) * rslot, (s == 0 ? rin : rout) + snd.offset, snd.count);
-      tp.signal(next, kData, data_tag(round, step));
+      tp.signal(next, kData, data_tag(round, step), step);
       if (!tp.wait(prev, kData, data_tag(round, step), step)) return false;
       ListSources<T, 2> srcs;
       srcs.add(mine_ring + size_t(s) * rslot);  // partial from upstream
@@ -419,7 +421,7 @@ JG_HD bool hierarchical_round(Tp& tp, const T* in, T* out, size_t n, size_t slot
       const schedule::Range snd = schedule::piece(mine.count, M, schedule::ring_ag_send(node, s, M), al);
       const schedule::Range rcv = schedule::piece(mine.count, M, schedule::ring_ag_recv(node, s, M), al);
       tp.template put<T>(next, ring0, size_t(k) * rslot, rout + snd.offset, snd.count);
-      tp.signal(next, kData, data_tag(round, step));
+      tp.signal(next, kData, data_tag(round, step), step);
       if (!tp.wait(prev, kData, data_tag(round, step), step)) return false;
       tp.copy(rout + rcv.offset, mine_ring + size_t(k) * rslot, rcv.count);
     }
@@ -433,7 +435,7 @@ JG_HD bool hierarchical_round(Tp& tp, const T* in, T* out, size_t n, size_t slot
     for (int k = 1; k < L; ++k) {
       const int p = schedule::hier_rank(node, schedule::mod(l + k, L), L);
       tp.copy(tp.template slot<T>(p, schedule::hier_gather_slot(l, L)), out + mine.offset, mine.count);
-      tp.signal(p, kData, tag);
+      tp.signal(p, kData, tag, step);
     }
     for (int k = 1; k < L; ++k) {
       const int q = schedule::mod(l + k, L);

@@ -1,0 +1,81 @@
+// The flight recorder's formats, shared by every backend: each rank keeps, in memory its
+// peers (and the host) can read, a small state block that says which call it is in and what
+// it waits for, and a ring of the last N calls with per-phase timestamps. The CPU backend
+// (csrc/cpu_backend.cc) writes them into the group's workspace with a monotonic ns clock;
+// a device-side writer uses the same layout with %globaltimer. Plain PODs: no std::atomic,
+// so that the header compiles with nvcc; writers publish with release stores of the marked
+// fields, readers load those with acquire and treat the rest as advisory.
+#pragma once
+
+#include <cstdint>
+
+#include "jax_gin/common.h"
+
+namespace jax_gin {
+
+// What a phase event records.
+enum RecEventKind : uint8_t {
+  kRecSend = 1,        // data flag of `step` signalled to `peer`
+  kRecWait = 2,        // data flag of `step` from `peer` seen (the wait was satisfied)
+  kRecCredit = 3,      // credit given to `peer` at the end of a round (step -1)
+  kRecCreditWait = 4,  // credit of `peer` seen before a round (step -1)
+};
+
+// One phase, or a run of equal phases (same kind, step and round: the chunks of a step, or
+// one step's sends to several peers), coalesced: first and last time, how many, last peer.
+struct RecEvent {
+  uint64_t t_first;  // ns
+  uint64_t t_last;   // ns
+  int16_t step;      // step of the round (-1: credit)
+  int16_t peer;      // the last peer of the run
+  uint16_t round;    // round relative to the entry's first round (saturates)
+  uint8_t kind;      // RecEventKind
+  uint8_t count;     // events in the run (saturates at 255)
+};
+static_assert(sizeof(RecEvent) == 24, "RecEvent is a fixed 24 bytes");
+
+constexpr int kRecEvents = 40;  // phase events per entry; later ones only count as dropped
+
+enum RecStatus : uint8_t { kRecRunning = 0, kRecDone = 1, kRecFailed = 2 };
+
+// One call of one rank. The ring holds entry (seq - 1) % N for call `seq`.
+struct RecEntry {
+  uint64_t seq;      // call number of this rank on this communicator, from 1 (0: empty slot)
+  uint64_t t_start;  // ns, when the call entered
+  uint64_t t_end;    // ns, when it returned (0 while it runs)
+  uint64_t bytes;    // message bytes
+  uint64_t round0;   // the first round the call ran (rounds are numbered from 1)
+  uint32_t rounds;   // rounds it ran
+  int32_t comm;      // communicator id (per process)
+  int16_t group;
+  int16_t rank;
+  int8_t op;         // RedOp
+  int8_t algorithm;  // Algorithm
+  int8_t dtype;      // DType
+  uint8_t status;    // RecStatus
+  uint16_t nevents;  // events[0 .. nevents)
+  uint16_t dropped;  // events that did not fit (saturates)
+  uint32_t lane;     // lane (0 on the CPU)
+  RecEvent events[kRecEvents];
+};
+static_assert(sizeof(RecEntry) % 8 == 0, "RecEntry keeps 8-byte alignment in a ring");
+
+// Always on, one per rank (a cache line): the call it is in and, while a wait sleeps, what it
+// waits for. `seq` and `done` are stored with release; a reader loads them with acquire.
+struct alignas(64) RecState {
+  uint64_t seq;         // calls entered (the current or last call's number)
+  uint64_t done;        // calls returned (== seq: between calls)
+  uint64_t wait_round;  // round of the current wait (valid while wait_seq == seq != done)
+  uint64_t wait_seq;    // call of the current wait
+  int32_t wait_peer;
+  int32_t wait_step;    // -1: credit
+  int8_t op;            // of call `seq`
+  int8_t algorithm;
+  int8_t dtype;
+  uint8_t failed;       // call `seq` returned an error
+  uint32_t pad;
+  uint64_t bytes;       // of call `seq`
+};
+static_assert(sizeof(RecState) == 64, "RecState is one cache line");
+
+}  // namespace jax_gin
