@@ -14,12 +14,14 @@ from ._primitive import allreduce_p, pmax, pmin, psum
 from ._overlap import psum_overlapping
 from ._fused import psum_add_rmsnorm
 from ._explain import explain
+from ._trace import trace
 from .global_ops import einsum, matmul, max, mean, min, sum  # global view (jit/pjit)
 
 __version__ = "0.1.0"
 
 has_cuda = _native.has_cuda
 
-__all__ = ["psum", "pmax", "pmin", "psum_overlapping", "psum_add_rmsnorm", "ALGORITHMS", "SUPPORTED_DTYPES", "explain", "runtime",
+__all__ = ["psum", "pmax", "pmin", "psum_overlapping", "psum_add_rmsnorm", "ALGORITHMS",
+           "SUPPORTED_DTYPES", "explain", "trace", "runtime",
            "has_cuda", "allreduce_p", "__version__"]
 __all__ += ["einsum", "matmul", "sum", "mean", "max", "min"]

@@ -275,19 +275,20 @@ class _Bootstrap:
 
 
 def group_workspaces(layout, procs: list, me: int, lane_bytes: int, key, generation: int,
-                     timeout_s: float, what: str) -> list:
+                     timeout_s: float, what: str, record_entries: int = 64) -> list:
     """One Workspace per group of `layout` (None where no rank runs in this process).
 
     procs[logical id] is the process that runs that device; `me` is this process. Groups that
     live in this process alone get private memory; groups that span processes get a shared
-    segment, set up collectively with the other processes of those groups.
+    segment, set up collectively with the other processes of those groups. Every process of
+    a group must pass the same `record_entries` (the flight recorder's ring per rank).
     """
     ngroups, nranks = layout.ngroups, layout.nranks
     proc_of, spanning = _process_map(layout, procs)
     out: list = [None] * ngroups
     for g in range(ngroups):
         if g not in spanning and proc_of[g][0] == me:
-            out[g] = _native.cpu.Workspace.private(nranks, lane_bytes)
+            out[g] = _native.cpu.Workspace.private(nranks, lane_bytes, record_entries)
     mine = [g for g in spanning if me in proc_of[g]]
     if not mine:
         return out
@@ -316,7 +317,7 @@ def group_workspaces(layout, procs: list, me: int, lane_bytes: int, key, generat
             if proc_of[g][0] != me:
                 continue
             name = segment_name(token, tag, g)
-            shared[g] = _native.cpu.Workspace.create(name, nranks, lane_bytes)
+            shared[g] = _native.cpu.Workspace.create(name, nranks, lane_bytes, record_entries)
             shared[g].join([r for r in range(nranks) if proc_of[g][r] == me])
             _kv(doing, client.key_value_set, f"{prefix}/g{g}", name)
         # 3. map the others' segments
@@ -333,7 +334,7 @@ def group_workspaces(layout, procs: list, me: int, lane_bytes: int, key, generat
             if name != expected:
                 raise RuntimeError(f"jax_gin: process {proc_of[g][0]} published segment "
                                    f"{name!r} for group {g}, expected {expected!r}")
-            shared[g] = _native.cpu.Workspace.attach(name, nranks, lane_bytes)
+            shared[g] = _native.cpu.Workspace.attach(name, nranks, lane_bytes, record_entries)
             shared[g].join([r for r in range(nranks) if proc_of[g][r] == me])
         # 4. wait until every rank of every group has mapped its segment
         for g in mine:

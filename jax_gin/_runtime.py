@@ -52,6 +52,8 @@ _RULES = {
                              "an integer number of bytes, 0 or more (0: no chunks)"),
     "ll_max_bytes": ("JAX_GIN_LL_MAX_BYTES", "an integer number of bytes, 0 or more (0: no LL)"),
     "experimental_gin": ("JAX_GIN_EXPERIMENTAL_GIN", "1 or 0 (True or False)"),
+    "record": ("JAX_GIN_RECORD", "1 or 0 (True or False)"),
+    "record_entries": ("JAX_GIN_RECORD_ENTRIES", "an integer from 1 to 65536"),
 }
 # Fields whose None means "the kernels' default".
 _OPTIONAL = ("max_lanes", "lane_grain_bytes", "chunk_bytes", "one_shot_chunk_bytes", "ll_max_bytes")
@@ -71,7 +73,7 @@ def _valid(field: str, value):
             return None
         value = float(value)
         return value if math.isfinite(value) and 0 < value <= _MAX_TIMEOUT_S else None
-    if field == "experimental_gin":
+    if field in ("experimental_gin", "record"):
         if isinstance(value, (bool, np.bool_)):
             return bool(value)
         return bool(value) if _is_int(value) and value in (0, 1) else None
@@ -80,6 +82,8 @@ def _valid(field: str, value):
     value = int(value)
     if field in ("overlap_lanes", "max_lanes"):
         return value if 1 <= value <= MAX_LANES else None
+    if field == "record_entries":
+        return value if 1 <= value <= 65536 else None
     return value if value >= (0 if field in _ZERO_OK else 1) else None
 
 
@@ -89,7 +93,7 @@ def _bad(field: str, shown: str) -> ValueError:
 
 def _parse(field: str, text: str):
     """The number in `text` (integers may be written as 64e6), or None."""
-    if field == "experimental_gin":
+    if field in ("experimental_gin", "record"):
         return {"0": 0, "1": 1}.get(text.strip())
     try:
         return float(text) if field == "timeout_s" else int(text)
@@ -132,6 +136,13 @@ class Settings:
     overlap_lanes: the most lanes (CTAs) an asynchronous call (overlap=True) uses on a GPU
         (JAX_GIN_OVERLAP_LANES, 1 to 128), so that the compute it overlaps keeps the other SMs.
     fault_rank: testing only -- this rank drops all its signals, so its peers time out.
+    fault_mode: testing only -- "drop" (fault_rank's signals are lost) or "absent" (on CPU,
+        fault_rank returns from every call at once, as if it never reached it).
+    record: the flight recorder keeps each rank's last calls with per-phase timestamps
+        (JAX_GIN_RECORD=1; CPU; jax_gin.trace turns it on for its block). Off by default; the
+        state block that hang reports read (which call, which wait) is kept either way.
+    record_entries: calls the recorder keeps per rank (JAX_GIN_RECORD_ENTRIES, default 64),
+        fixed when a communicator is created; the processes of a group must agree.
 
     GPU launch settings, fixed when a communicator is created; None is the kernels' default
     (cuda/kernels.h). The processes of a group must agree on them (gpu_launch_settings).
@@ -167,6 +178,9 @@ class Settings:
     overlap_lanes: int = dataclasses.field(
         default_factory=lambda: _from_env("overlap_lanes", _DEFAULT_OVERLAP_LANES))
     fault_rank: int = -1
+    fault_mode: str = "drop"
+    record: bool = dataclasses.field(default_factory=lambda: _from_env("record", False))
+    record_entries: int = dataclasses.field(default_factory=lambda: _from_env("record_entries", 64))
     max_lanes: int | None = dataclasses.field(default_factory=lambda: _from_env("max_lanes", None))
     lane_grain_bytes: int | None = dataclasses.field(
         default_factory=lambda: _from_env("lane_grain_bytes", None))
@@ -191,14 +205,20 @@ class Settings:
         if name == "tuning_dir" and not (value is None or isinstance(value, (str, os.PathLike))):
             raise ValueError(f"jax_gin.runtime.settings.tuning_dir = {value!r}: must be a "
                              "directory path or None (JAX_GIN_TUNING_DIR)")
+        if name == "fault_mode" and value not in _FAULT_MODES:
+            raise ValueError(f"jax_gin.runtime.settings.fault_mode = {value!r}: must be one of "
+                             f"{tuple(_FAULT_MODES)}")
         if name == "single_process" and not isinstance(value, bool):
             raise ValueError(f"jax_gin.runtime.settings.single_process = {value!r}: must be "
                              "True or False (JAX_GIN_SINGLE_PROCESS)")
         super().__setattr__(name, value)
+        if name == "record":
+            _native.cpu.set_record(bool(value))
         if name == "tuning_dir" and "load_table" in _select_cache:
             _select_cache["load_table"].cache_clear()  # tables are read again from there
 
 
+_FAULT_MODES = {"drop": 0, "absent": 1}  # CommConfig::fault_mode (csrc/cpu_backend.h)
 _select_cache: dict = {}  # _select.load_table, registered by _select (imported after us)
 settings = Settings()
 
@@ -235,6 +255,8 @@ def group_layout(axis_names: tuple, axis_sizes: tuple, axes: tuple) -> GroupLayo
 
 _lock = threading.Lock()
 _cache: dict = {}
+# CPU communicator id -> (device id by logical id, GroupLayout): who runs each rank (trace).
+comm_devices: dict = {}
 _generations: dict = {}  # key -> communicators created for it so far (names in shared memory)
 
 
@@ -288,6 +310,8 @@ def communicator(platform: str, mesh, axes: tuple) -> int:
     ws = workspace_bytes(platform)
     key = (platform, device_ids, names, sizes, tuple(axes), ws, settings.timeout_s,
            settings.fault_rank)
+    if platform == "cpu":
+        key += (settings.fault_mode, settings.record_entries)
     # The GPU launch settings select the cached communicator too, but stay out of `key`, which
     # names the communicator's set-up across processes (_distributed.communicator_tag): the
     # processes of a group meet there and then compare them, naming any difference.
@@ -316,10 +340,13 @@ def _create_cpu_comm(mesh, devices, layout: GroupLayout, ws: int, key) -> int:
         what = (f"the CPU communicator for axes {key[4]} of the mesh {{{shape}}} "
                 f"({len(set(procs))} processes)")
         workspaces = _distributed.group_workspaces(
-            layout, procs, jax.process_index(), ws, key, generation, settings.timeout_s, what)
-    return _native.cpu.cpu_comm_create(
+            layout, procs, jax.process_index(), ws, key, generation, settings.timeout_s, what,
+            settings.record_entries)
+    comm = _native.cpu.cpu_comm_create(
         layout.nranks, list(layout.group_of), list(layout.rank_of), ws, settings.timeout_s,
-        settings.fault_rank, workspaces)
+        settings.fault_rank, workspaces, _FAULT_MODES[settings.fault_mode], settings.record_entries)
+    comm_devices[comm] = (tuple(int(d.id) for d in devices), layout)
+    return comm
 
 
 def _create_cuda_comm(mesh, layout: GroupLayout, ws: int, key=None) -> int:
@@ -418,6 +445,7 @@ def reset() -> None:
         for key, comm in list(_cache.items()):
             if key[0] == "cpu":
                 _native.cpu.cpu_comm_destroy(comm)
+                comm_devices.pop(comm, None)
             elif _native.cuda is not None:
                 _native.cuda.comm_destroy(comm)
         _cache.clear()

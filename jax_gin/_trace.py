@@ -1,0 +1,162 @@
+"""Timelines from the flight recorder: jax_gin.trace(path) and `python -m jax_gin.trace merge`.
+
+Inside `with jax_gin.trace(path):` the recorder (include/jax_gin/recorder.h) is on; at exit
+every call that CPU devices of this process ran in the block is written as a Chrome/Perfetto
+trace (JSON `traceEvents`): pid = process index, tid = device id, one span per call named
+"<op> <algorithm>" with args (bytes, dtype, round, rounds, seq, ...), and within it a span or
+instant per recorded phase (sends and satisfied waits of each step, coalesced over chunks and
+peers). Times are the recorder's clock, CLOCK_MONOTONIC, in microseconds: files written by
+the processes of one host share it, and `merge` rebases them onto their earliest event.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import sys
+import time
+
+CLOCK = "CLOCK_MONOTONIC"
+
+
+def _events(entries: list, pid: int, devices: dict) -> list:
+    out = []
+    for e in entries:
+        tid = devices.get((e["comm"], e["group"], e["rank"]), 1_000_000 + e["rank"])
+        t0, t1 = e["t_start"], e["t_end"] or e["t_start"]
+        args = {k: e[k] for k in ("bytes", "dtype", "round0", "rounds", "seq", "comm", "group",
+                                  "rank", "status", "dropped")}
+        args["round"] = args.pop("round0")
+        out.append({"name": f"{e['op']} {e['algorithm']}", "cat": "jax_gin", "ph": "X",
+                    "pid": pid, "tid": tid, "ts": t0 / 1e3, "dur": (t1 - t0) / 1e3, "args": args})
+        for kind, step, peer, rnd, first, last, count in e["events"]:
+            name = kind.replace("_", " ") if kind.startswith("credit") else f"{kind} step {step}"
+            ev = {"name": name, "cat": "jax_gin.phase", "pid": pid, "tid": tid, "ts": first / 1e3,
+                  "args": {"kind": kind, "step": step, "peer": peer,
+                           "round": e["round0"] + rnd, "count": count}}
+            if last > first:
+                ev.update(ph="X", dur=(last - first) / 1e3)
+            else:
+                ev.update(ph="i", s="t")
+            out.append(ev)
+    return out
+
+
+def collect(t_begin_ns: int, t_end_ns: int | None = None) -> list:
+    """The recorded calls of this process's CPU ranks that entered in [t_begin_ns, t_end_ns]
+    (time.monotonic_ns()), as trace events with metadata for the process and each device."""
+    import jax
+
+    from . import _native, _runtime
+    pid = int(jax.process_index())
+    devices: dict = {}  # (comm, group, rank) -> device id
+    entries: list = []
+    for comm, (device_ids, layout) in list(_runtime.comm_devices.items()):
+        for logical, dev in enumerate(device_ids):
+            devices[(comm, layout.group_of[logical], layout.rank_of[logical])] = dev
+        try:
+            got = _native.cpu.cpu_recorder_entries(comm)
+        except ValueError:  # destroyed meanwhile
+            continue
+        entries += [e for e in got if e["t_start"] >= t_begin_ns and
+                    (t_end_ns is None or e["t_start"] <= t_end_ns)]
+    entries.sort(key=lambda e: (e["t_start"], e["rank"]))
+    events = [{"name": "process_name", "ph": "M", "pid": pid,
+               "args": {"name": f"process {pid} ({socket.gethostname()})"}}]
+    for tid in sorted({devices.get((e["comm"], e["group"], e["rank"]), 1_000_000 + e["rank"])
+                       for e in entries}):
+        events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
+                       "args": {"name": f"device {tid}"}})
+    return events + _events(entries, pid, devices)
+
+
+def write(path, events: list, **meta) -> None:
+    import jax
+    doc = {"traceEvents": events, "displayTimeUnit": "ns",
+           "metadata": {"jax_gin": {"clock": CLOCK, "host": socket.gethostname(),
+                                    "process": int(jax.process_index()), **meta}}}
+    with open(path, "w") as f:
+        json.dump(doc, f)
+
+
+@contextlib.contextmanager
+def trace(path):
+    """Write every jax_gin call that this process's CPU devices run inside the block to `path`
+    as a Chrome/Perfetto trace (see the module docstring). The recorder is on for the block;
+    results must be ready (jax.block_until_ready) before the block ends. The recorder keeps
+    the last JAX_GIN_RECORD_ENTRIES calls per rank: a longer block keeps only its last ones."""
+    from . import _runtime
+    before = _runtime.settings.record
+    _runtime.settings.record = True
+    t0 = time.monotonic_ns()
+    try:
+        yield path
+    finally:
+        t1 = time.monotonic_ns()
+        _runtime.settings.record = before
+        write(path, collect(t0, t1))
+
+
+def merge(paths: list, out) -> dict:
+    """One trace from the per-process files `paths`: events of every file, on one time axis
+    (the recorded clock, rebased to the earliest event), a file's pid kept unless another
+    file used it already."""
+    docs = []
+    for p in paths:
+        with open(p) as f:
+            doc = json.load(f)
+        if not isinstance(doc, dict) or "traceEvents" not in doc:
+            raise ValueError(f"jax_gin.trace merge: {p} is not a trace (no traceEvents)")
+        docs.append((p, doc))
+    clocks = {(d.get("metadata", {}).get("jax_gin", {}).get("clock"),
+               d.get("metadata", {}).get("jax_gin", {}).get("host")) for _, d in docs}
+    if len(clocks) > 1:
+        print("jax_gin.trace merge: the files come from different clocks or hosts "
+              f"({sorted(map(str, clocks))}); their times are not aligned", file=sys.stderr)
+    stamps = [e["ts"] for _, d in docs for e in d["traceEvents"] if "ts" in e]
+    base = min(stamps) if stamps else 0.0
+    used: set = set()
+    events: list = []
+    for _, d in docs:
+        pids = {e.get("pid") for e in d["traceEvents"] if "pid" in e}
+        remap = {}
+        for p in sorted(pids, key=str):
+            q = p
+            while q in used:
+                q = (q if isinstance(q, int) else 0) + 1000
+            remap[p] = q
+        used |= set(remap.values())
+        for e in d["traceEvents"]:
+            e = dict(e)
+            if "pid" in e:
+                e["pid"] = remap[e["pid"]]
+            if "ts" in e:
+                e["ts"] = e["ts"] - base
+            events.append(e)
+    events.sort(key=lambda e: (e.get("ph") != "M", e.get("ts", 0.0)))
+    doc = {"traceEvents": events, "displayTimeUnit": "ns",
+           "metadata": {"jax_gin": {"clock": sorted(map(str, clocks)), "origin_us": base,
+                                    "merged": [str(p) for p in paths]}}}
+    with open(out, "w") as f:
+        json.dump(doc, f)
+    return doc
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jax_gin.trace",
+                                 description="jax_gin trace files (Chrome/Perfetto JSON)")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("merge", help="merge per-process trace files into one")
+    m.add_argument("files", nargs="+")
+    m.add_argument("-o", "--output", required=True)
+    args = ap.parse_args(argv)
+    doc = merge(args.files, args.output)
+    n = sum(1 for e in doc["traceEvents"] if e.get("cat") == "jax_gin")
+    print(f"{args.output}: {n} calls from {len(args.files)} files")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

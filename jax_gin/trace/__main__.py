@@ -1,0 +1,5 @@
+import sys
+
+from jax_gin._trace import main
+
+sys.exit(main())
