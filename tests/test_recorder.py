@@ -1,0 +1,221 @@
+"""The flight recorder (include/jax_gin/recorder.h) on CPU: entries, jax_gin.trace, the merge
+tool and the hang report that names the laggard."""
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_gin
+from jax_gin import _native, _runtime
+from conftest import mesh_1d, ndev
+from helpers import exact_input, smap
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU recorder")
+C = _native.cpu
+_timeouts = itertools.count()
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """A timeout of its own, so that the test gets communicators of its own."""
+    monkeypatch.setattr(_runtime.settings, "timeout_s", 20.0 + 0.001 * next(_timeouts))
+
+
+def _new_comms(before):
+    return [c for c in _runtime.comm_devices if c not in before]
+
+
+def _fn(api, algo, k=0):
+    return smap(lambda v: getattr(jax_gin, api)(v, "i", algorithm=algo) + k, mesh_1d(), P("i"))
+
+
+def test_record_off_by_default(fresh):
+    assert os.environ.get("JAX_GIN_RECORD", "") in ("", "0")
+    assert _runtime.settings.record is False and C.recording() is False
+    before = set(_runtime.comm_devices)
+    jax.block_until_ready(_fn("psum", "ring")(exact_input((64,), ndev(), "float32")))
+    (comm,) = _new_comms(before)
+    assert C.cpu_recorder_entries(comm) == []
+
+
+def test_settings_checked(monkeypatch):
+    s = _runtime.settings
+    for bad in (("record", 2), ("record_entries", 0), ("record_entries", 1 << 20),
+                ("fault_mode", "sometimes")):
+        with pytest.raises(ValueError):
+            setattr(s, *bad)
+    monkeypatch.setenv("JAX_GIN_RECORD", "1")
+    monkeypatch.setenv("JAX_GIN_RECORD_ENTRIES", "8")
+    fromenv = _runtime.Settings()
+    assert fromenv.record is True and fromenv.record_entries == 8
+    _runtime.settings.record = False  # Settings() told the native module; set it back
+    assert C.recording() is False
+
+
+def test_entries_content_and_order(fresh, monkeypatch):
+    monkeypatch.setattr(_runtime.settings, "record", True)
+    x = exact_input((1000,), ndev(), "float32")
+    before = set(_runtime.comm_devices)
+    calls = [("psum", "one_shot"), ("pmax", "ring"), ("pmin", "two_shot"), ("psum", "tree")]
+    for api, algo in calls:
+        jax.block_until_ready(_fn(api, algo)(x))
+    (comm,) = _new_comms(before)
+    entries = C.cpu_recorder_entries(comm)
+    assert len(entries) == ndev() * len(calls)
+    by_rank = {}
+    for e in entries:
+        by_rank.setdefault(e["rank"], []).append(e)
+    assert sorted(by_rank) == list(range(ndev()))
+    for rank, es in by_rank.items():
+        assert [e["seq"] for e in es] == [1, 2, 3, 4]
+        assert [(e["op"], e["algorithm"]) for e in es] == calls
+        prev_end, next_round = 0, 1
+        for e in es:
+            assert e["dtype"] == "float32" and e["bytes"] == 4000 and e["status"] == "done"
+            assert e["comm"] == comm and e["group"] == 0 and e["dropped"] == 0
+            assert prev_end <= e["t_start"] <= e["t_end"]
+            assert e["round0"] == next_round and e["rounds"] == 1
+            prev_end, next_round = e["t_end"], e["round0"] + e["rounds"]
+            kinds = {ev[0] for ev in e["events"]}
+            assert {"send", "wait", "credit"} <= kinds, e["events"]
+            if e["seq"] > 1:
+                assert "credit_wait" in kinds or e["algorithm"] == "tree"
+            for kind, step, peer, rnd, first, last, count in e["events"]:
+                assert e["t_start"] <= first <= last <= e["t_end"]
+                assert 0 <= peer < ndev() and peer != rank and count >= 1 and rnd == 0
+                assert step == -1 if kind.startswith("credit") else step >= 0
+        # one_shot: every peer's step-0 data, coalesced into one run per kind
+        sends = [ev for ev in es[0]["events"] if ev[0] == "send"]
+        assert len(sends) == 1 and sends[0][1] == 0 and sends[0][6] == ndev() - 1
+        # ring: 2(N-1) steps, each sent (but the last) and awaited, in order
+        waits = [ev[1] for ev in es[1]["events"] if ev[0] == "wait"]
+        assert waits == list(range(2 * (ndev() - 1)))
+
+
+def test_ring_keeps_the_last_calls(fresh, monkeypatch):
+    monkeypatch.setattr(_runtime.settings, "record", True)
+    monkeypatch.setattr(_runtime.settings, "record_entries", 3)
+    before = set(_runtime.comm_devices)
+    f = _fn("psum", "one_shot")
+    for _ in range(5):
+        jax.block_until_ready(f(exact_input((8,), ndev(), "float32")))
+    (comm,) = _new_comms(before)
+    seqs = [e["seq"] for e in C.cpu_recorder_entries(comm) if e["rank"] == 0]
+    assert seqs == [3, 4, 5]
+
+
+def _spans(doc):
+    return [e for e in doc["traceEvents"] if e.get("cat") == "jax_gin"]
+
+
+def test_trace_json(fresh, tmp_path):
+    path = tmp_path / "t.json"
+    x = exact_input((300,), ndev(), "float32")
+    calls = [(api, algo) for api in ("psum", "pmax", "pmin") for algo in jax_gin.ALGORITHMS]
+    fns = [_fn(api, algo) for api, algo in calls]
+    jax.block_until_ready(fns[0](x))  # compiled, and run once before the block
+    with jax_gin.trace(path):
+        assert C.recording()
+        for f in fns:
+            jax.block_until_ready(f(x))
+    assert not C.recording() and _runtime.settings.record is False
+    doc = json.loads(path.read_text())
+    assert doc["metadata"]["jax_gin"]["clock"] == "CLOCK_MONOTONIC"
+    events = doc["traceEvents"]
+    devices = sorted(int(d.id) for d in jax.devices())
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert sorted(names) == devices
+    assert any(e["name"] == "process_name" and e["pid"] == 0 for e in events)
+    spans = _spans(doc)
+    assert len(spans) == len(calls) * ndev()
+    for tid in devices:
+        mine = sorted((s for s in spans if s["tid"] == tid), key=lambda s: s["ts"])
+        assert [s["name"] for s in mine] == [f"{api} {algo}" for api, algo in calls]
+        assert [s["args"]["seq"] for s in mine] == list(range(2, 2 + len(calls)))
+        for s in mine:
+            assert s["ph"] == "X" and s["pid"] == 0 and s["dur"] >= 0
+            assert s["args"]["bytes"] == 1200 and s["args"]["dtype"] == "float32"
+            assert s["args"]["round"] >= 1 and s["args"]["status"] == "done"
+    phases = [e for e in events if e.get("cat") == "jax_gin.phase"]
+    assert phases and {p["args"]["kind"] for p in phases} >= {"send", "wait", "credit"}
+    for p in phases:
+        assert p["ph"] in ("X", "i")
+        inside = [s for s in spans if s["tid"] == p["tid"] and
+                  s["ts"] <= p["ts"] and p["ts"] + p.get("dur", 0) <= s["ts"] + s["dur"] + 1e-3]
+        assert len(inside) == 1, p
+        assert re.fullmatch(r"(send|wait) step \d+|credit|credit wait", p["name"]), p["name"]
+
+
+def test_merge(fresh, tmp_path):
+    f = _fn("psum", "ring")
+    x = exact_input((64,), ndev(), "float32")
+    jax.block_until_ready(f(x))
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for p in paths:
+        with jax_gin.trace(p):
+            jax.block_until_ready(f(x))
+    out = tmp_path / "all.json"
+    r = subprocess.run([sys.executable, "-m", "jax_gin.trace", "merge", *map(str, paths), "-o", str(out)],
+                       capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 0, r.stderr
+    assert f"{2 * ndev()} calls from 2 files" in r.stdout
+    doc = json.loads(out.read_text())
+    parts = [json.loads(p.read_text()) for p in paths]
+    assert len(doc["traceEvents"]) == sum(len(d["traceEvents"]) for d in parts)
+    spans = _spans(doc)
+    assert len({s["pid"] for s in spans}) == 2  # the same pid in both files: kept apart
+    assert min(e["ts"] for e in doc["traceEvents"] if "ts" in e) == 0
+    # on one clock: the second file's calls come after the first's
+    a_end = max(s["ts"] + s["dur"] for s in _spans(parts[0]))
+    base = doc["metadata"]["jax_gin"]["origin_us"]
+    second = [s for s in spans if s["pid"] != 0]
+    assert min(s["ts"] for s in second) + base >= a_end
+
+
+def _fault(monkeypatch, algo, mode, timeout):
+    monkeypatch.setattr(_runtime.settings, "timeout_s", timeout)
+    monkeypatch.setattr(_runtime.settings, "fault_rank", 1)
+    monkeypatch.setattr(_runtime.settings, "fault_mode", mode)
+    with pytest.raises(Exception) as info:
+        jax.block_until_ready(_fn("psum", algo)(exact_input((256,), ndev(), "float32")))
+    return str(info.value)
+
+
+def test_laggard_never_entered(monkeypatch):
+    msg = _fault(monkeypatch, "one_shot", "absent", 0.41)
+    others = f"0, 2-{ndev() - 1}"
+    assert re.search(rf"diagnosis: rank 1 never entered call #1 \(psum, one_shot\); ranks {others} "
+                     r"wait for it at step 0; it made no call on this communicator\.", msg), msg
+    assert "rank 1: none" in msg
+    assert re.search(r"rank 0: #1 psum/one_shot, (failed )?waiting for rank 1 at step 0 of round 1", msg), msg
+
+
+def test_laggard_ring_chain(monkeypatch):
+    msg = _fault(monkeypatch, "ring", "absent", 0.42)
+    assert re.search(r"diagnosis: rank 1 never entered call #1 \(psum, ring\); rank 2 waits for it "
+                     r"at step 0, and ranks .* wait in that call at steps", msg), msg
+
+
+def test_laggard_signals_lost(monkeypatch):
+    # recorder off: the state block behind the report is kept all the same
+    assert _runtime.settings.record is False
+    msg = _fault(monkeypatch, "one_shot", "drop", 0.43)
+    others = f"0, 2-{ndev() - 1}"
+    assert re.search(rf"diagnosis: rank 1 finished call #1 \(psum, one_shot\), but ranks {others} "
+                     r"still wait for it at step 0: its signals did not arrive", msg), msg
+    assert "rank 1: #1 psum/one_shot, done" in msg
+
+
+def test_laggard_threads_harness():
+    x = np.ones((4, 50), np.float32)
+    with pytest.raises(RuntimeError) as info:
+        C.threads_allreduce(x, 0, 0, 4096, timeout_s=0.3, fault_rank=2, fault_mode=1)
+    assert re.search(r"diagnosis: rank 2 never entered call #1 \(psum, ring\); rank 3 waits for it at "
+                     r"step 0", str(info.value)), str(info.value)
