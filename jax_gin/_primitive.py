@@ -60,8 +60,10 @@ def psum(x, axis_name, *, algorithm: str = "auto", bucket_bytes: int | None = No
     With ``overlap=True`` each call is an asynchronous pair: on GPUs the kernel runs on a
     high-priority side stream with at most ``jax_gin.runtime.settings.overlap_lanes`` CTAs
     (JAX_GIN_OVERLAP_LANES, 32), forked from XLA's stream at the start and joined at the
-    done, so that compute XLA places between them runs meanwhile (docs/overlap.md). The
-    numbers are the same as without it.
+    done, so that compute XLA places between them runs meanwhile. XLA's GPU scheduler (jax
+    0.11.2) places the done right after the start, so nothing runs between them;
+    ``jax_gin.psum_overlapping`` fixes the placement by data dependencies (docs/overlap.md).
+    The numbers are the same as without it.
     """
     return _allreduce(x, axis_name, "sum", algorithm, bucket_bytes, overlap)
 
