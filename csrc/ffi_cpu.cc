@@ -43,9 +43,11 @@ ffi::Error CpuAllReduceImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Buffer<ffi:
 ffi::Error CpuAllReduceStartImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Buffer<ffi::U32> order_in,
                                  ffi::RemainingArgs xs, ffi::Result<ffi::Buffer<ffi::U32>> order_out,
                                  ffi::RemainingRets outs, int64_t comm, int32_t op,
-                                 int32_t algorithm, int32_t max_lanes, int32_t slot) {
+                                 int32_t algorithm, int32_t max_lanes, int32_t slot,
+                                 int32_t copy_engine) {
   (void)max_lanes;  // one lane per rank on the CPU
   (void)slot;
+  (void)copy_engine;  // a GPU transport; the CPU runs the algorithm's schedule (same results)
   return CpuAllReduceImpl(partition_id, order_in, xs, order_out, outs, comm, op, algorithm);
 }
 
@@ -140,7 +142,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAllReduceStart, jax_gin::CpuAllReduceStar
                                   .Attr<int32_t>("op")            // RedOp
                                   .Attr<int32_t>("algorithm")     // Algorithm
                                   .Attr<int32_t>("max_lanes")     // GPU lane cap (unused here)
-                                  .Attr<int32_t>("slot"));        // GPU event slot (unused here)
+                                  .Attr<int32_t>("slot")          // GPU event slot (unused here)
+                                  .Attr<int32_t>("copy_engine")); // GPU transport (unused here)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAllReduceDone, jax_gin::CpuAllReduceDoneImpl,
                               ffi::Ffi::Bind()

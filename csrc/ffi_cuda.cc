@@ -4,7 +4,8 @@
 //   JaxGinCudaAllReduce       one kernel launch on XLA's stream; command-buffer compatible.
 //   JaxGinCudaAllReduceStart  the same kernel on the rank's side stream, forked from XLA's
 //                             stream by an event, with a cap on its lanes (CTAs), so that the
-//                             compute XLA runs meanwhile keeps most SMs. Returns at once.
+//                             compute XLA runs meanwhile keeps most SMs, or (copy_engine)
+//                             the copy-engine path. Returns at once.
 //   JaxGinCudaAllReduceDone   makes XLA's stream wait for the start's kernel. Its results are
 //                             its operands, the start's results (aliased): XLA keeps them alive
 //                             and untouched until then. The start reduces in place (its results
@@ -75,6 +76,31 @@ ffi::Error cuda_error(const char* what, cudaError_t e) {
   return ffi::Error::Internal(std::string("jax_gin: ") + what + ": " + cudaGetErrorString(e));
 }
 
+// The copy-engine path (cuda/copy_engine.cu) of an asynchronous call: one buffer, a group
+// within one node; its reduction runs on at most `max_lanes` CTAs. _primitive.py chooses it.
+ffi::Error launch_copy_engine(cudaStream_t stream, int32_t device, ffi::RemainingArgs& xs,
+                              ffi::RemainingRets& outs, int64_t comm, int32_t op,
+                              int32_t algorithm, int32_t max_lanes) {
+  DType dtype;
+  Segment seg[kMaxSegments];
+  int nseg = 0;
+  if (ffi::Error err = collect_segments(xs, outs, seg, &nseg, &dtype); err.failure()) return err;
+  if (ffi::Error err = check_enums(op, algorithm); err.failure()) return err;
+  const gpu::RankState* st = nullptr;
+  if (ffi::Error err = rank_state(comm, device, algorithm, &st); err.failure()) return err;
+  if (nseg != 1 || st->ce_bases.empty())
+    return ffi::Error::Internal("jax_gin: the copy-engine path takes one buffer, in a group within one node");
+  gpu::LaunchConfig cfg = st->cfg;
+  const int ctas = max_lanes > 0 ? max_lanes : cfg.max_lanes;
+  const gpu::PeerAccess peers{st->win, nullptr, nullptr};
+  cudaError_t e = gpu::launch_allreduce_copy_engine(peers, st->ce_bases.data(), cfg, dtype, RedOp(op),
+                                                    seg[0].in, seg[0].out, seg[0].count, ctas, stream);
+  if (e != cudaSuccess)
+    return ffi::Error::Internal(std::string("jax_gin: copy-engine all-reduce failed to launch: ") +
+                                cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
 ffi::Error CudaAllReduceImpl(cudaStream_t stream, int32_t device,
                              ffi::Buffer<ffi::U32> partition_id, ffi::Buffer<ffi::U32> order_in,
                              ffi::RemainingArgs xs, ffi::Result<ffi::Buffer<ffi::U32>> order_out,
@@ -100,7 +126,8 @@ ffi::Error CudaAllReduceStartImpl(cudaStream_t stream, int32_t device,
                                   ffi::Buffer<ffi::U32> partition_id, ffi::Buffer<ffi::U32> order_in,
                                   ffi::RemainingArgs xs, ffi::Result<ffi::Buffer<ffi::U32>> order_out,
                                   ffi::RemainingRets outs, int64_t comm, int32_t op,
-                                  int32_t algorithm, int32_t max_lanes, int32_t slot) {
+                                  int32_t algorithm, int32_t max_lanes, int32_t slot,
+                                  int32_t copy_engine) {
   (void)partition_id;
   (void)order_in;
   (void)order_out;
@@ -110,9 +137,14 @@ ffi::Error CudaAllReduceStartImpl(cudaStream_t stream, int32_t device,
   // earlier jax_gin call of this rank, which the order tokens put before this one)
   if (cudaError_t e = cudaEventRecord(st->fork[slot], stream)) return cuda_error("cudaEventRecord", e);
   if (cudaError_t e = cudaStreamWaitEvent(st->side, st->fork[slot], 0)) return cuda_error("cudaStreamWaitEvent", e);
-  if (ffi::Error err = launch(st->side, device, xs, outs, comm, op, algorithm, max_lanes);
-      err.failure())
+  if (copy_engine) {
+    if (ffi::Error err = launch_copy_engine(st->side, device, xs, outs, comm, op, algorithm, max_lanes);
+        err.failure())
+      return err;
+  } else if (ffi::Error err = launch(st->side, device, xs, outs, comm, op, algorithm, max_lanes);
+             err.failure()) {
     return err;
+  }
   if (cudaError_t e = cudaEventRecord(st->join[slot], st->side)) return cuda_error("cudaEventRecord", e);
   return ffi::Error::Success();
 }
@@ -195,7 +227,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCudaAllReduceStart, jax_gin::CudaAllReduceSt
                                   .Attr<int32_t>("op")            // RedOp
                                   .Attr<int32_t>("algorithm")     // Algorithm
                                   .Attr<int32_t>("max_lanes")     // lane cap of this call
-                                  .Attr<int32_t>("slot"));        // event slot shared with its done
+                                  .Attr<int32_t>("slot")          // event slot shared with its done
+                                  .Attr<int32_t>("copy_engine")); // 1: data moved by copy engines
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCudaAllReduceDone, jax_gin::CudaAllReduceDoneImpl,
                               ffi::Ffi::Bind()

@@ -197,6 +197,11 @@ void finish_rank(Comm& comm, size_t i, int g, int n, size_t lane_bytes, int rank
   if (launch.chunk_bytes) c.chunk_bytes = *launch.chunk_bytes;
   if (launch.one_shot_chunk_bytes) c.one_shot_chunk_bytes = *launch.one_shot_chunk_bytes;
   if (launch.lane_grain_bytes) c.lane_grain_bytes = *launch.lane_grain_bytes;
+  if (ranks_per_node == 0) {
+    s.ce_bases.assign(size_t(n), nullptr);
+    JG_CUDA(cudaSetDevice(s.device));
+    JG_CUDA(lsa_window_bases(s.win, n, s.ce_bases.data()));
+  }
 }
 
 // Every rank of a group must run the same lanes (lane i talks to its peers' lane i only), but

@@ -15,6 +15,9 @@
 // deltas, carried out over P2P. With --fault-rank R, rank R drops its rail (GIN) signals.
 // Lanes per rank are capped so that every rank's CTAs on a GPU are resident together (ranks
 // spin on each other); --max-lanes lowers the cap.
+// Algorithm "copy_engine" runs the copy-engine path of asynchronous calls (copy_engine.cu),
+// whose reduction uses at most --max-lanes CTAs; its rounds share lane 0's flags with the
+// other algorithms', which the default list interleaves.
 // --dtypes takes the short names of JAX_GIN_DTYPES (common.h): f32, f64, bf16, f16, i32, i64,
 // u32 (unsigned types get inputs 0..14, the others -7..7).
 // Exit code: 0 all correct, 1 mismatch or CUDA error, 3 a wait timed out (diagnostic printed).
@@ -104,7 +107,7 @@ struct Layout {
 
 int main(int argc, char** argv) {
   std::vector<std::string> ranks_s = {"2", "3", "4", "8"}, counts_s = {"1", "7", "1000", "4099", "300001"};
-  std::vector<std::string> algos_s = {"ring", "tree", "one_shot", "two_shot"};
+  std::vector<std::string> algos_s = {"ring", "tree", "one_shot", "two_shot", "copy_engine"};
   std::vector<std::string> dtypes_s = {"f32", "bf16", "i32"}, ops_s = {"sum", "max", "min"};
   std::vector<std::string> rpn_s;
   bool algos_given = false;
@@ -143,7 +146,7 @@ int main(int argc, char** argv) {
   }
   if (!rpn_s.empty() && !algos_given) algos_s = {"hierarchical"};
   for (const auto& as : algos_s) {
-    bool known = as == "hierarchical";
+    bool known = as == "hierarchical" || as == "copy_engine";
     for (int a = 0; a < kNumAlgorithms; ++a) known |= as == algorithm_name(Algorithm(a));
     if (!known) { std::fprintf(stderr, "unknown algorithm %s\n", as.c_str()); return 2; }
     if (as == "hierarchical" && rpn_s.empty()) {
@@ -235,6 +238,9 @@ int main(int argc, char** argv) {
           for (const auto& as : lay.algos) {
             Algorithm algo = Algorithm::kHierarchical;
             for (int a = 0; a < kNumAlgorithms; ++a) if (as == algorithm_name(Algorithm(a))) algo = Algorithm(a);
+            // "copy_engine": the copy-engine path of asynchronous calls (two_shot's schedule)
+            const bool copy_engine = as == "copy_engine";
+            if (copy_engine) algo = Algorithm::kTwoShot;
             // Every rank uses the same lane count; cap it so that all ranks' CTAs on the most
             // loaded GPU fit at once.
             int max_lanes = max_lanes_arg > 0 ? std::min(max_lanes_arg, int(kMaxLanes))
@@ -293,8 +299,12 @@ int main(int argc, char** argv) {
                   cfg.diag = R.diag_dev;
                   cfg.timeout_ns = uint64_t(timeout_s * 1e9);
                   cfg.fault_rank = fault_rank;
-                  e = gpu::launch_allreduce(gpu::PeerAccess{nullptr, R.table}, cfg, dt->dt, op, algo,
-                                            R.in, R.out, count, R.stream);
+                  e = copy_engine
+                          ? gpu::launch_allreduce_copy_engine(gpu::PeerAccess{nullptr, R.table}, bases.data(),
+                                                              cfg, dt->dt, op, R.in, R.out, count, max_lanes,
+                                                              R.stream)
+                          : gpu::launch_allreduce(gpu::PeerAccess{nullptr, R.table}, cfg, dt->dt, op, algo,
+                                                  R.in, R.out, count, R.stream);
                   if (e != cudaSuccess) return e;
                 }
                 return cudaSuccess;

@@ -39,6 +39,11 @@ template <class T, class Peers, class Rail>
 cudaError_t preload_hier_type();
 template <class T>
 cudaError_t table_occupancy(Algorithm algo, int threads, int* per_sm);
+template <class T>
+cudaError_t preload_ce_type();
+cudaError_t preload_copy_engine();  // copy_engine.cu
+
+LaneParams lane_params(const LaunchConfig& cfg, RedOp op, Algorithm algo);
 
 namespace {
 
@@ -81,29 +86,6 @@ cudaError_t preload_hier() {
   return for_each_type([](auto t) { return preload_hier_type<typename decltype(t)::type, Peers, Rail>(); });
 }
 
-LaneParams lane_params(const LaunchConfig& cfg, RedOp op, Algorithm algo) {
-  LaneParams p;
-  p.rank = cfg.rank;
-  p.nranks = cfg.nranks;
-  p.group = cfg.group;
-  p.flags_offset = cfg.flags_offset;
-  p.data_offset = cfg.data_offset;
-  p.lane_bytes = cfg.lane_bytes;
-  p.rounds = cfg.rounds;
-  p.diag = cfg.diag;
-  p.timeout_ns = cfg.timeout_ns;
-  p.fault_rank = cfg.fault_rank;
-  p.op = int32_t(op);
-  p.algorithm = int32_t(algo);
-  p.ll_offset = cfg.ll_offset;
-  p.ll = 0;
-  p.chunk_bytes = algo == Algorithm::kOneShot ? cfg.one_shot_chunk_bytes : cfg.chunk_bytes;
-  p.ranks_per_node = cfg.ranks_per_node;
-  p.rail_offset = cfg.rail_offset;
-  p.outbox_offset = cfg.outbox_offset;
-  p.outbox_lane_bytes = cfg.outbox_lane_bytes;
-  return p;
-}
 
 // The hierarchical all-reduce of a group that spans nodes (cfg.ranks_per_node set by
 // set_window_layout): LSA within the node, the rail between nodes through GIN (an NCCL window
@@ -142,6 +124,31 @@ int lanes_for(const LaunchConfig& cfg, Algorithm algo, size_t bytes, bool ll) {
 }
 
 }  // namespace
+
+// A launch's kernel parameters from the rank's configuration (also copy_engine.cu).
+LaneParams lane_params(const LaunchConfig& cfg, RedOp op, Algorithm algo) {
+  LaneParams p;
+  p.rank = cfg.rank;
+  p.nranks = cfg.nranks;
+  p.group = cfg.group;
+  p.flags_offset = cfg.flags_offset;
+  p.data_offset = cfg.data_offset;
+  p.lane_bytes = cfg.lane_bytes;
+  p.rounds = cfg.rounds;
+  p.diag = cfg.diag;
+  p.timeout_ns = cfg.timeout_ns;
+  p.fault_rank = cfg.fault_rank;
+  p.op = int32_t(op);
+  p.algorithm = int32_t(algo);
+  p.ll_offset = cfg.ll_offset;
+  p.ll = 0;
+  p.chunk_bytes = algo == Algorithm::kOneShot ? cfg.one_shot_chunk_bytes : cfg.chunk_bytes;
+  p.ranks_per_node = cfg.ranks_per_node;
+  p.rail_offset = cfg.rail_offset;
+  p.outbox_offset = cfg.outbox_offset;
+  p.outbox_lane_bytes = cfg.outbox_lane_bytes;
+  return p;
+}
 
 int choose_lanes(Algorithm algo, size_t bytes, int nranks, int max_lanes, size_t grain) {
   // Small messages: one lane (fewest flags). Larger: one lane per `grain` bytes of message
@@ -208,6 +215,9 @@ cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, D
 cudaError_t preload_kernels() {
   if (cudaError_t e = for_each_type([](auto t) { return preload_multi_type<typename decltype(t)::type, NcclPeers>(); }))
     return e;
+  if (cudaError_t e = for_each_type([](auto t) { return preload_ce_type<typename decltype(t)::type>(); }))
+    return e;
+  if (cudaError_t e = preload_copy_engine()) return e;
   cudaError_t e = preload_peers<NcclPeers>();
   if (e != cudaSuccess) return e;
   if ((e = preload_peers<TablePeers>()) != cudaSuccess) return e;

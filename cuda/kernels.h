@@ -84,6 +84,22 @@ cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, D
                              RedOp op, Algorithm algo, Segment* seg, int nseg,
                              cudaStream_t stream);
 
+// The copy-engine path of asynchronous calls (copy_engine.cu): two_shot's schedule with the
+// data moved by cudaMemcpyAsync into and out of the peers' windows, the SMs only reducing (a
+// local kernel of at most `reduce_ctas` CTAs) and synchronizing (one-warp kernels on lane 0's
+// flags, with the timeout). One buffer, a group within one node. `bases[q]`: rank q's window
+// base as a pointer of this process (host array of nranks; lsa_window_bases for an NCCL
+// window). Same results, bit for bit, as two_shot and one_shot.
+cudaError_t launch_allreduce_copy_engine(const PeerAccess& peers, char* const* bases,
+                                         const LaunchConfig& cfg, DType dtype, RedOp op,
+                                         const void* in, void* out, size_t count, int reduce_ctas,
+                                         cudaStream_t stream);
+// Elements of one rank's segment per round of the copy-engine path (its window's data area / N).
+size_t copy_engine_slot_elems(const LaunchConfig& cfg, size_t elem_size);
+// bases[0..nranks): every rank's window base through NCCL's LSA mapping, as pointers of this
+// process (host array). Runs a kernel and synchronizes: call it while building the rank.
+cudaError_t lsa_window_bases(ncclWindow_t win, int nranks, char** bases);
+
 // Loads every kernel on the current device now, so that no lazy module load (which takes a
 // global lock) happens while a peer's kernel spins.
 cudaError_t preload_kernels();

@@ -284,6 +284,42 @@ cudaError_t preload_multi_type() {
   });
 }
 
+// The copy-engine path's reduction (copy_engine.cu): this rank's segment of one round, from
+// the peers' contributions the copy engines put into slots 0..N-1 of its window and its own
+// input, in rank order, into its output and into its own slot (where the peers' copy engines
+// fetch it). The whole grid splits the vectors; `in` may be `out` (the start reduces in place).
+template <class T, class Op>
+__global__ void __launch_bounds__(512)
+    ce_reduce_kernel(const T* slot0, size_t slot_stride, int self, int nranks, const T* in, T* out,
+                     T* staging, size_t n) {
+  SlotSources<T> src{slot0, slot_stride, self, in, nranks};
+  Dests<T, 2> dst;
+  dst.add(out);
+  dst.add(staging);
+  reduce_vectors<T, Op, 4>(dst, src, n, size_t(blockIdx.x) * blockDim.x + threadIdx.x,
+                           size_t(gridDim.x) * blockDim.x);
+}
+
+template <class T>
+cudaError_t launch_ce_reduce(RedOp op, const void* slot0, size_t slot_stride, int self, int nranks,
+                             const void* in, void* out, void* staging, size_t n, int ctas,
+                             int threads, cudaStream_t s) {
+  return with_redop(op, cudaErrorInvalidValue, [&](auto red) {
+    ce_reduce_kernel<T, decltype(red)><<<ctas, threads, 0, s>>>(
+        static_cast<const T*>(slot0), slot_stride, self, nranks, static_cast<const T*>(in),
+        static_cast<T*>(out), static_cast<T*>(staging), n);
+    return cudaGetLastError();
+  });
+}
+
+template <class T>
+cudaError_t preload_ce_type() {
+  return for_each_redop(cudaSuccess, [](auto red) {
+    cudaFuncAttributes a;
+    return cudaFuncGetAttributes(&a, ce_reduce_kernel<T, decltype(red)>);
+  });
+}
+
 // Explicit instantiation of everything one element type needs.
 #define JAX_GIN_INSTANTIATE(T)                                                                   \
   template cudaError_t launch_op<T, NcclPeers>(RedOp, const NcclPeers&, const LaneParams&, int, \
@@ -306,7 +342,10 @@ cudaError_t preload_multi_type() {
       void*, size_t, cudaStream_t);                                                              \
   template cudaError_t preload_hier_type<T, NcclNodePeers, GinRail>();                           \
   template cudaError_t preload_hier_type<T, TablePeers, EmulatedGinRail>();                     \
-  template cudaError_t table_occupancy<T>(Algorithm, int, int*);
+  template cudaError_t table_occupancy<T>(Algorithm, int, int*);                                \
+  template cudaError_t launch_ce_reduce<T>(RedOp, const void*, size_t, int, int, const void*,    \
+                                           void*, void*, size_t, int, int, cudaStream_t);        \
+  template cudaError_t preload_ce_type<T>();
 // ... for the element type of DType::k<E> (a generated kernels_<short_name>.cu).
 #define JAX_GIN_INSTANTIATE_DTYPE(E) JAX_GIN_INSTANTIATE(DeviceElem<DType::k##E>::type)
 

@@ -40,6 +40,9 @@ struct RankState {
   cudaStream_t side = nullptr;
   cudaEvent_t fork[kAsyncSlots] = {};
   cudaEvent_t join[kAsyncSlots] = {};
+  // Every rank's window base as a pointer of this process, for the copy engines
+  // (launch_allreduce_copy_engine); empty for groups that span nodes.
+  std::vector<char*> ce_bases;
 };
 
 // The launch settings of a communicator's ranks, from jax_gin.runtime.settings (Python reads

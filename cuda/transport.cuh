@@ -109,6 +109,71 @@ __device__ inline void record_timeout(const LaneParams& p, int lane, int peer, i
   __threadfence_system();
 }
 
+// dsts[*][i] = srcs[0][i] op srcs[1][i] op ... in source order, for i < n, by `nthreads`
+// threads of which this is `tid`, 16 bytes at a time: vector v is always handled by thread
+// v % nthreads. Accumulates in the wide type (float for 16-bit floats) and rounds once per
+// result, as lax's own reduction does; a thread reads every source of its vectors before it
+// stores their results, so a destination may be a source. Each thread has U vectors of a
+// source in flight at once: a lane (GpuTransport) uses U = 1 (more measured slower at 128
+// lanes, docs/overlap.md), the copy-engine path's reduction, a local pass that should take
+// as few SM-microseconds as it can beside compute, U = 4.
+template <class T, class Op, int U = 1, class Src, class D>
+__device__ __forceinline__ void reduce_vectors(const D& dsts, const Src& srcs, size_t n, size_t tid,
+                                               size_t nthreads) {
+  using Wd = Widen<T>;
+  using W = typename Wd::type;
+  constexpr size_t V = 16 / sizeof(T);
+  union Vec { uint4 u; T e[V]; };
+  const size_t nv = n / V;
+  const int k = srcs.count(), nd = dsts.count();
+  size_t i = tid;
+  for (; i + (U - 1) * nthreads < nv; i += U * nthreads) {
+    Vec x[U];
+    W acc[U][V];
+#pragma unroll
+    for (int u = 0; u < U; ++u) x[u].u = reinterpret_cast<const uint4*>(srcs.get(0))[i + u * nthreads];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (size_t j = 0; j < V; ++j) acc[u][j] = Wd::up(x[u].e[j]);
+    for (int q = 1; q < k; ++q) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) x[u].u = reinterpret_cast<const uint4*>(srcs.get(q))[i + u * nthreads];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (size_t j = 0; j < V; ++j) acc[u][j] = Op::apply(acc[u][j], Wd::up(x[u].e[j]));
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (size_t j = 0; j < V; ++j) x[u].e[j] = Wd::down(acc[u][j]);
+      for (int q = 0; q < nd; ++q) reinterpret_cast<uint4*>(dsts.get(q))[i + u * nthreads] = x[u].u;
+    }
+  }
+  for (; i < nv; i += nthreads) {  // this thread's vectors after its last group of U
+    Vec x;
+    W acc[V];
+    x.u = reinterpret_cast<const uint4*>(srcs.get(0))[i];
+#pragma unroll
+    for (size_t j = 0; j < V; ++j) acc[j] = Wd::up(x.e[j]);
+    for (int q = 1; q < k; ++q) {
+      x.u = reinterpret_cast<const uint4*>(srcs.get(q))[i];
+#pragma unroll
+      for (size_t j = 0; j < V; ++j) acc[j] = Op::apply(acc[j], Wd::up(x.e[j]));
+    }
+#pragma unroll
+    for (size_t j = 0; j < V; ++j) x.e[j] = Wd::down(acc[j]);
+    for (int q = 0; q < nd; ++q) reinterpret_cast<uint4*>(dsts.get(q))[i] = x.u;
+  }
+  for (size_t e = nv * V + tid; e < n; e += nthreads) {
+    W acc = Wd::up(srcs.get(0)[e]);
+    for (int q = 1; q < k; ++q) acc = Op::apply(acc, Wd::up(srcs.get(q)[e]));
+    const T r = Wd::down(acc);
+    for (int q = 0; q < nd; ++q) dsts.get(q)[e] = r;
+  }
+}
+
 template <class Peers>
 class GpuTransport {
  public:
@@ -163,37 +228,10 @@ class GpuTransport {
   }
 
   // reduce, storing the result to every destination in the same pass (NCCL's fused
-  // "receive, reduce, copy, send"). Accumulates in the wide type (float for 16-bit floats)
-  // and rounds once per result, as lax's own reduction does; a thread reads every source of
-  // its vector before it stores the result, so a destination may be a source.
+  // "receive, reduce, copy, send"): reduce_vectors by the lane's threads.
   template <class T, class Op, class Src, class D>
   __device__ void reduce_to(const D& dsts, const Src& srcs, size_t n) const {
-    using Wd = Widen<T>;
-    using W = typename Wd::type;
-    constexpr size_t V = 16 / sizeof(T);
-    const size_t nv = n / V;
-    const int k = srcs.count(), nd = dsts.count();
-    for (size_t i = threadIdx.x; i < nv; i += blockDim.x) {
-      union { uint4 u; T e[V]; } x;
-      W acc[V];
-      x.u = reinterpret_cast<const uint4*>(srcs.get(0))[i];
-#pragma unroll
-      for (size_t j = 0; j < V; ++j) acc[j] = Wd::up(x.e[j]);
-      for (int q = 1; q < k; ++q) {
-        x.u = reinterpret_cast<const uint4*>(srcs.get(q))[i];
-#pragma unroll
-        for (size_t j = 0; j < V; ++j) acc[j] = Op::apply(acc[j], Wd::up(x.e[j]));
-      }
-#pragma unroll
-      for (size_t j = 0; j < V; ++j) x.e[j] = Wd::down(acc[j]);
-      for (int q = 0; q < nd; ++q) reinterpret_cast<uint4*>(dsts.get(q))[i] = x.u;
-    }
-    for (size_t i = nv * V + threadIdx.x; i < n; i += blockDim.x) {
-      W acc = Wd::up(srcs.get(0)[i]);
-      for (int q = 1; q < k; ++q) acc = Op::apply(acc, Wd::up(srcs.get(q)[i]));
-      const T r = Wd::down(acc);
-      for (int q = 0; q < nd; ++q) dsts.get(q)[i] = r;
-    }
+    reduce_vectors<T, Op>(dsts, srcs, n, threadIdx.x, blockDim.x);
   }
 
   // Every peer is reached by load/store: a put is a copy into its slot.

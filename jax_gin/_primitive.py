@@ -29,7 +29,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 
 from . import _compat, _native, _runtime, _select
-from ._ops import OP_API_NAMES, OP_CODES, check_dtype
+from ._ops import ALGORITHM_CODES, OP_API_NAMES, OP_CODES, check_dtype
 
 allreduce_p = Primitive("jax_gin_allreduce")
 allreduce_p.multiple_results = True
@@ -331,8 +331,23 @@ class Call:
     """What a lowering of jax_gin's all-reduce resolved: the communicator and the custom
     call's attributes, and whether the shard_map leaves some mesh axes automatic."""
 
-    def __init__(self, comm: int, attrs: dict, partial: bool):
+    def __init__(self, comm: int, attrs: dict, partial: bool, nranks: int = 1, nbytes: int = 0):
         self.comm, self.attrs, self.partial = comm, attrs, partial
+        self.nranks, self.nbytes = nranks, nbytes
+
+    def copy_engine(self, platform: str, nbuffers: int) -> bool:
+        """Whether an asynchronous start of this call moves its data with the GPU's copy
+        engines (cuda/copy_engine.cu): one buffer of at least
+        ``settings.overlap_copy_engine_bytes``, a group within one node, and an algorithm
+        whose reduction gives the same bits (one_shot and two_shot reduce in rank order with
+        one rounding; with 2 ranks a sum is the same in any order)."""
+        threshold = _runtime.settings.overlap_copy_engine_bytes
+        code = int(self.attrs["algorithm"])
+        same_bits = code in (ALGORITHM_CODES["one_shot"], ALGORITHM_CODES["two_shot"]) or (
+            self.nranks == 2 and int(self.attrs["op"]) == OP_CODES["sum"]
+            and code != _runtime.HIERARCHICAL_CODE)
+        return (platform != "cpu" and threshold > 0 and nbuffers == 1 and self.nranks > 1
+                and self.nbytes >= threshold and same_bits)
 
 
 def resolve_call(ctx, avals, axes, op, algorithm, platform) -> Call | None:
@@ -375,7 +390,7 @@ def resolve_call(ctx, avals, axes, op, algorithm, platform) -> Call | None:
     comm = _runtime.communicator(platform, mesh, axes)
     code = _runtime.algorithm_code(platform, comm, requested, algorithm, api)
     attrs = dict(comm=np.int64(comm), op=np.int32(OP_CODES[op]), algorithm=np.int32(code))
-    return Call(comm, attrs, partial)
+    return Call(comm, attrs, partial, layout.nranks, nbytes)
 
 
 def lower_start(ctx, xs, avals_in, avals_out, call: Call, platform: str, slot: int,
@@ -392,7 +407,8 @@ def lower_start(ctx, xs, avals_in, avals_out, call: Call, platform: str, slot: i
                                       operand_output_aliases={2 + i: 1 + i for i in range(k)})(
         ctx.replace(avals_in=[TOKEN, TOKEN, *avals_in], avals_out=[TOKEN, *avals_out]),
         _compat.partition_id(), _chain_token(ctx), *xs,
-        max_lanes=np.int32(lanes), slot=np.int32(slot), **call.attrs)
+        max_lanes=np.int32(lanes), slot=np.int32(slot),
+        copy_engine=np.int32(call.copy_engine(platform, k)), **call.attrs)
     _set_chain_token(ctx, tok)
     return tok, outs
 

@@ -31,6 +31,9 @@ _DEFAULT_CPU_WORKSPACE = 1 << 20  # bytes per rank
 _DEFAULT_GPU_WORKSPACE = 64 << 20  # bytes per rank, split among the kernel's lanes
 _DEFAULT_BUCKET_BYTES = 64 << 20  # bytes of one pytree call (Settings.bucket_bytes)
 _DEFAULT_OVERLAP_LANES = 32  # CTAs of an asynchronous call on a GPU (Settings.overlap_lanes)
+# Asynchronous calls from this size move their data with the copy engines
+# (Settings.overlap_copy_engine_bytes; docs/overlap.md has the measurements behind it).
+_DEFAULT_OVERLAP_COPY_ENGINE_BYTES = 32 << 20
 
 MAX_LANES = int(_native.cpu.MAX_LANES)  # the most lanes of one call (common.h kMaxLanes)
 # The CUDA kernels hold the timeout in uint64 nanoseconds; 1e9 s (~31 years) stays well inside.
@@ -44,6 +47,8 @@ _RULES = {
                   "a positive finite number of seconds, at most 1e9 (there is no 'no timeout' value)"),
     "bucket_bytes": ("JAX_GIN_BUCKET_BYTES", "a positive integer number of bytes"),
     "overlap_lanes": ("JAX_GIN_OVERLAP_LANES", f"an integer from 1 to {MAX_LANES}"),
+    "overlap_copy_engine_bytes": ("JAX_GIN_OVERLAP_COPY_ENGINE_BYTES",
+                                  "an integer number of bytes, 0 or more (0: never)"),
     # GPU launch settings (gpu_launch_settings); None: the kernels' default (cuda/kernels.h).
     "max_lanes": ("JAX_GIN_MAX_LANES", f"an integer from 1 to {MAX_LANES}"),
     "lane_grain_bytes": ("JAX_GIN_LANE_GRAIN_BYTES", "a positive integer number of bytes"),
@@ -58,7 +63,7 @@ _RULES = {
 # Fields whose None means "the kernels' default".
 _OPTIONAL = ("max_lanes", "lane_grain_bytes", "chunk_bytes", "one_shot_chunk_bytes", "ll_max_bytes")
 # Fields that may be 0.
-_ZERO_OK = ("chunk_bytes", "one_shot_chunk_bytes", "ll_max_bytes")
+_ZERO_OK = ("chunk_bytes", "one_shot_chunk_bytes", "ll_max_bytes", "overlap_copy_engine_bytes")
 
 
 def _is_int(v) -> bool:
@@ -135,6 +140,10 @@ class Settings:
         DDP's buckets do.
     overlap_lanes: the most lanes (CTAs) an asynchronous call (overlap=True) uses on a GPU
         (JAX_GIN_OVERLAP_LANES, 1 to 128), so that the compute it overlaps keeps the other SMs.
+    overlap_copy_engine_bytes: an asynchronous call of one buffer of at least this many bytes,
+        in a GPU group within one node, moves its data with the copy engines, and its SMs only
+        reduce and synchronize (JAX_GIN_OVERLAP_COPY_ENGINE_BYTES, 0: never; default 32 MiB;
+        cuda/copy_engine.cu). Same results, bit for bit.
     fault_rank: testing only -- this rank drops all its signals, so its peers time out.
     fault_mode: testing only -- "drop" (fault_rank's signals are lost) or "absent" (on CPU,
         fault_rank returns from every call at once, as if it never reached it).
@@ -177,6 +186,9 @@ class Settings:
         default_factory=lambda: _from_env("bucket_bytes", _DEFAULT_BUCKET_BYTES))
     overlap_lanes: int = dataclasses.field(
         default_factory=lambda: _from_env("overlap_lanes", _DEFAULT_OVERLAP_LANES))
+    overlap_copy_engine_bytes: int = dataclasses.field(
+        default_factory=lambda: _from_env("overlap_copy_engine_bytes",
+                                          _DEFAULT_OVERLAP_COPY_ENGINE_BYTES))
     fault_rank: int = -1
     fault_mode: str = "drop"
     record: bool = dataclasses.field(default_factory=lambda: _from_env("record", False))
