@@ -214,10 +214,11 @@ def _lowering(ctx, x, residual, weight, *, axes, algorithm, eps, invariant, plat
                               multiple_results=True)(ctx, x, residual, weight)
     check_no_open_start(ctx, API)
     target = CPU_TARGET if platform == "cpu" else CUDA_TARGET
-    tok, normed, new_res = jax.ffi.ffi_lowering(target)(
-        ctx.replace(avals_in=[TOKEN, TOKEN, *ctx.avals_in], avals_out=[TOKEN, *ctx.avals_out]),
-        _compat.partition_id(), _chain_token(ctx), x, residual, weight,
-        comm=call.attrs["comm"], algorithm=call.attrs["algorithm"], eps=np.float32(eps))
+    with call.named(API, platform, 1, False):
+        tok, normed, new_res = jax.ffi.ffi_lowering(target)(
+            ctx.replace(avals_in=[TOKEN, TOKEN, *ctx.avals_in], avals_out=[TOKEN, *ctx.avals_out]),
+            _compat.partition_id(), _chain_token(ctx), x, residual, weight,
+            comm=call.attrs["comm"], algorithm=call.attrs["algorithm"], eps=np.float32(eps))
     _set_chain_token(ctx, tok)
     return [normed, new_res]
 

@@ -172,8 +172,9 @@ def _start_lowering(ctx, *xs, axes, algorithm, invariant, slot, lanes, platform)
         tok = mlir.ir_constant(np.uint32(0))
         return [tok, *_primitive._lower_partial(ctx.replace(avals_out=ctx.avals_out[1:]), xs,
                                                 platform, call.attrs)]
-    tok, outs = _primitive.lower_start(ctx, xs, ctx.avals_in, ctx.avals_out[1:], call, platform,
-                                       slot, lanes)
+    with call.named(API, platform, len(xs), True):
+        tok, outs = _primitive.lower_start(ctx, xs, ctx.avals_in, ctx.avals_out[1:], call,
+                                           platform, slot, lanes)
     return [tok, *outs]
 
 
@@ -194,8 +195,9 @@ def _dones_lowering(ctx, *ops, sizes, axes, algorithm, lanes, platform):
             out += mine
             continue
         # ys pass through every done, so that each done comes after fn's last operation
-        res = _primitive.lower_done(ctx, tok, [*mine, *ys], [*mine_avals, *y_avals], call,
-                                    platform, slot, has_side_effect=True)
+        with call.named(API, platform, size, True):
+            res = _primitive.lower_done(ctx, tok, [*mine, *ys], [*mine_avals, *y_avals], call,
+                                        platform, slot, has_side_effect=True)
         out += res[:size]
         ys = res[size:]
     return [*out, *ys]

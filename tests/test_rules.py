@@ -302,3 +302,27 @@ def test_tune_sends_sizes_where_lax_wins_to_xla():
     t = tune.build_table(rows, meta)
     assert [(e["max_bytes"], e["algorithm"]) for e in t["entries"]] == [
         (4096, "one_shot"), (1 << 20, "xla"), (1 << 22, "one_shot")]
+
+
+def test_profiler_names():
+    """The custom calls carry readable names (op, algorithm, bytes, dtype) in the compiled HLO:
+    its instruction names and op_name metadata, which jax.profiler timelines show."""
+    import re
+    mesh = mesh_1d()
+    x = jnp.ones((ndev() * 1024,), jnp.float32)
+    cases = [
+        (lambda v: jax_gin.psum(v, "i", algorithm="two_shot"), "jax_gin.psum[two_shot 4 KiB float32]"),
+        (lambda v: jax_gin.pmax(v, "i", algorithm="ring"), "jax_gin.pmax[ring 4 KiB float32]"),
+        (lambda v: jax_gin.psum(v, "i", algorithm="one_shot", overlap=True),
+         "jax_gin.psum[one_shot 4 KiB float32 async]"),
+        (lambda v: jax_gin.psum_overlapping(v, "i", jnp.sin, v, algorithm="tree")[0],
+         "jax_gin.psum_overlapping[tree 4 KiB float32 async]"),
+    ]
+    for body, label in cases:
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P()))
+        hlo = f.lower(x).compile().as_text()
+        calls = [l for l in hlo.splitlines() if "custom-call(" in l and "jax_gin" in l]
+        assert calls, hlo
+        for line in calls:
+            assert f"/{label}\"" in line, line
+            assert re.search(r"%jax_gin_p\w+\.\d+ = ", line), line
