@@ -1,12 +1,14 @@
 #include "cpu_backend.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <chrono>
 #include <climits>
 #include <linux/futex.h>
@@ -172,6 +174,7 @@ class HostTransport {
     using clock = std::chrono::steady_clock;
     const auto start = clock::now();
     const auto limit = std::chrono::duration<double>(cfg_.timeout_s);
+    uint32_t sleeps = 0;
     for (;;) {
       // Sleep until the flag word changes, at most 1 ms at a time, so that the timeout and
       // a failed peer are noticed.
@@ -188,6 +191,17 @@ class HostTransport {
       if (ws_.header().broken.load(std::memory_order_relaxed)) {
         record(peer, step, value, seen, "gave up because another rank of the group failed");
         return false;
+      }
+      // A peer whose process is gone will never signal either (checked every ~100 ms).
+      if ((++sleeps & 127u) == 0) {
+        const std::string dead = ws_.gone(peer);
+        if (!dead.empty()) {
+          const std::string why = "gave up because " + dead + " is gone (it exited or was killed)";
+          record(peer, step, value, seen, why.c_str(),
+                 " This process is intact, but no collective of this group can complete again: "
+                 "restart the job.");
+          return false;
+        }
       }
       if (clock::now() - start > limit) {
         record(peer, step, value, seen, nullptr);
@@ -229,7 +243,10 @@ class HostTransport {
     e.events[e.nevents++] = RecEvent{t, t, int16_t(step), int16_t(peer), round, kind, 1};
   }
 
-  void record(int peer, int step, uint64_t expected, uint64_t seen, const char* why) {
+  // `why`: why the wait gave up (null: the timeout); `advice`: what to do (null: for the
+  // timeout, set a longer one; for a failed peer, nothing).
+  void record(int peer, int step, uint64_t expected, uint64_t seen, const char* why,
+              const char* advice = nullptr) {
     Text os;
     os << "jax_gin " << redop_name(op_) << " (" << algorithm_name(algo_) << ") on CPU: rank "
        << rank_ << " of group " << group_ << " (" << nranks() << " ranks) ";
@@ -242,7 +259,7 @@ class HostTransport {
     if (step < 0) os << " to release its window (credit) before round " << round;
     else os << " at step " << step << " of round " << round;
     os << " (flag " << seen << ", expected " << expected << ")."
-       << (why ? "" : " Set JAX_GIN_TIMEOUT_S to wait longer.");
+       << (advice ? advice : why ? "" : " Set JAX_GIN_TIMEOUT_S to wait longer.");
     os << "\n" << laggard_report(ws_, group_, rank_);
     error_ = os.str();
     ws_.header().broken.store(1);
@@ -287,7 +304,7 @@ bool run_all(HostTransport& tp, Algorithm algo, const Segment* seg, int nseg, si
 namespace {
 
 constexpr uint64_t kWorkspaceMagic = 0x314e49475f58414aull;  // "JAX_GIN1", little-endian
-constexpr uint32_t kWorkspaceVersion = 4;  // 2: three flag kinds per (lane, sender); 3: kMaxLanes 128; 4: recorder
+constexpr uint32_t kWorkspaceVersion = 5;  // 2: three flag kinds per (lane, sender); 3: kMaxLanes 128; 4: recorder; 5: pid per rank
 constexpr size_t kHeaderBytes = 4096;
 constexpr size_t kPageBytes = 4096;
 
@@ -450,9 +467,36 @@ Workspace::~Workspace() {
   if (base_) munmap(base_, total_);
 }
 
-void Workspace::join(int rank) {
+void Workspace::join(int rank, int process) {
   local_[size_t(rank)] = true;
+  control(rank).process = process;
+  control(rank).pid.store(int32_t(getpid()), std::memory_order_relaxed);
   control(rank).joined.store(1, std::memory_order_release);
+}
+
+std::string Workspace::gone(int rank) const {
+  const int32_t pid = control(rank).pid.load(std::memory_order_relaxed);
+  if (pid <= 0 || pid == int32_t(getpid())) return "";
+  // kill(pid, 0) delivers nothing; it fails with ESRCH once the process no longer exists (a
+  // zombie still exists until its parent reaps it, hence also /proc's state).
+  bool dead = kill(pid_t(pid), 0) != 0 && errno == ESRCH;
+  if (!dead) {
+    char path[64], state = 0;
+    std::snprintf(path, sizeof(path), "/proc/%d/stat", int(pid));
+    if (FILE* f = std::fopen(path, "r")) {
+      if (std::fscanf(f, "%*d %*s %c", &state) != 1) state = 0;
+      std::fclose(f);
+    }
+    dead = state == 'Z' || state == 'X';
+  }
+  if (!dead) return "";
+  Text os;
+  os << "process " << control(rank).process << " (pid " << pid << "; ranks ";
+  bool first = true;
+  for (int r = 0; r < nranks_; ++r)
+    if (control(r).pid.load(std::memory_order_relaxed) == pid) os << (first ? "" : ", ") << r, first = false;
+  os << ")";
+  return os.str();
 }
 
 std::vector<int> Workspace::wait_joined(double timeout_s) const {
@@ -560,7 +604,10 @@ std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Al
     return "jax_gin: this communicator stopped after an earlier failure and cannot be reused: " +
            (g.first_error.empty() ? std::string("a rank of group ") + std::to_string(group) +
                                         " failed (in another process)"
-                                  : g.first_error);
+                                  : g.first_error) +
+           ". To recover, fix the cause, call jax_gin.runtime.reset() in every process and run "
+           "freshly jitted functions (programs compiled before the reset keep the old "
+           "communicator)";
   }
   const int nranks = ws.nranks();
   const size_t lane_bytes = ws.lane_bytes();

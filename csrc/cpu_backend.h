@@ -62,6 +62,8 @@ struct alignas(64) RankControl {
   uint64_t round;                // rounds run so far; touched only by this rank's thread
   std::atomic<uint32_t> sleepers;  // waits of this rank asleep on a futex: signals skip the
                                    // wake-up syscall when there are none
+  std::atomic<int32_t> pid;        // the process that runs this rank (set by join)
+  int32_t process;                 // its jax.process_index()
 };
 
 // One group's symmetric workspace: all ranks' windows, flags and round counters, and the
@@ -84,7 +86,11 @@ class Workspace {
   Workspace& operator=(const Workspace&) = delete;
 
   // This process runs `rank`.
-  void join(int rank);
+  // This process (jax.process_index() `process`) runs `rank`.
+  void join(int rank, int process = 0);
+  // "process 1 (pid 4242; ranks 4, 5, 6, 7)" if the process that runs `rank` has exited or
+  // was killed, else empty. Ranks of this process are alive.
+  std::string gone(int rank) const;
   // Waits until every rank has joined; returns the ranks still missing after `timeout_s`
   // (empty: all joined).
   std::vector<int> wait_joined(double timeout_s) const;

@@ -44,7 +44,10 @@ ffi::Error rank_state(int64_t comm, int32_t device, int32_t algorithm, const gpu
   // A kernel of this rank timed out earlier (and trapped): say so instead of launching again.
   if ((*st)->diag_host->valid) {
     Diagnostic d = *(*st)->diag_host;
-    return ffi::Error::Internal("jax_gin: an earlier call failed: " + gpu::describe(d, (*st)->nranks));
+    return ffi::Error::Internal(
+        "jax_gin: an earlier call failed: " + gpu::describe(d, (*st)->nranks) +
+        " A kernel that timed out aborted this GPU's CUDA context: restart the process (CUDA "
+        "cannot recover a context after a device-side trap)");
   }
   return ffi::Error::Success();
 }

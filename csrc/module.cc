@@ -239,12 +239,13 @@ NB_MODULE(_jax_gin, m) {
       .def_static("attach", &cpu::Workspace::attach_shared, nb::arg("name"), nb::arg("nranks"),
                   nb::arg("lane_bytes"), nb::arg("record_entries") = cpu::kDefaultRecordEntries,
                   "map a segment that another process created")
-      .def("join", [](cpu::Workspace& w, std::vector<int> ranks) {
+      .def("join", [](cpu::Workspace& w, std::vector<int> ranks, int process) {
              for (int r : ranks) {
                if (r < 0 || r >= w.nranks()) throw nb::index_error("rank out of range");
-               w.join(r);
+               w.join(r, process);
              }
-           }, nb::arg("ranks"), "this process runs `ranks`")
+           }, nb::arg("ranks"), nb::arg("process") = 0,
+           "this process (jax.process_index() `process`) runs `ranks`")
       .def("wait_joined", &cpu::Workspace::wait_joined, nb::arg("timeout_s"),
            nb::call_guard<nb::gil_scoped_release>(),
            "wait until every rank joined; returns the ranks still missing after the timeout")

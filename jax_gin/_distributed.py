@@ -318,7 +318,7 @@ def group_workspaces(layout, procs: list, me: int, lane_bytes: int, key, generat
                 continue
             name = segment_name(token, tag, g)
             shared[g] = _native.cpu.Workspace.create(name, nranks, lane_bytes, record_entries)
-            shared[g].join([r for r in range(nranks) if proc_of[g][r] == me])
+            shared[g].join([r for r in range(nranks) if proc_of[g][r] == me], me)
             _kv(doing, client.key_value_set, f"{prefix}/g{g}", name)
         # 3. map the others' segments
         for g in mine:
@@ -335,7 +335,7 @@ def group_workspaces(layout, procs: list, me: int, lane_bytes: int, key, generat
                 raise RuntimeError(f"jax_gin: process {proc_of[g][0]} published segment "
                                    f"{name!r} for group {g}, expected {expected!r}")
             shared[g] = _native.cpu.Workspace.attach(name, nranks, lane_bytes, record_entries)
-            shared[g].join([r for r in range(nranks) if proc_of[g][r] == me])
+            shared[g].join([r for r in range(nranks) if proc_of[g][r] == me], me)
         # 4. wait until every rank of every group has mapped its segment
         for g in mine:
             missing = shared[g].wait_joined(max(0.0, deadline - time.monotonic()))

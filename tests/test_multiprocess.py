@@ -11,7 +11,7 @@ bottom) and checks what they print; every launch is bounded by a timeout. The wo
 - that no segment is left in /dev/shm once the set-up is done, and none after the processes
   die (they kill themselves) or exit;
 - errors: a missing peer, a late peer, an unreachable key-value store, a peer that lowered a
-  program but never runs it.
+  program but never runs it, a peer process killed between calls.
 """
 import json
 import os
@@ -93,6 +93,20 @@ def test_errors_two_processes():
                      r"(timed out after 3 s|gave up).* waiting for peer [4-7]", r0["never_runs"]), r0
     assert r0["shm_at_end"] == [] and r1["shm_at_end"] == [], (r0, r1)
     assert _shm_names() <= before
+
+
+def test_killed_peer_process():
+    """A peer process killed between calls: the survivor's next call fails within about a
+    second, long before its 60 s timeout, and names the process that is gone and its ranks."""
+    results = _launch("killed", timeout=90, env_extra={"JAX_GIN_TIMEOUT_S": "60"})
+    (rc0, out0), (rc1, out1) = results
+    assert rc1 == -signal.SIGKILL, f"process 1 rc {rc1}:\n{_tail(out1)}"
+    [(_, r0, _)] = _reports([(rc0, out0)], "killed")
+    assert r0["ok"], _tail(out0)
+    err = r0["error"]
+    assert re.search(r"gave up because process 1 \(pid \d+; ranks 4, 5, 6, 7\) is gone", err), err
+    assert "restart the job" in err and "JAX_GIN_TIMEOUT_S" not in err, err
+    assert r0["seconds"] < 10, r0
 
 
 def test_multiprocess_job_without_initialize(monkeypatch):
@@ -240,6 +254,21 @@ def _worker(scenario: str, pid: int, port: int) -> None:
         report["shm_at_end"] = shm_of_job()
         report["ok"] = True
         print("REPORT " + json.dumps(report), flush=True)
+    elif scenario == "killed":
+        f = jax.jit(jax.shard_map(lambda v: jax_gin.psum(v, "i", algorithm="ring"), mesh=mesh1,
+                                  in_specs=P("i"), out_specs=P("i")))
+        x = global_input(mesh1, P("i"), 64, "float32", 0)
+        jax.block_until_ready(f(x))
+        _distributed.distributed_client().wait_at_barrier("test/ran", 60_000)
+        if pid == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.5)
+        t = time.monotonic()
+        report["error"] = error_of(lambda: jax.block_until_ready(f(x)))
+        report["seconds"] = time.monotonic() - t
+        report["ok"] = True
+        print("REPORT " + json.dumps(report), flush=True)
+        os._exit(0)  # JAX's shutdown would wait for the killed process
     else:
         raise SystemExit(f"unknown scenario {scenario}")
 

@@ -28,10 +28,27 @@ def test_fault_injection_times_out(monkeypatch, algo):
     # Which device's error XLA reports first is arbitrary; each names op, rank, peer, step.
     assert re.search(rf"jax_gin psum \({algo}\) on CPU: rank \d+ of group 0 \(\d+ ranks\)", msg), msg
     assert re.search(rf"(timed out after {timeout:g} s|gave up).*waiting for peer \d+", msg), msg
-    # the broken communicator refuses later calls instead of running on corrupted state
-    with pytest.raises(Exception, match="cannot be reused"):
+    # the broken communicator refuses later calls instead of running on corrupted state, and
+    # says how to recover
+    with pytest.raises(Exception, match=r"(?s)cannot be reused.*jax_gin\.runtime\.reset\(\)"):
         jax.block_until_ready(f(x))
     assert re.search(r"(at step \d+ of round \d+|\(credit\) before round \d+)", msg), msg
+
+
+def test_recovery_after_a_failure(monkeypatch):
+    """What the refusal says works: reset(), then a freshly jitted function."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("on a GPU a timed-out kernel aborts the CUDA context (harness)")
+    monkeypatch.setattr(jax_gin.runtime.settings, "timeout_s", 0.37)
+    monkeypatch.setattr(jax_gin.runtime.settings, "fault_rank", 1)
+    x = exact_input((100,), ndev(), "float32")
+    body = lambda v: jax_gin.psum(v, "i", algorithm="ring")
+    with pytest.raises(Exception, match="waiting for peer"):
+        jax.block_until_ready(smap(body, mesh_1d(), P("i"))(x))
+    monkeypatch.setattr(jax_gin.runtime.settings, "fault_rank", -1)
+    jax_gin.runtime.reset()
+    out = np.asarray(smap(lambda v: body(v) * 1, mesh_1d(), P("i"))(x)).reshape(ndev(), -1)
+    np.testing.assert_array_equal(out[0], np.asarray(x).reshape(ndev(), -1).sum(0))
 
 
 def test_fault_only_affects_its_communicator(monkeypatch):
