@@ -6,11 +6,15 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <shared_mutex>
 #include <stdexcept>
 #include <thread>
@@ -82,7 +86,48 @@ std::unique_ptr<Comm> new_comm() {
   return comm;
 }
 
+// The watchdog: a kernel whose wait timed out writes its Diagnostic into host-mapped memory and
+// traps, and XLA then reports only an opaque CUDA error ("unspecified launch failure"), at the
+// process's next CUDA call. This thread polls every rank's Diagnostic and prints jax_gin's
+// report to stderr the moment a kernel records it, with what state the process is in.
+namespace {
+std::atomic<bool> g_watch_stop{false};
+std::thread* g_watchdog = nullptr;  // never deleted: joined at exit by stop_watchdog
+
+void watchdog_loop() {
+  std::set<const volatile Diagnostic*> reported;
+  while (!g_watch_stop.load()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    std::shared_lock<std::shared_mutex> lock(g_mu);
+    for (auto& [cid, c] : g_comms)
+      for (auto& s : c->ranks) {
+        if (s.diag_host == nullptr || !s.diag_host->valid || reported.count(s.diag_host)) continue;
+        reported.insert(s.diag_host);
+        Diagnostic d;
+        std::memcpy(&d, const_cast<const Diagnostic*>(s.diag_host), sizeof d);
+        std::fprintf(stderr,
+                     "jax_gin watchdog: %s\njax_gin watchdog: the kernel trapped, so the CUDA "
+                     "context of device %d is lost: this process's next CUDA call fails with "
+                     "an unspecified launch failure, and it cannot continue. Restart it, and "
+                     "its peers.\n",
+                     describe(d, s.nranks).c_str(), s.device);
+        std::fflush(stderr);
+      }
+  }
+}
+
+void stop_watchdog() {
+  g_watch_stop.store(true);
+  if (g_watchdog && g_watchdog->joinable()) g_watchdog->join();
+}
+}  // namespace
+
 int64_t register_comm(std::unique_ptr<Comm> comm) {
+  static std::once_flag started;
+  std::call_once(started, [] {
+    g_watchdog = new std::thread(watchdog_loop);
+    std::atexit(stop_watchdog);  // before the registry's destruction (constructed earlier)
+  });
   std::unique_lock<std::shared_mutex> lock(g_mu);
   comm->id = g_next++;
   const int64_t id = comm->id;
