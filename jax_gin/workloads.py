@@ -64,7 +64,7 @@ def reducer(reduce: str, algorithm: str = "auto", overlap: bool = False) -> Call
     psum's `overlap`)."""
     if reduce == "lax":
         return jax.lax.psum
-    if reduce == "jax_gin":
+    if reduce in ("jax_gin", "jax_gin_fused"):
         return functools.partial(jax_gin.psum, algorithm=algorithm, overlap=overlap)
     if reduce == "none":
         return lambda tree, axis_name: tree
@@ -320,21 +320,26 @@ def llama_layout(cfg: Config) -> tuple:
     return {"layers": blocks, "lnf": Leaf((d,), rep, "ones")}, [{"k": kv, "v": kv} for _ in blocks]
 
 
-def llama_decode(params, cache, x, psum):
+def llama_decode(params, cache, x, psum, add_norm=None):
     """The normed hidden states (batch, d) after all blocks, for one new token per sequence
-    whose input hidden state is x (batch, d). No rotary embedding; the cache is read only."""
+    whose input hidden state is x (batch, d). No rotary embedding; the cache is read only.
+    add_norm(y, x, scale) -> (normed, x + psum(y)) replaces each psum with its residual add
+    and the RMSNorm after it (jax_gin.psum_add_rmsnorm)."""
     blocks = params["layers"]
+    if add_norm is None:
+        def add_norm(y, x, scale):
+            x = x + psum(y, TENSOR)
+            return _norm(x, scale), x
     h = _norm(x, blocks[0]["ln1"])
     for i, (p, kv) in enumerate(zip(blocks, cache)):
         q, k, v = jnp.einsum("bd,dthe->tbhe", h, p["qkv"])           # column-parallel: local heads
         keys = jnp.concatenate([kv["k"], k[:, None]], axis=1)          # the context and this token
         values = jnp.concatenate([kv["v"], v[:, None]], axis=1)
         a = jax.nn.dot_product_attention(q[:, None], keys, values)[:, 0]
-        x = x + psum(jnp.einsum("bhe,hed->bd", a, p["o"]), TENSOR)     # row-parallel, residual add
-        h = _norm(x, p["ln2"])
+        h, x = add_norm(jnp.einsum("bhe,hed->bd", a, p["o"]), x, p["ln2"])  # row-parallel
         m = jax.nn.silu(h @ p["gate"]) * (h @ p["up"])                  # column-parallel
-        x = x + psum(m @ p["down"], TENSOR)                             # row-parallel, residual add
-        h = _norm(x, blocks[i + 1]["ln1"] if i + 1 < len(blocks) else params["lnf"])
+        h, x = add_norm(m @ p["down"], x,                               # row-parallel
+                        blocks[i + 1]["ln1"] if i + 1 < len(blocks) else params["lnf"])
     return h
 
 
@@ -346,12 +351,17 @@ def tp_decode_inputs(mesh: Mesh, cfg: Config, seed: int = 0) -> tuple:
 
 
 def tp_decode_step(mesh: Mesh, cfg: Config, reduce: str = "jax_gin", algorithm: str = "auto"):
-    """jit(step)(params, cache, x) -> normed hidden states (batch, d)."""
+    """jit(step)(params, cache, x) -> normed hidden states (batch, d). reduce="jax_gin_fused":
+    every psum with its residual add and RMSNorm is one jax_gin.psum_add_rmsnorm."""
     psum = reducer(reduce, algorithm, cfg.overlap)
     params, cache = llama_layout(cfg)
+    add_norm = None
+    if reduce == "jax_gin_fused":
+        def add_norm(y, x, scale):
+            return jax_gin.psum_add_rmsnorm(y, x, scale, TENSOR, algorithm=algorithm)
 
     def step(params, cache, x):
-        return llama_decode(params, cache, x, psum)
+        return llama_decode(params, cache, x, psum, add_norm)
 
     return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs(params), specs(cache), P()),
                                  out_specs=P(), check_vma=False))
@@ -462,7 +472,7 @@ WORKLOADS = {
         "tp-decode", TENSOR, tp_decode_step, tp_decode_inputs, tp_decode_psums,
         gpu=Config(layers=32, d_model=4096, heads=32, ffn=11008, seq=512, batch=8),
         cpu=Config(layers=2, d_model=64, heads=8, ffn=256, seq=16, batch=8),
-        tensor_parallel=True),
+        tensor_parallel=True, variants=REDUCES + ("jax_gin_fused",)),
     "overlap": Workload(
         "overlap", DATA, overlap_step, overlap_inputs, overlap_psums,
         gpu=Config(layers=8, d_model=4096, heads=1, ffn=0, seq=0, batch=0, rows=4096, mib=256),
@@ -587,8 +597,8 @@ def measure(workload: str, mesh: Mesh, cfg: Config, *, algorithm: str = "auto",
     base = variants.get(w.baseline, {}).get("step_ms")
     for r in reduces:
         v = variants[r]
-        v["exposed_ms"] = v["step_ms"] - base if base is not None and r in ("lax", "jax_gin") \
-            else None
+        v["exposed_ms"] = v["step_ms"] - base \
+            if base is not None and r in ("lax", "jax_gin", "jax_gin_fused") else None
         lax_ms = variants.get("lax_alone" if r.endswith("_alone") else "lax", {}).get("step_ms")
         v["vs_lax"] = lax_ms / v["step_ms"] if lax_ms and v["step_ms"] else None
     if profile_dir:
@@ -601,7 +611,7 @@ def measure(workload: str, mesh: Mesh, cfg: Config, *, algorithm: str = "auto",
               "algorithm": algorithm, "variants": variants, "profile_dir": profile_dir,
               "lax_vs_jax_gin": None, "lax_alone_vs_jax_gin_alone": None,
               "ratio_lax_over_jax_gin": None, "overlap": None}
-    for a, b in (("lax", "jax_gin"), ("lax_alone", "jax_gin_alone")):
+    for a, b in (("lax", "jax_gin"), ("lax_alone", "jax_gin_alone"), ("lax", "jax_gin_fused")):
         if a in outputs and b in outputs:
             result[f"{a}_vs_{b}"] = compare(w.checked(outputs[a]), w.checked(outputs[b]))
     steps = {r: v["step_ms"] for r, v in variants.items()}
@@ -701,6 +711,11 @@ def format_report(result: dict, meta: dict | None = None) -> list:
     if cmp:
         same = "yes" if cmp["bitwise_equal"] else "no"
         lines.append(f"# lax vs jax_gin results: bitwise equal {same}, "
+                     f"max abs diff {cmp['max_abs_diff']:.3g}")
+    cmp = result.get("lax_vs_jax_gin_fused")
+    if cmp:
+        same = "yes" if cmp["bitwise_equal"] else "no"
+        lines.append(f"# lax vs jax_gin_fused results: bitwise equal {same}, "
                      f"max abs diff {cmp['max_abs_diff']:.3g}")
     cmp = result.get("lax_alone_vs_jax_gin_alone")
     if cmp:
