@@ -97,7 +97,8 @@ ffi::Error launch_copy_engine(cudaStream_t stream, int32_t device, ffi::Remainin
   const int ctas = max_lanes > 0 ? max_lanes : cfg.max_lanes;
   const gpu::PeerAccess peers{st->win, nullptr, nullptr};
   cudaError_t e = gpu::launch_allreduce_copy_engine(peers, st->ce_bases.data(), cfg, dtype, RedOp(op),
-                                                    seg[0].in, seg[0].out, seg[0].count, ctas, stream);
+                                                    seg[0].in, seg[0].out, seg[0].count, ctas, stream,
+                                                    &st->ce_aux);
   if (e != cudaSuccess)
     return ffi::Error::Internal(std::string("jax_gin: copy-engine all-reduce failed to launch: ") +
                                 cudaGetErrorString(e));

@@ -130,6 +130,9 @@ void alloc_rank(RankState& s, size_t wbytes) {
   int least = 0, greatest = 0;
   JG_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
   JG_CUDA(cudaStreamCreateWithPriority(&s.side, cudaStreamNonBlocking, greatest));
+  JG_CUDA(cudaStreamCreateWithPriority(&s.ce_aux.stream, cudaStreamNonBlocking, greatest));
+  JG_CUDA(cudaEventCreateWithFlags(&s.ce_aux.reduced, cudaEventDisableTiming));
+  JG_CUDA(cudaEventCreateWithFlags(&s.ce_aux.pulled, cudaEventDisableTiming));
   for (int k = 0; k < kAsyncSlots; ++k) {
     JG_CUDA(cudaEventCreateWithFlags(&s.fork[k], cudaEventDisableTiming));
     JG_CUDA(cudaEventCreateWithFlags(&s.join[k], cudaEventDisableTiming));

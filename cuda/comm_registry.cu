@@ -72,6 +72,9 @@ void destroy_ranks(std::vector<RankState>& ranks) {
       if (s.join[k]) cudaEventDestroy(s.join[k]);
     }
     if (s.side) cudaStreamDestroy(s.side);
+    if (s.ce_aux.stream) cudaStreamDestroy(s.ce_aux.stream);
+    if (s.ce_aux.reduced) cudaEventDestroy(s.ce_aux.reduced);
+    if (s.ce_aux.pulled) cudaEventDestroy(s.ce_aux.pulled);
     if (s.comm) ncclCommDestroy(s.comm);
   }
   ranks.clear();

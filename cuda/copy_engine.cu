@@ -19,6 +19,7 @@
 //             order, into my output and into slot r of my window
 //   reduced   signal tag(e, 2), wait for every peer's
 //   pull      copy slot q of rank q's window (its reduced segment) into my output, every peer q
+//             (beside the next round's push, on a second stream, where one is given)
 // After the last round: signal tag(e, 3), wait for every peer's (nobody writes into a window a
 // peer still reads from), and credit e to every peer.
 // The flags and the round counter are lane 0's (common.h): the tags of a round are above every
@@ -91,7 +92,7 @@ schedule::Range segment(size_t m, int N, int q, size_t al) { return schedule::pi
 template <class Peers>
 cudaError_t run(const Peers& peers, char* const* bases, const LaunchConfig& cfg, DType dtype,
                 RedOp op, const void* in, void* out, size_t count, int reduce_ctas,
-                cudaStream_t s) {
+                cudaStream_t s, const CopyEngineAux* aux) {
   const int N = cfg.nranks, r = cfg.rank;
   const size_t es = dtype_size(dtype), al = schedule::align_elems(es);
   const size_t P = copy_engine_slot_elems(cfg, es);
@@ -105,19 +106,34 @@ cudaError_t run(const Peers& peers, char* const* bases, const LaunchConfig& cfg,
   const char* inb = static_cast<const char*>(in);
   char* outb = static_cast<char*>(out);
   auto slot = [&](int owner, int q) { return bases[owner] + cfg.data_offset + size_t(q) * P * es; };
+  // The copies of one direction for every peer: push (my input into their slots) or pull
+  // (their reduced segments into my output).
+  auto copies = [&](bool push, size_t b, size_t m, cudaStream_t st) {
+    for (int k = 1; k < N; ++k) {
+      const int q = schedule::mod(r + k, N);
+      const schedule::Range g = segment(m, N, q, al);
+      if (g.count == 0) continue;
+      char* mine = outb + (b + g.offset) * es;
+      cudaError_t e = push ? cudaMemcpyAsync(slot(q, r), inb + (b + g.offset) * es, g.count * es,
+                                             cudaMemcpyDefault, st)
+                           : cudaMemcpyAsync(mine, slot(q, q), g.count * es, cudaMemcpyDefault, st);
+      if (e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+  };
+  // With `aux`, round e's pull runs on aux->stream beside round e+1's push: the pull reads
+  // the peers' slot q, the push writes their slot r (both free once every rank signalled
+  // round e's tag 2), and round e+1's tag 1, which tells the peers that my pull of round e
+  // is over, waits for it (aux->pulled).
+  const bool piped = aux != nullptr && aux->stream != nullptr;
   const int ctas = std::max(1, reduce_ctas);
   for (size_t b = 0; b < count; b += P * N) {
     const size_t m = std::min(P * N, count - b);
     if (b == 0)
       if (cudaError_t e = sync(kCeEnter, true)) return e;
-    for (int k = 1; k < N; ++k) {
-      const int q = schedule::mod(r + k, N);
-      const schedule::Range g = segment(m, N, q, al);
-      if (g.count == 0) continue;
-      if (cudaError_t e = cudaMemcpyAsync(slot(q, r), inb + (b + g.offset) * es, g.count * es,
-                                          cudaMemcpyDefault, s))
-        return e;
-    }
+    if (cudaError_t e = copies(true, b, m, s)) return e;
+    if (piped && b > 0)
+      if (cudaError_t e = cudaStreamWaitEvent(s, aux->pulled, 0)) return e;
     if (cudaError_t e = sync(kCeScattered, b > 0)) return e;
     const schedule::Range mine = segment(m, N, r, al);
     if (mine.count > 0) {
@@ -132,15 +148,17 @@ cudaError_t run(const Peers& peers, char* const* bases, const LaunchConfig& cfg,
       if (e != cudaSuccess) return e;
     }
     if (cudaError_t e = sync(kCeReduced)) return e;
-    for (int k = 1; k < N; ++k) {
-      const int q = schedule::mod(r + k, N);
-      const schedule::Range g = segment(m, N, q, al);
-      if (g.count == 0) continue;
-      if (cudaError_t e = cudaMemcpyAsync(outb + (b + g.offset) * es, slot(q, q), g.count * es,
-                                          cudaMemcpyDefault, s))
-        return e;
+    if (!piped) {
+      if (cudaError_t e = copies(false, b, m, s)) return e;
+      continue;
     }
+    if (cudaError_t e = cudaEventRecord(aux->reduced, s)) return e;
+    if (cudaError_t e = cudaStreamWaitEvent(aux->stream, aux->reduced, 0)) return e;
+    if (cudaError_t e = copies(false, b, m, aux->stream)) return e;
+    if (cudaError_t e = cudaEventRecord(aux->pulled, aux->stream)) return e;
   }
+  if (piped)
+    if (cudaError_t e = cudaStreamWaitEvent(s, aux->pulled, 0)) return e;
   return sync(kCeDone);
 }
 
@@ -159,12 +177,12 @@ size_t copy_engine_slot_elems(const LaunchConfig& cfg, size_t elem_size) {
 cudaError_t launch_allreduce_copy_engine(const PeerAccess& peers, char* const* bases,
                                          const LaunchConfig& cfg, DType dtype, RedOp op,
                                          const void* in, void* out, size_t count, int reduce_ctas,
-                                         cudaStream_t stream) {
+                                         cudaStream_t stream, const CopyEngineAux* aux) {
   if (bases == nullptr || cfg.ranks_per_node > 0) return cudaErrorInvalidValue;
   if (peers.table != nullptr)
-    return run(TablePeers{peers.table}, bases, cfg, dtype, op, in, out, count, reduce_ctas, stream);
+    return run(TablePeers{peers.table}, bases, cfg, dtype, op, in, out, count, reduce_ctas, stream, aux);
   if (peers.win == nullptr) return cudaErrorInvalidValue;
-  return run(NcclPeers{peers.win}, bases, cfg, dtype, op, in, out, count, reduce_ctas, stream);
+  return run(NcclPeers{peers.win}, bases, cfg, dtype, op, in, out, count, reduce_ctas, stream, aux);
 }
 
 cudaError_t lsa_window_bases(ncclWindow_t win, int nranks, char** bases) {

@@ -16,7 +16,7 @@
 // Lanes per rank are capped so that every rank's CTAs on a GPU are resident together (ranks
 // spin on each other); --max-lanes lowers the cap.
 // Algorithm "copy_engine" runs the copy-engine path of asynchronous calls (copy_engine.cu),
-// whose reduction uses at most --max-lanes CTAs; its rounds share lane 0's flags with the
+// whose reduction uses at most --max-lanes CTAs (--ce-serial 1: all on one stream); its rounds share lane 0's flags with the
 // other algorithms', which the default list interleaves.
 // --dtypes takes the short names of JAX_GIN_DTYPES (common.h): f32, f64, bf16, f16, i32, i64,
 // u32 (unsigned types get inputs 0..14, the others -7..7).
@@ -96,6 +96,7 @@ struct Rank {
   void* in = nullptr;
   void* out = nullptr;
   cudaStream_t stream;
+  gpu::CopyEngineAux ce_aux;  // copy_engine's second stream and events
 };
 
 // A run of cases with one window layout: ranks_per_node 0 for the one-node algorithms, L for
@@ -116,6 +117,7 @@ int main(int argc, char** argv) {
   // captured into one graph per rank), so that the host's launch rate does not bound the
   // figure; this is the device-side time per call that XLA's command buffers would see.
   int time_graph = 0;
+  int ce_serial = 0;  // --ce-serial 1: copy_engine without its second stream
   size_t lane_bytes = 256 << 10;
   size_t ll_max_bytes = gpu::LaunchConfig().ll_max_bytes;
   size_t chunk_bytes = gpu::LaunchConfig().chunk_bytes;
@@ -140,6 +142,7 @@ int main(int argc, char** argv) {
     else if (k == "--time-graph") time_graph = std::atoi(v.c_str());
     else if (k == "--ll-max-bytes") ll_max_bytes = std::strtoull(v.c_str(), nullptr, 10);
     else if (k == "--chunk-bytes") chunk_bytes = std::strtoull(v.c_str(), nullptr, 10);
+    else if (k == "--ce-serial") ce_serial = std::atoi(v.c_str());
     else if (k == "--lane-grain") lane_grain = std::strtoull(v.c_str(), nullptr, 10);
     else if (k == "--one-shot-chunk-bytes") one_shot_chunk = std::strtoull(v.c_str(), nullptr, 10), one_shot_chunk_set = true;
     else { std::fprintf(stderr, "unknown flag %s\n", k.c_str()); return 2; }
@@ -207,6 +210,9 @@ int main(int argc, char** argv) {
       CK(cudaMalloc(&R.in, max_count * 8 + 16));
       CK(cudaMalloc(&R.out, max_count * 8 + 16));
       CK(cudaStreamCreateWithFlags(&R.stream, cudaStreamNonBlocking));
+      CK(cudaStreamCreateWithFlags(&R.ce_aux.stream, cudaStreamNonBlocking));
+      CK(cudaEventCreateWithFlags(&R.ce_aux.reduced, cudaEventDisableTiming));
+      CK(cudaEventCreateWithFlags(&R.ce_aux.pulled, cudaEventDisableTiming));
       bases[r] = R.window;
     }
     for (int r = 0; r < N; ++r) {
@@ -302,7 +308,7 @@ int main(int argc, char** argv) {
                   e = copy_engine
                           ? gpu::launch_allreduce_copy_engine(gpu::PeerAccess{nullptr, R.table}, bases.data(),
                                                               cfg, dt->dt, op, R.in, R.out, count, max_lanes,
-                                                              R.stream)
+                                                              R.stream, ce_serial ? nullptr : &R.ce_aux)
                           : gpu::launch_allreduce(gpu::PeerAccess{nullptr, R.table}, cfg, dt->dt, op, algo,
                                                   R.in, R.out, count, R.stream);
                   if (e != cudaSuccess) return e;
@@ -398,6 +404,7 @@ int main(int argc, char** argv) {
       cudaSetDevice(R.dev);
       cudaFree(R.window); cudaFree(R.rounds); cudaFreeHost(R.diag_host); cudaFree(R.table);
       cudaFree(R.in); cudaFree(R.out); cudaStreamDestroy(R.stream);
+      cudaStreamDestroy(R.ce_aux.stream); cudaEventDestroy(R.ce_aux.reduced); cudaEventDestroy(R.ce_aux.pulled);
     }
   }
   std::printf("%ld passed, %ld failed\n", cases - failures, failures);

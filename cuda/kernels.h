@@ -90,10 +90,16 @@ cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, D
 // flags, with the timeout). One buffer, a group within one node. `bases[q]`: rank q's window
 // base as a pointer of this process (host array of nranks; lsa_window_bases for an NCCL
 // window). Same results, bit for bit, as two_shot and one_shot.
+// `aux` (optional): a second stream and two events of this rank, so that one round's pull
+// runs beside the next round's push; without it every copy runs on `stream`.
+struct CopyEngineAux {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t reduced = nullptr, pulled = nullptr;
+};
 cudaError_t launch_allreduce_copy_engine(const PeerAccess& peers, char* const* bases,
                                          const LaunchConfig& cfg, DType dtype, RedOp op,
                                          const void* in, void* out, size_t count, int reduce_ctas,
-                                         cudaStream_t stream);
+                                         cudaStream_t stream, const CopyEngineAux* aux = nullptr);
 // Elements of one rank's segment per round of the copy-engine path (its window's data area / N).
 size_t copy_engine_slot_elems(const LaunchConfig& cfg, size_t elem_size);
 // bases[0..nranks): every rank's window base through NCCL's LSA mapping, as pointers of this

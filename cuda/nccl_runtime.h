@@ -43,6 +43,7 @@ struct RankState {
   // Every rank's window base as a pointer of this process, for the copy engines
   // (launch_allreduce_copy_engine); empty for groups that span nodes.
   std::vector<char*> ce_bases;
+  CopyEngineAux ce_aux;  // its second stream (as `side`'s priority) and events
 };
 
 // The launch settings of a communicator's ranks, from jax_gin.runtime.settings (Python reads
