@@ -107,6 +107,11 @@ struct Layout {
 };
 
 int main(int argc, char** argv) {
+  // Ranks that share a GPU spin on each other's work: with more streams than the device's
+  // hardware queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default), one rank's work can queue
+  // behind another's spinning kernel, which waits for it. Each rank has two streams
+  // (copy_engine's second one), and up to 8 ranks share a GPU here. Before any CUDA call.
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   std::vector<std::string> ranks_s = {"2", "3", "4", "8"}, counts_s = {"1", "7", "1000", "4099", "300001"};
   std::vector<std::string> algos_s = {"ring", "tree", "one_shot", "two_shot", "copy_engine"};
   std::vector<std::string> dtypes_s = {"f32", "bf16", "i32"}, ops_s = {"sum", "max", "min"};
