@@ -1,0 +1,300 @@
+"""python -m jax_gin.doctor: whether jax_gin runs correctly on this machine, and if not, why.
+
+    python -m jax_gin.doctor [--quick] [--sizes 1K,1M] [--json PATH]
+
+It prints five sections, then the verdict:
+  versions    python, jax, jaxlib, jax_gin; on GPUs the NCCL loaded at run time and the NCCL
+              headers jax_gin was built against (NCCL's device API is not ABI-stable: they must
+              be equal), the CUDA platform and driver versions.
+  devices     JAX's backend, the local devices' count and kind; on GPUs the P2P/NVLink
+              topology (nvidia-smi topo -m).
+  nccl        NCCL_NVLS_ENABLE, which must be 0 on GPUs (NVLink multicast stays off), other
+              NCCL_* variables, and GIN (it needs a network; one node never uses it).
+  settings    every field of jax_gin.runtime.settings with its value and environment
+              variable; '*' marks a variable set in the environment.
+  self-test   jax_gin.psum with each algorithm and "auto", and one overlap=True call, over a
+              mesh of all local devices on exact float32 inputs: ok when bit for bit equal to
+              lax.psum, WRONG otherwise; median microseconds of both.
+
+The verdict is the last lines: PASS (exit code 0), or one 'FAIL: <problem>' line per problem,
+each followed by the fix (exit code 1). It fails on a GPU backend whose NCCL_NVLS_ENABLE is not
+0 (then the self-test is skipped; on CPU the variable is only reported), on loaded and
+built-against NCCL versions that differ, on an invalid JAX_GIN_* variable, and on any wrong
+result or error in the self-test. A call that fails stops the mesh's communicator, so the rows
+after it repeat that first error. An invalid JAX_GIN_* variable present when the process starts
+already stops `import jax_gin` (which reads every setting) with a ValueError naming it, before
+the doctor runs.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jax_gin
+
+from . import _native, _runtime
+from ._bench_inputs import format_size
+from .bench import parse_size
+
+DEFAULT_SIZES = (1 << 10, 1 << 20)  # bytes per device
+RUNS = 5  # timed calls per measurement (the median is printed); --quick: 1
+GIN = "needs a network (IB/RoCE); not used within one node"
+CPU_DEVICES_HINT = ("one CPU device: for 8, run with JAX_PLATFORMS=cpu "
+                    "XLA_FLAGS=--xla_force_host_platform_device_count=8")
+# Settings fields read from an environment variable that _runtime._RULES does not list.
+_OTHER_ENV = {"tuning_dir": "JAX_GIN_TUNING_DIR", "single_process": "JAX_GIN_SINGLE_PROCESS"}
+
+
+class Report:
+    """The printed lines, the facts by section (--json) and the problems found."""
+
+    def __init__(self):
+        self.facts: dict = {}
+        self.problems: list = []  # {"problem", "fix"}
+
+    def section(self, name: str, title: str | None = None) -> dict:
+        print(("\n" if self.facts else "") + (title or name), flush=True)
+        return self.facts.setdefault(name, {})
+
+    def line(self, text: str) -> None:
+        print("  " + text.replace("\n", "\n      "), flush=True)
+
+    def fail(self, problem: str, fix: str) -> None:
+        self.problems.append({"problem": problem, "fix": fix})
+
+
+def _command(args: list, timeout: float = 10.0) -> str | None:
+    """stdout of a command, or None where it is missing, fails or takes longer than `timeout`."""
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _nccl_version(code: int) -> str:
+    return f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
+
+
+def check_versions(r: Report, gpu_device) -> None:
+    """gpu_device: the first local GPU, or None."""
+    import jaxlib
+    f = r.section("versions")
+    f.update(python=platform.python_version(), jax=jax.__version__, jaxlib=jaxlib.__version__,
+             jax_gin=jax_gin.__version__, cuda_extension=_native.cuda is not None)
+    for key in ("python", "jax", "jaxlib"):
+        r.line(f"{key:<16} {f[key]}")
+    r.line(f"{'jax_gin':<16} {f['jax_gin']} (CUDA extension: "
+           f"{'yes' if f['cuda_extension'] else 'no'})")
+    if gpu_device is None:
+        return
+    if _native.cuda is None:
+        r.line(f"{'CUDA extension':<16} not loaded: {_native.CUDA_IMPORT_ERROR}")
+        r.fail(f"jax_gin's CUDA extension did not load: {_native.CUDA_IMPORT_ERROR}",
+               "rebuild jax_gin with nvcc and the nvidia-nccl-cu13 wheel of the NCCL JAX loads "
+               "(pip install --no-build-isolation -e .)")
+    else:
+        f.update(nccl_loaded=_nccl_version(_native.cuda.nccl_version()),
+                 nccl_headers=_nccl_version(_native.cuda.nccl_header_version()))
+        r.line(f"{'NCCL':<16} {f['nccl_loaded']} loaded, {f['nccl_headers']} headers")
+        if f["nccl_loaded"] != f["nccl_headers"]:
+            r.fail(f"NCCL loaded {f['nccl_loaded']} differs from the headers "
+                   f"{f['nccl_headers']} jax_gin was built against",
+                   "rebuild jax_gin against the loaded NCCL")
+    f.update(platform_version=gpu_device.client.platform_version,
+             driver=_command(["nvidia-smi", "--query-gpu=driver_version",
+                              "--format=csv,noheader"]))
+    r.line(f"{'CUDA platform':<16} {f['platform_version']}")
+    r.line(f"{'driver':<16} {(f['driver'] or 'nvidia-smi not available').splitlines()[0]}")
+
+
+def check_devices(r: Report, devices: list, gpu: bool) -> None:
+    f = r.section("devices")
+    f.update(backend=jax.default_backend(), count=len(devices), kind=devices[0].device_kind)
+    r.line(f"{f['backend']}: {f['count']} x {f['kind']}")
+    if len(devices) == 1:
+        r.line("collectives are trivial with one device (every all-reduce is a copy)")
+        if not gpu:
+            r.line(CPU_DEVICES_HINT)
+    if gpu:
+        f["topology"] = _command(["nvidia-smi", "topo", "-m"])
+        r.line("topology (nvidia-smi topo -m):" if f["topology"] else
+               "topology: nvidia-smi not available")
+        for text in (f["topology"] or "").splitlines():
+            r.line("  " + text)
+
+
+def check_nccl(r: Report, gpu: bool) -> None:
+    f = r.section("nccl", "NCCL environment")
+    nvls = os.environ.get("NCCL_NVLS_ENABLE")
+    f.update(NCCL_NVLS_ENABLE=nvls, gin=GIN,
+             other={k: v for k, v in sorted(os.environ.items())
+                    if k.startswith("NCCL_") and k != "NCCL_NVLS_ENABLE"})
+    r.line(f"NCCL_NVLS_ENABLE {'(unset)' if nvls is None else nvls}"
+           + ("" if gpu else " (reported only: CPU backend)"))
+    if gpu and nvls != "0":
+        r.fail(f"NCCL_NVLS_ENABLE={'(unset)' if nvls is None else nvls} on a GPU backend "
+               "(NVLink multicast must stay off)", "set NCCL_NVLS_ENABLE=0 before importing jax")
+    for k, v in f["other"].items():
+        r.line(f"{k} {v}")
+    r.line(f"GIN {GIN}")
+
+
+def check_settings(r: Report, invalid: dict, gpu_device) -> None:
+    """gpu_device: the first local GPU (its SM count is the default max_lanes), or None."""
+    f = r.section("settings", "settings (jax_gin.runtime.settings; * set in the environment; "
+                              "None: the default)")
+    for field in dataclasses.fields(_runtime.settings):
+        value = getattr(_runtime.settings, field.name)
+        env = _runtime._RULES.get(field.name, (_OTHER_ENV.get(field.name),))[0]
+        from_env = bool(env and os.environ.get(env))
+        shown = repr(value)
+        if field.name == "max_lanes" and value is None and gpu_device is not None \
+                and _native.cuda is not None:  # the SM count, at most 128
+            shown += f" ({_native.cuda.default_max_lanes(gpu_device.local_hardware_id)})"
+        f[field.name] = {"value": value, "env": env, "from_env": from_env}
+        r.line(f"{field.name:<26} {shown:<10} {'*' if from_env else ' '} {env or '(testing only)'}")
+    for env, message in invalid.items():
+        r.line(f"invalid: {message}")
+        r.fail(f"a setting is invalid: {message}", f"correct or unset {env}")
+
+
+def invalid_settings() -> dict:
+    """Each JAX_GIN_* variable whose value breaks its rule (_runtime._RULES): its message."""
+    messages = {}
+    for field, (env, _) in _runtime._RULES.items():
+        try:
+            _runtime._from_env(field, None)
+        except ValueError as e:
+            messages[env] = str(e).removeprefix("jax_gin: ")
+    return messages
+
+
+def _timed(fn, x, runs: int):
+    """fn(x) (compiled by its first call) and the median microseconds of `runs` more calls."""
+    out = np.asarray(fn(x).block_until_ready())
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn(x).block_until_ready()
+        times.append((time.perf_counter() - start) * 1e6)
+    return out, statistics.median(times)
+
+
+def _error(e: Exception) -> str:
+    """The exception's message, with what GPU kernels recorded of a timed-out wait."""
+    found = _native.cuda.diagnostics() if _native.cuda is not None else []
+    return "; ".join([f"{type(e).__name__}: {str(e).strip()}"] + list(found))
+
+
+def self_test(r: Report, devices: list, sizes: list, runs: int) -> None:
+    rows = r.section("self-test", "self-test (psum of float32; size per device; µs: median)"
+                     ).setdefault("rows", [])
+    mesh = Mesh(np.array(devices), ("i",))
+    n = len(devices)
+    def shard(fn):
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("i"), out_specs=P()))
+
+    lax_psum = shard(lambda v: jax.lax.psum(v, "i"))
+    r.line(f"{'algorithm':<24} {'size':>5}  {'result':<6} {'jax_gin µs':>10} {'lax µs':>9}")
+    for size in sizes:
+        count = max(1, size // 4)
+        shown = format_size(count * 4)
+        # Small integers: every sum is exact, so every algorithm must equal lax bit for bit.
+        x = jax.device_put((np.arange(n * count) % 13 - 6).astype(np.float32),
+                           NamedSharding(mesh, P("i")))
+        try:
+            want, lax_us = _timed(lax_psum, x, runs)
+        except Exception as e:  # the self-test reports every failure and goes on
+            r.line(f"{'lax.psum':<24} {shown:>5}  ERROR  {_error(e)}")
+            r.fail(f"lax.psum at {shown} per device raised an error (self-test above)",
+                   "JAX's own all-reduce fails here: check the jax install")
+            continue
+        auto = jax_gin.explain(jax.ShapeDtypeStruct((count,), jnp.float32), nranks=n)
+        cases = [(a, False) for a in jax_gin.ALGORITHMS + ("auto",)]
+        for algo, overlap in cases + ([("auto", True)] if size == sizes[0] else []):
+            label = algo + (f" ({auto.split(':')[0]})" if algo == "auto" else "") + \
+                (" overlap" if overlap else "")
+            row = {"algorithm": algo, "overlap": overlap, "bytes": count * 4, "lax_us": lax_us}
+            rows.append(row)
+            try:
+                got, row["jax_gin_us"] = _timed(shard(lambda v: jax_gin.psum(
+                    v, "i", algorithm=algo, overlap=overlap)), x, runs)
+            except Exception as e:
+                row["ok"], row["error"] = False, _error(e)
+                r.line(f"{label:<24} {shown:>5}  ERROR  {row['error']}")
+                r.fail(f"psum with algorithm {label} at {shown} per device raised an error "
+                       "(self-test above)", "read the error: a timed-out wait names the op, "
+                       "rank, peer and step it waited at (JAX_GIN_TIMEOUT_S: how long)")
+                continue
+            row["ok"] = bool(np.array_equal(got.view(np.uint32), want.view(np.uint32)))
+            r.line(f"{label:<24} {shown:>5}  {'ok' if row['ok'] else 'WRONG':<6} "
+                   f"{row['jax_gin_us']:>10.1f} {lax_us:>9.1f}")
+            if not row["ok"]:
+                r.fail(f"psum with algorithm {label} at {shown} per device differs from "
+                       "lax.psum", f"report it with this output; meanwhile avoid algorithm={algo!r}")
+
+
+def _sizes(text: str) -> list:
+    sizes = [parse_size(s) for s in text.split(",") if s.strip()]
+    if not sizes or min(sizes) < 4:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of sizes of at least "
+                                         "4 bytes (one float32) per device, e.g. 1K,1M")
+    return sizes
+
+
+def main(argv=None) -> int:
+    """Run every check; returns 0 on PASS, 1 on FAIL."""
+    p = argparse.ArgumentParser(prog="python -m jax_gin.doctor",
+                                description="Check that jax_gin runs correctly on this machine.")
+    p.add_argument("--sizes", type=_sizes, default=list(DEFAULT_SIZES),
+                   help="comma list of bytes per device for the self-test (default 1K,1M)")
+    p.add_argument("--quick", action="store_true",
+                   help="the self-test at the first size only, one timed call each")
+    p.add_argument("--json", metavar="PATH", help="also write the facts and verdict as JSON")
+    args = p.parse_args(argv)
+    invalid = invalid_settings()  # before anything reads the settings
+    r = Report()
+    try:
+        devices = jax.local_devices()
+    except RuntimeError as e:
+        devices = []
+        r.fail(f"JAX found no devices: {e}", "check JAX_PLATFORMS and the jax install")
+    gpu = bool(devices) and devices[0].platform != "cpu"
+    check_versions(r, devices[0] if gpu else None)
+    if devices:
+        check_devices(r, devices, gpu)
+    check_nccl(r, gpu)
+    check_settings(r, invalid, devices[0] if gpu else None)
+    if gpu and os.environ.get("NCCL_NVLS_ENABLE") != "0":
+        r.section("self-test").update(skipped="NCCL_NVLS_ENABLE is not 0")
+        r.line("skipped: NCCL_NVLS_ENABLE must be 0 first")
+    elif devices:
+        self_test(r, devices, args.sizes[:1] if args.quick else args.sizes,
+                  1 if args.quick else RUNS)
+    print(flush=True)
+    for item in r.problems:
+        print(f"FAIL: {item['problem']}\n  fix: {item['fix']}", flush=True)
+    if not r.problems:
+        print("PASS", flush=True)
+    r.facts["verdict"] = {"result": "FAIL" if r.problems else "PASS", "problems": r.problems}
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(r.facts, out, indent=1, default=str)
+    return 1 if r.problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,110 @@
+"""python -m jax_gin.doctor: its sections, verdict and exit code on the test devices, and in
+subprocesses with an invalid setting and with NCCL_NVLS_ENABLE=1 on CPU."""
+import json
+import os
+import subprocess
+import sys
+import types
+
+import jax
+import pytest
+
+import jax_gin
+from jax_gin import doctor
+from conftest import ndev
+
+SECTIONS = {"versions", "devices", "nccl", "settings", "self-test", "verdict"}
+
+
+def _section(text: str, title: str) -> list:
+    """The lines of the section whose title starts with `title`, up to the next blank line."""
+    lines = text.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(title))
+    end = lines.index("", start)
+    return lines[start + 1:end]
+
+
+def _doctor_subprocess(**env) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=2", **env}
+    return subprocess.run([sys.executable, "-m", "jax_gin.doctor", "--quick"], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_pass(tmp_path, capsys):
+    path = tmp_path / "doctor.json"
+    rc = doctor.main(["--quick", "--json", str(path)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert text.rstrip().splitlines()[-1] == "PASS"
+    rows = _section(text, "self-test")[1:]  # after the column header
+    # every algorithm, auto, and auto with overlap=True, at one size
+    assert len(rows) == len(jax_gin.ALGORITHMS) + 2, text
+    for algo, row in zip(jax_gin.ALGORITHMS + ("auto", "auto"), rows):
+        assert row.split()[0] == algo and row.split()[-3] == "ok", row
+    assert "overlap" in rows[-1]
+    settings = "\n".join(_section(text, "settings"))
+    assert "timeout_s" in settings and "JAX_GIN_TIMEOUT_S" in settings
+
+    data = json.loads(path.read_text())
+    assert set(data) == SECTIONS
+    assert data["verdict"] == {"result": "PASS", "problems": []}
+    assert data["devices"]["count"] == ndev()
+    assert data["settings"]["timeout_s"]["env"] == "JAX_GIN_TIMEOUT_S"
+    assert all(row["ok"] for row in data["self-test"]["rows"])
+
+
+def test_fail_names_each_problem(monkeypatch, capsys):
+    # An invalid variable set after import, and a psum that is off by one: both are named.
+    monkeypatch.setenv("JAX_GIN_RECORD", "2")
+    monkeypatch.setattr(jax_gin, "psum", lambda x, axis, **kw: jax.lax.psum(x, axis) + 1)
+    rc = doctor.main(["--quick", "--sizes", "4K"])
+    text = capsys.readouterr().out
+    assert rc == 1, text
+    assert all(row.split()[-3] == "WRONG" for row in _section(text, "self-test")[1:]), text
+    verdict = text.rstrip().split("\n\n")[-1]
+    assert "FAIL: a setting is invalid: JAX_GIN_RECORD='2'" in verdict
+    assert "fix: correct or unset JAX_GIN_RECORD" in verdict
+    assert "FAIL: psum with algorithm ring at 4K per device differs from lax.psum" in verdict
+    assert "PASS" not in verdict
+
+
+def test_one_device_says_so(capsys):
+    doctor.check_devices(doctor.Report(), jax.devices()[:1], gpu=False)
+    text = capsys.readouterr().out
+    assert "collectives are trivial with one device" in text
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=8" in text
+
+
+def test_gpu_checks(monkeypatch, capsys):
+    # The GPU-only checks, with a stand-in CUDA module and device: an NCCL loaded at run time
+    # that differs from the headers, and NVLink multicast left on, each fail with their fix.
+    monkeypatch.setattr(doctor._native, "cuda", types.SimpleNamespace(
+        nccl_version=lambda: 22900, nccl_header_version=lambda: 22809))
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    gpu = types.SimpleNamespace(client=types.SimpleNamespace(platform_version="cuda 13000"))
+    r = doctor.Report()
+    doctor.check_versions(r, gpu)
+    doctor.check_nccl(r, gpu=True)
+    assert "NCCL             2.29.0 loaded, 2.28.9 headers" in capsys.readouterr().out
+    assert r.problems == [
+        {"problem": "NCCL loaded 2.29.0 differs from the headers 2.28.9 jax_gin was built against",
+         "fix": "rebuild jax_gin against the loaded NCCL"},
+        {"problem": "NCCL_NVLS_ENABLE=1 on a GPU backend (NVLink multicast must stay off)",
+         "fix": "set NCCL_NVLS_ENABLE=0 before importing jax"}]
+
+
+def test_invalid_environment_fails():
+    # `python -m jax_gin.doctor` imports jax_gin first, which reads every setting: the
+    # invalid one stops it there with a ValueError that names the variable, and exit code 1.
+    done = _doctor_subprocess(JAX_GIN_TIMEOUT_S="abc")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "JAX_GIN_TIMEOUT_S='abc'" in done.stdout + done.stderr
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="on GPUs NCCL_NVLS_ENABLE=1 fails")
+def test_nvls_is_only_reported_on_cpu():
+    done = _doctor_subprocess(NCCL_NVLS_ENABLE="1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "NCCL_NVLS_ENABLE 1 (reported only: CPU backend)" in done.stdout
+    assert done.stdout.rstrip().splitlines()[-1] == "PASS"
