@@ -218,29 +218,8 @@ class HostTransport {
     return true;
   }
 
-  // Appends a phase event to the entry, or extends a recent run of the same kind, step and
-  // round (the chunks of a step, or its sends to several peers).
   void note(uint8_t kind, int step, int peer, uint64_t value) {
-    const uint64_t t = now_ns();
-    const uint64_t rd = kind == kRecCredit ? value : round_of_wait(value, step);
-    const uint64_t rel = rd >= round0_ ? rd - round0_ : 0;
-    const uint16_t round = rel > 0xffff ? 0xffff : uint16_t(rel);
-    RecEntry& e = *entry_;
-    const int lo = e.nevents > 4 ? e.nevents - 4 : 0;
-    for (int i = e.nevents - 1; i >= lo; --i) {
-      RecEvent& ev = e.events[i];
-      if (ev.kind == kind && ev.step == step && ev.round == round) {
-        ev.t_last = t;
-        ev.peer = int16_t(peer);
-        if (ev.count < 255) ++ev.count;
-        return;
-      }
-    }
-    if (e.nevents >= kRecEvents) {
-      if (e.dropped < 0xffff) ++e.dropped;
-      return;
-    }
-    e.events[e.nevents++] = RecEvent{t, t, int16_t(step), int16_t(peer), round, kind, 1};
+    rec_note(*entry_, kind, step, peer, value, round0_, now_ns());
   }
 
   // `why`: why the wait gave up (null: the timeout); `advice`: what to do (null: for the
@@ -657,21 +636,8 @@ std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Al
   if (g_record.load(std::memory_order_relaxed)) {
     entry = ws.rec_ring(rank) + (seq - 1) % uint64_t(ws.record_entries());
     store_release(entry->seq, uint64_t(0));  // a reader skips the slot while it is rewritten
-    entry->t_start = now_ns();
-    entry->t_end = 0;
-    entry->bytes = uint64_t(count * esize);
-    entry->round0 = round + 1;
-    entry->rounds = 0;
-    entry->comm = int32_t(comm.id);
-    entry->group = int16_t(group);
-    entry->rank = int16_t(rank);
-    entry->op = int8_t(op);
-    entry->algorithm = int8_t(algo);
-    entry->dtype = int8_t(dtype);
-    entry->status = kRecRunning;
-    entry->nevents = 0;
-    entry->dropped = 0;
-    entry->lane = 0;
+    rec_open(*entry, now_ns(), uint64_t(count * esize), round + 1, int(comm.id), group, rank,
+             int(op), int(algo), int(dtype), 0);
     store_release(entry->seq, seq);
   }
   HostTransport tp(ws, comm.config, group, rank, slot_bytes, op, algo, entry, round + 1);

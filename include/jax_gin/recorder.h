@@ -1,8 +1,9 @@
 // The flight recorder's formats, shared by every backend: each rank keeps, in memory its
 // peers (and the host) can read, a small state block that says which call it is in and what
 // it waits for, and a ring of the last N calls with per-phase timestamps. The CPU backend
-// (csrc/cpu_backend.cc) writes them into the group's workspace with a monotonic ns clock;
-// a device-side writer uses the same layout with %globaltimer. Plain PODs: no std::atomic,
+// (csrc/cpu_backend.cc) writes them into the group's workspace with a monotonic ns clock; the
+// CUDA kernels (cuda/transport.cuh) write lane 0's entries into device memory with
+// %globaltimer. Both fill entries with rec_open and rec_note below. Plain PODs: no std::atomic,
 // so that the header compiles with nvcc; writers publish with release stores of the marked
 // fields, readers load those with acquire and treat the rest as advisory.
 #pragma once
@@ -77,5 +78,57 @@ struct alignas(64) RecState {
   uint64_t bytes;       // of call `seq`
 };
 static_assert(sizeof(RecState) == 64, "RecState is one cache line");
+
+// Fills entry e's header for a call that starts at `t` (ns) and runs rounds from round0;
+// every field but `seq`, which the writer publishes after (and clears before) with release.
+JG_HD void rec_open(RecEntry& e, uint64_t t, uint64_t bytes, uint64_t round0, int comm,
+                           int group, int rank, int op, int algorithm, int dtype, int lane) {
+  e.t_start = t;
+  e.t_end = 0;
+  e.bytes = bytes;
+  e.round0 = round0;
+  e.rounds = 0;
+  e.comm = int32_t(comm);
+  e.group = int16_t(group);
+  e.rank = int16_t(rank);
+  e.op = int8_t(op);
+  e.algorithm = int8_t(algorithm);
+  e.dtype = int8_t(dtype);
+  e.status = kRecRunning;
+  e.nevents = 0;
+  e.dropped = 0;
+  e.lane = uint32_t(lane);
+}
+
+// Appends a phase event at `t` to entry e (first round round0), or extends a recent run of the
+// same kind, step and round (the chunks of a step, or its sends to several peers). `value` is
+// the flag value sent or awaited (common.h): a credit's round, or a data tag.
+JG_HD void rec_note(RecEntry& e, uint8_t kind, int step, int peer, uint64_t value,
+                           uint64_t round0, uint64_t t) {
+  const uint64_t rd = kind == kRecCredit ? value : round_of_wait(value, step);
+  const uint64_t rel = rd >= round0 ? rd - round0 : 0;
+  const uint16_t round = rel > 0xffff ? 0xffff : uint16_t(rel);
+  const int lo = e.nevents > 4 ? e.nevents - 4 : 0;
+  for (int i = e.nevents - 1; i >= lo; --i) {
+    RecEvent& ev = e.events[i];
+    if (ev.kind == kind && ev.step == step && ev.round == round) {
+      ev.t_last = t;
+      ev.peer = int16_t(peer);
+      if (ev.count < 255) ++ev.count;
+      return;
+    }
+  }
+  if (e.nevents >= kRecEvents) {
+    if (e.dropped < 0xffff) ++e.dropped;
+    return;
+  }
+  RecEvent& ev = e.events[e.nevents++];
+  ev.t_first = ev.t_last = t;
+  ev.step = int16_t(step);
+  ev.peer = int16_t(peer);
+  ev.round = round;
+  ev.kind = kind;
+  ev.count = 1;
+}
 
 }  // namespace jax_gin
