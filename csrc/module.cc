@@ -19,6 +19,7 @@
 #include "ffi_cpu.h"
 #include "host_types.h"
 #include "jax_gin/schedule.h"
+#include "recorder_dict.h"
 
 namespace nb = nanobind;
 using namespace jax_gin;
@@ -100,36 +101,6 @@ nb::ndarray<nb::numpy> threads_allreduce(nb::ndarray<nb::c_contig, nb::device::c
   nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<char*>(p); });
   size_t shape[2] = {size_t(nranks), count};
   return nb::ndarray<nb::numpy>(out, 2, shape, owner, nullptr, inputs.dtype());
-}
-
-// One flight-recorder entry (recorder.h) as a dict; events as (kind, step, peer, round,
-// t_first, t_last, count) tuples, round relative to round0.
-nb::dict entry_dict(const RecEntry& e) {
-  nb::dict d;
-  d["seq"] = e.seq;
-  d["t_start"] = e.t_start;
-  d["t_end"] = e.t_end;
-  d["bytes"] = e.bytes;
-  d["round0"] = e.round0;
-  d["rounds"] = e.rounds;
-  d["comm"] = e.comm;
-  d["group"] = e.group;
-  d["rank"] = e.rank;
-  d["lane"] = e.lane;
-  d["op"] = redop_name(RedOp(e.op));
-  d["algorithm"] = algorithm_name(Algorithm(e.algorithm));
-  d["dtype"] = dtype_name(DType(e.dtype));
-  d["status"] = e.status == kRecDone ? "done" : e.status == kRecFailed ? "failed" : "running";
-  d["dropped"] = e.dropped;
-  nb::list ev;
-  static const char* kinds[] = {"?", "send", "wait", "credit", "credit_wait"};
-  for (int i = 0; i < e.nevents && i < kRecEvents; ++i) {
-    const RecEvent& x = e.events[i];
-    ev.append(nb::make_tuple(kinds[x.kind <= 4 ? x.kind : 0], int(x.step), int(x.peer), int(x.round),
-                             x.t_first, x.t_last, int(x.count)));
-  }
-  d["events"] = ev;
-  return d;
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/array.h>
 #include <nanobind/stl/vector.h>
 
 #include <optional>
@@ -12,6 +13,7 @@
 #include "ffi_cuda.h"
 #include "kernels.h"
 #include "nccl_runtime.h"
+#include "recorder_dict.h"
 
 namespace nb = nanobind;
 using namespace jax_gin;
@@ -22,13 +24,16 @@ using OptBytes = std::optional<size_t>;
 
 gpu::LaunchSettings launch_settings(std::optional<int> max_lanes, OptBytes lane_grain_bytes,
                                     OptBytes chunk_bytes, OptBytes one_shot_chunk_bytes,
-                                    OptBytes ll_max_bytes, bool experimental_gin) {
+                                    OptBytes ll_max_bytes, bool experimental_gin,
+                                    int record_entries) {
+  if (record_entries < 1 || record_entries > 65536)
+    throw nb::value_error("jax_gin: record_entries must be 1 to 65536");
   if (max_lanes && (*max_lanes < 1 || *max_lanes > kMaxLanes))
     throw nb::value_error(("jax_gin: max_lanes must be 1 to " + std::to_string(kMaxLanes)).c_str());
   if (lane_grain_bytes && *lane_grain_bytes == 0)
     throw nb::value_error("jax_gin: lane_grain_bytes must be positive");
-  return gpu::LaunchSettings{max_lanes, lane_grain_bytes, chunk_bytes, one_shot_chunk_bytes,
-                             ll_max_bytes, experimental_gin};
+  return gpu::LaunchSettings{max_lanes,    lane_grain_bytes, chunk_bytes, one_shot_chunk_bytes,
+                             ll_max_bytes, experimental_gin, record_entries};
 }
 
 }  // namespace
@@ -38,7 +43,8 @@ gpu::LaunchSettings launch_settings(std::optional<int> max_lanes, OptBytes lane_
 #define JG_LAUNCH_ARGS                                                                        \
   nb::arg("max_lanes") = nb::none(), nb::arg("lane_grain_bytes") = nb::none(),               \
       nb::arg("chunk_bytes") = nb::none(), nb::arg("one_shot_chunk_bytes") = nb::none(),     \
-      nb::arg("ll_max_bytes") = nb::none(), nb::arg("experimental_gin") = false
+      nb::arg("ll_max_bytes") = nb::none(), nb::arg("experimental_gin") = false,            \
+      nb::arg("record_entries") = 64
 
 NB_MODULE(_jax_gin_cuda, m) {
   m.doc() = "jax_gin CUDA backend: NCCL device-API communicators and kernels";
@@ -66,10 +72,10 @@ NB_MODULE(_jax_gin_cuda, m) {
         [](std::vector<std::vector<int>> groups, size_t workspace_bytes, double timeout_s,
            int fault_rank, std::optional<int> max_lanes, OptBytes lane_grain_bytes,
            OptBytes chunk_bytes, OptBytes one_shot_chunk_bytes, OptBytes ll_max_bytes,
-           bool experimental_gin) {
+           bool experimental_gin, int record_entries) {
           const gpu::LaunchSettings launch =
               launch_settings(max_lanes, lane_grain_bytes, chunk_bytes, one_shot_chunk_bytes,
-                              ll_max_bytes, experimental_gin);
+                              ll_max_bytes, experimental_gin, record_entries);
           nb::gil_scoped_release release;
           return gpu::comm_create(groups, workspace_bytes, timeout_s, fault_rank, launch);
         },
@@ -83,10 +89,11 @@ NB_MODULE(_jax_gin_cuda, m) {
   m.def("comm_create_ranks",
         [](nb::list groups, size_t workspace_bytes, double timeout_s, int fault_rank,
            std::optional<int> max_lanes, OptBytes lane_grain_bytes, OptBytes chunk_bytes,
-           OptBytes one_shot_chunk_bytes, OptBytes ll_max_bytes, bool experimental_gin) {
+           OptBytes one_shot_chunk_bytes, OptBytes ll_max_bytes, bool experimental_gin,
+           int record_entries) {
           const gpu::LaunchSettings launch =
               launch_settings(max_lanes, lane_grain_bytes, chunk_bytes, one_shot_chunk_bytes,
-                              ll_max_bytes, experimental_gin);
+                              ll_max_bytes, experimental_gin, record_entries);
           // groups: [(group, nranks, unique_id bytes, [ranks here], [local CUDA ordinals])]
           std::vector<gpu::GroupSpec> specs;
           for (nb::handle h : groups) {
@@ -115,6 +122,27 @@ NB_MODULE(_jax_gin_cuda, m) {
         "Ranks per node if the communicator's groups span nodes (hierarchical only), else 0.");
   m.def("diagnostics", &gpu::diagnostics, nb::arg("comm") = -1,
         "Messages of timed-out waits recorded on the device (readable after a failed launch).");
+  m.def("set_record", &gpu::set_record, nb::arg("on"),
+        "the flight recorder of every rank of this process, and of communicators created later");
+  m.def("recording", &gpu::recording);
+  m.def("recorder_entries", [](int64_t id) {
+          std::vector<RecEntry> entries;
+          try {
+            entries = gpu::recorder_entries(id);
+          } catch (const std::invalid_argument& e) {
+            throw nb::value_error(e.what());
+          }
+          nb::list out;
+          for (const RecEntry& e : entries) out.append(entry_dict(e));
+          return out;
+        }, nb::arg("comm"), "the recorded calls of this process's ranks (lane 0), by rank, oldest first");
+  m.def("recorder_counts", [](int64_t id) {
+          try {
+            return gpu::recorder_counts(id);
+          } catch (const std::invalid_argument& e) {
+            throw nb::value_error(e.what());
+          }
+        }, nb::arg("comm"), "[(group, rank, calls recorded)] of this process's ranks");
   m.def("lane_bytes", &gpu::lane_bytes_for_workspace);
   m.def("default_max_lanes", &gpu::default_max_lanes,
         "The default lane cap on a local CUDA device: its SM count, at most kMaxLanes.");

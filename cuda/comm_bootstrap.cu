@@ -200,6 +200,17 @@ void finish_rank(Comm& comm, size_t i, int g, int n, size_t lane_bytes, int rank
   if (launch.chunk_bytes) c.chunk_bytes = *launch.chunk_bytes;
   if (launch.one_shot_chunk_bytes) c.one_shot_chunk_bytes = *launch.one_shot_chunk_bytes;
   if (launch.lane_grain_bytes) c.lane_grain_bytes = *launch.lane_grain_bytes;
+  // the flight recorder, as recording() says now
+  const size_t ring = size_t(launch.record_entries) * sizeof(RecEntry);
+  JG_CUDA(cudaSetDevice(s.device));
+  JG_CUDA(cudaMalloc(&s.rec_ring, ring));
+  JG_CUDA(cudaMemset(s.rec_ring, 0, ring));
+  JG_CUDA(cudaMalloc(&s.rec_ctl, 2 * sizeof(uint64_t)));
+  const uint64_t ctl[2] = {recording() ? 1u : 0u, 0};
+  JG_CUDA(cudaMemcpy(s.rec_ctl, ctl, sizeof ctl, cudaMemcpyHostToDevice));
+  c.rec_ring = s.rec_ring;
+  c.rec_ctl = s.rec_ctl;
+  c.rec_entries = uint32_t(launch.record_entries);
   if (ranks_per_node == 0) {
     s.ce_bases.assign(size_t(n), nullptr);
     JG_CUDA(cudaSetDevice(s.device));

@@ -6,6 +6,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -72,6 +73,8 @@ void destroy_ranks(std::vector<RankState>& ranks) {
       if (s.join[k]) cudaEventDestroy(s.join[k]);
     }
     if (s.side) cudaStreamDestroy(s.side);
+    if (s.rec_ring) cudaFree(s.rec_ring);
+    if (s.rec_ctl) cudaFree(s.rec_ctl);
     if (s.ce_aux.stream) cudaStreamDestroy(s.ce_aux.stream);
     if (s.ce_aux.reduced) cudaEventDestroy(s.ce_aux.reduced);
     if (s.ce_aux.pulled) cudaEventDestroy(s.ce_aux.pulled);
@@ -134,6 +137,7 @@ int64_t register_comm(std::unique_ptr<Comm> comm) {
   std::unique_lock<std::shared_mutex> lock(g_mu);
   comm->id = g_next++;
   const int64_t id = comm->id;
+  for (RankState& s : comm->ranks) s.cfg.rec_comm = int(id);
   g_comms[id] = std::move(comm);
   return id;
 }
@@ -224,6 +228,85 @@ std::vector<std::string> diagnostics(int64_t id) {
       std::memcpy(&d, const_cast<const Diagnostic*>(s.diag_host), sizeof d);
       if (d.valid) out.push_back(describe(d, s.nranks));
     }
+  }
+  return out;
+}
+
+namespace {
+std::atomic<bool> g_record{false};
+}  // namespace
+
+bool recording() { return g_record.load(); }
+
+void set_record(bool on) {
+  g_record.store(on);
+  std::shared_lock<std::shared_mutex> lock(g_mu);
+  for (auto& [cid, c] : g_comms)
+    for (RankState& s : c->ranks) {
+      if (s.rec_ctl == nullptr) continue;
+      // pinned {0, 1}: the sources of the flag's copies (first needed here, with a GPU rank)
+      static uint64_t* words = [] {
+        uint64_t* w = nullptr;
+        if (cudaHostAlloc(&w, 2 * sizeof(uint64_t), cudaHostAllocPortable) != cudaSuccess) return w;
+        w[0] = 0, w[1] = 1;
+        return w;
+      }();
+      if (words == nullptr) throw std::runtime_error("jax_gin: cudaHostAlloc failed (recorder flag)");
+      cudaSetDevice(s.device);
+      cudaError_t e = cudaMemcpyAsync(s.rec_ctl, words + (on ? 1 : 0), sizeof(uint64_t),
+                                      cudaMemcpyHostToDevice, s.side);
+      if (e == cudaSuccess) e = cudaStreamSynchronize(s.side);
+      if (e != cudaSuccess)
+        throw std::runtime_error(std::string("jax_gin: setting the recorder flag: ") + cudaGetErrorString(e));
+    }
+}
+
+namespace {
+// Copies rank s's ring and control words to the host (on its side stream).
+void read_recorder(const RankState& s, std::vector<RecEntry>& ring, uint64_t ctl[2]) {
+  ring.resize(s.cfg.rec_entries);
+  cudaSetDevice(s.device);
+  cudaError_t e = cudaMemcpyAsync(ring.data(), s.rec_ring, ring.size() * sizeof(RecEntry),
+                                  cudaMemcpyDeviceToHost, s.side);
+  if (e == cudaSuccess) e = cudaMemcpyAsync(ctl, s.rec_ctl, 2 * sizeof(uint64_t), cudaMemcpyDeviceToHost, s.side);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(s.side);
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string("jax_gin: reading the recorder: ") + cudaGetErrorString(e));
+}
+}  // namespace
+
+std::vector<RecEntry> recorder_entries(int64_t id) {
+  std::shared_lock<std::shared_mutex> lock(g_mu);
+  auto it = g_comms.find(id);
+  if (it == g_comms.end()) throw std::invalid_argument("jax_gin: no communicator " + std::to_string(id));
+  std::vector<RecEntry> out, ring;
+  for (const RankState& s : it->second->ranks) {
+    if (s.rec_ring == nullptr) continue;
+    uint64_t ctl[2];
+    read_recorder(s, ring, ctl);
+    std::vector<RecEntry> mine;
+    for (const RecEntry& e : ring)
+      if (e.seq != 0) mine.push_back(e);
+    std::sort(mine.begin(), mine.end(), [](const RecEntry& a, const RecEntry& b) { return a.seq < b.seq; });
+    out.insert(out.end(), mine.begin(), mine.end());
+  }
+  return out;
+}
+
+std::vector<std::array<int64_t, 3>> recorder_counts(int64_t id) {
+  std::shared_lock<std::shared_mutex> lock(g_mu);
+  auto it = g_comms.find(id);
+  if (it == g_comms.end()) throw std::invalid_argument("jax_gin: no communicator " + std::to_string(id));
+  std::vector<std::array<int64_t, 3>> out;
+  for (const RankState& s : it->second->ranks) {
+    if (s.rec_ctl == nullptr) continue;
+    uint64_t ctl[2] = {0, 0};
+    cudaSetDevice(s.device);
+    cudaError_t e = cudaMemcpyAsync(ctl, s.rec_ctl, sizeof ctl, cudaMemcpyDeviceToHost, s.side);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(s.side);
+    if (e != cudaSuccess)
+      throw std::runtime_error(std::string("jax_gin: reading the recorder: ") + cudaGetErrorString(e));
+    out.push_back({int64_t(s.group), int64_t(s.rank), int64_t(ctl[1])});
   }
   return out;
 }

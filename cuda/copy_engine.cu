@@ -55,6 +55,8 @@ __global__ void ce_sync_kernel(Peers peers, LaneParams p, int step, int begin) {
   const int r = p.rank, N = p.nranks;
   uint64_t round = p.rounds[0];
   if (begin) p.rounds[0] = ++round;
+  // the recorder's entry: opened by the call's first kernel, closed by its last
+  RecEntry* rec = step == kCeEnter ? rec_begin(p, round) : rec_current(p);
   __threadfence_system();
   const uint64_t tag = data_tag(round, step);
   for (int k = 1; k < N; ++k) {
@@ -62,21 +64,23 @@ __global__ void ce_sync_kernel(Peers peers, LaneParams p, int step, int begin) {
     if (r != p.fault_rank)
       st_release_sys(reinterpret_cast<uint64_t*>(peers.base(q) + p.flags_offset) +
                          flag_index(0, r, kData, N), tag);
+    if (rec) rec_note(*rec, kRecSend, step, q, tag, rec->round0, globaltimer_ns());
   }
   const uint64_t* mine = reinterpret_cast<const uint64_t*>(peers.base(r) + p.flags_offset);
   for (int k = 1; k < N; ++k) {
     const int q = schedule::mod(r + k, N);
     const uint64_t* f = mine + flag_index(0, q, kData, N);
     uint64_t seen = ld_acquire_sys(f);
-    if (seen >= tag) continue;
-    const uint64_t start = globaltimer_ns();
+    const uint64_t start = seen >= tag ? 0 : globaltimer_ns();
     uint32_t spins = 0;
-    while ((seen = ld_acquire_sys(f)) < tag) {
+    while (seen < tag) {
+      seen = ld_acquire_sys(f);
       if ((++spins & 1023u) == 0 && globaltimer_ns() - start > p.timeout_ns) {
         record_timeout(p, 0, q, step, round, tag, seen);
         __trap();
       }
     }
+    if (rec) rec_note(*rec, kRecWait, step, q, tag, rec->round0, globaltimer_ns());
   }
   if (step == kCeDone && r != p.fault_rank)
     for (int k = 1; k < N; ++k) {
@@ -84,6 +88,7 @@ __global__ void ce_sync_kernel(Peers peers, LaneParams p, int step, int begin) {
       st_release_sys(reinterpret_cast<uint64_t*>(peers.base(q) + p.flags_offset) +
                          flag_index(0, r, kCredit, N), round);
     }
+  if (step == kCeDone && rec) rec_end(rec, round + 1 - rec->round0);
 }
 
 // Segment q of a round of m elements (schedule::piece, as two_shot cuts its rounds).
@@ -98,7 +103,9 @@ cudaError_t run(const Peers& peers, char* const* bases, const LaunchConfig& cfg,
   const size_t P = copy_engine_slot_elems(cfg, es);
   if (P == 0 || N < 2) return cudaErrorInvalidValue;
   if (count == 0) return cudaSuccess;
-  const LaneParams p = lane_params(cfg, op, Algorithm::kTwoShot);
+  LaneParams p = lane_params(cfg, op, Algorithm::kTwoShot);
+  p.dtype = int32_t(dtype);
+  p.bytes = count * es;
   auto sync = [&](int step, bool begin = false) {
     ce_sync_kernel<Peers><<<1, 32, 0, s>>>(peers, p, step, int(begin));
     return cudaGetLastError();

@@ -96,7 +96,9 @@ cudaError_t launch_hierarchical(const PeerAccess& peers, const LaunchConfig& cfg
   const Algorithm algo = Algorithm::kHierarchical;
   const int L = cfg.ranks_per_node;
   if (!spans_nodes(cfg.nranks, L) || cfg.outbox_lane_bytes == 0) return cudaErrorInvalidValue;
-  const LaneParams p = lane_params(cfg, op, algo);
+  LaneParams p = lane_params(cfg, op, algo);
+  p.dtype = int32_t(dtype);
+  p.bytes = count * dtype_size(dtype);
   const int lanes = choose_lanes(algo, count * dtype_size(dtype), cfg.nranks, cfg.max_lanes, cfg.lane_grain_bytes);
   if (count == 0) return cudaSuccess;  // nothing to reduce
   if (peers.table != nullptr) {
@@ -147,6 +149,10 @@ LaneParams lane_params(const LaunchConfig& cfg, RedOp op, Algorithm algo) {
   p.rail_offset = cfg.rail_offset;
   p.outbox_offset = cfg.outbox_offset;
   p.outbox_lane_bytes = cfg.outbox_lane_bytes;
+  p.rec_ring = cfg.rec_ring;
+  p.rec_ctl = cfg.rec_ctl;
+  p.rec_entries = cfg.rec_entries;
+  p.rec_comm = cfg.rec_comm;
   return p;
 }
 
@@ -174,6 +180,8 @@ cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, D
   if (int(algo) < 0 || int(algo) >= kNumAlgorithms) return cudaErrorInvalidValue;
   LaneParams p = lane_params(cfg, op, algo);
   const size_t bytes = count * dtype_size(dtype);
+  p.dtype = int32_t(dtype);
+  p.bytes = bytes;
   // Small one_shot messages take the LL protocol: no separate signal, fence or credit.
   p.ll = use_ll(cfg, algo, bytes);
   const int lanes = lanes_for(cfg, algo, bytes, p.ll);
@@ -203,6 +211,8 @@ cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, D
   const size_t count = lay_out_segments(table.seg, nseg, dtype_size(dtype));
   LaneParams p = lane_params(cfg, op, algo);
   const size_t bytes = count * dtype_size(dtype);
+  p.dtype = int32_t(dtype);
+  p.bytes = bytes;
   p.ll = use_ll(cfg, algo, bytes);
   const int lanes = lanes_for(cfg, algo, bytes, p.ll);
   if (lanes == 0 || count == 0) return cudaSuccess;

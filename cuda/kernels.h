@@ -6,6 +6,9 @@
 #include <nccl.h>
 
 struct ncclDevComm;  // nccl_device.h
+namespace jax_gin {
+struct RecEntry;  // recorder.h
+}
 
 #include <cstddef>
 #include <cstdint>
@@ -64,6 +67,12 @@ struct LaunchConfig {
   size_t rail_offset = 0;        // bytes: last-sent tags, then emulated signals
   size_t outbox_offset = 0;      // bytes: kMaxLanes outboxes of outbox_lane_bytes
   size_t outbox_lane_bytes = 0;
+  // Flight recorder (device memory; null: none): the ring of rec_entries entries and the
+  // control words ([0] recording on, [1] calls recorded), and the id the entries carry.
+  RecEntry* rec_ring = nullptr;
+  uint64_t* rec_ctl = nullptr;
+  uint32_t rec_entries = 0;
+  int rec_comm = 0;
 };
 
 // Number of lanes (CTAs) used for a message of `bytes` with `algo`. Depends only on its

@@ -6,6 +6,7 @@
 #include <nccl.h>
 #include <nccl_device.h>
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "jax_gin/recorder.h"
 
 namespace jax_gin {
 namespace gpu {
@@ -44,6 +46,10 @@ struct RankState {
   // (launch_allreduce_copy_engine); empty for groups that span nodes.
   std::vector<char*> ce_bases;
   CopyEngineAux ce_aux;  // its second stream (as `side`'s priority) and events
+  // Flight recorder (recorder.h): lane 0's ring and control words in device memory
+  // (LaunchConfig::rec_ring, rec_ctl).
+  RecEntry* rec_ring = nullptr;
+  uint64_t* rec_ctl = nullptr;
 };
 
 // The launch settings of a communicator's ranks, from jax_gin.runtime.settings (Python reads
@@ -56,6 +62,7 @@ struct LaunchSettings {
   std::optional<size_t> one_shot_chunk_bytes;
   std::optional<size_t> ll_max_bytes;         // never turns LL on where the window has no LL area
   bool experimental_gin = false;              // groups that span nodes may run over GIN
+  int record_entries = 64;                    // the flight recorder's ring per rank
 };
 
 // Creates one communicator per group. groups[g][r] is the local CUDA ordinal of rank r of
@@ -96,6 +103,14 @@ const RankState* find_rank(int64_t id, int device);
 std::vector<std::string> diagnostics(int64_t id);
 std::string describe(const Diagnostic& d, int nranks);
 void shutdown();
+// The flight recorder of every rank of this process, now and for communicators created later:
+// on or off. Waits for each rank's side stream (not for XLA's streams).
+void set_record(bool on);
+bool recording();
+// Communicator `id`'s recorded calls of this process's ranks (seq != 0), oldest first by rank;
+// and how many calls each rank recorded so far: (group, rank, count).
+std::vector<RecEntry> recorder_entries(int64_t id);
+std::vector<std::array<int64_t, 3>> recorder_counts(int64_t id);
 int nccl_runtime_version();
 // Empty if the loaded NCCL matches the headers we were built against, else why not.
 std::string check_nccl_version();

@@ -11,6 +11,7 @@
 
 #include "jax_gin/algorithms.h"
 #include "jax_gin/common.h"
+#include "jax_gin/recorder.h"
 #include "jax_gin/reduce.h"
 #include "device_types.cuh"
 #include "jax_gin/schedule.h"
@@ -52,6 +53,14 @@ struct LaneParams {
   size_t rail_offset = 0;        // byte offset of the rail area (last-sent tags, emulated signals)
   size_t outbox_offset = 0;      // byte offset of lane 0's outbox
   size_t outbox_lane_bytes = 0;  // outbox bytes per lane
+  // Flight recorder (recorder.h), device memory: this rank's ring of rec_entries entries and
+  // its control words, [0] recording on, [1] calls recorded. Null: no recorder.
+  RecEntry* rec_ring = nullptr;
+  uint64_t* rec_ctl = nullptr;
+  uint32_t rec_entries = 0;
+  int32_t rec_comm = 0;    // communicator id, for the entries
+  int32_t dtype = 0;       // DType of the call, for the entries
+  uint64_t bytes = 0;      // message bytes of the call, for the entries
 };
 
 // ---- LL protocol (one_shot for small messages) ----------------------------------------
@@ -89,6 +98,35 @@ struct TablePeers {
   char* const* bases;
   __device__ char* base(int peer) const { return bases[peer]; }
 };
+
+// The flight recorder's device side. Lane 0's thread 0 records: it opens an entry when the
+// call starts (if recording is on: one load of a device word otherwise), notes each signal
+// and satisfied wait of lane 0 (rec_note, recorder.h), and closes it at the end; times are
+// %globaltimer ns. Calls of one rank are stream-ordered, so the counter needs no atomics.
+__device__ inline RecEntry* rec_begin(const LaneParams& p, uint64_t round0) {
+  if (p.rec_ctl == nullptr || *reinterpret_cast<volatile uint64_t*>(p.rec_ctl) == 0) return nullptr;
+  const uint64_t seq = p.rec_ctl[1] + 1;
+  p.rec_ctl[1] = seq;
+  RecEntry* e = p.rec_ring + (seq - 1) % p.rec_entries;
+  e->seq = 0;
+  rec_open(*e, globaltimer_ns(), p.bytes, round0, p.rec_comm, p.group, p.rank, p.op, p.algorithm,
+           p.dtype, 0);
+  e->seq = seq;
+  return e;
+}
+// The entry rec_begin opened for the call in progress, for the later kernels of a call made of
+// several (the copy-engine path); null if none is open.
+__device__ inline RecEntry* rec_current(const LaneParams& p) {
+  if (p.rec_ctl == nullptr || p.rec_ctl[1] == 0) return nullptr;
+  RecEntry* e = p.rec_ring + (p.rec_ctl[1] - 1) % p.rec_entries;
+  return e->seq == p.rec_ctl[1] && e->status == kRecRunning ? e : nullptr;
+}
+__device__ inline void rec_end(RecEntry* e, uint64_t rounds) {
+  if (e == nullptr) return;
+  e->rounds = uint32_t(rounds);
+  e->status = kRecDone;
+  e->t_end = globaltimer_ns();
+}
 
 __device__ inline void record_timeout(const LaneParams& p, int lane, int peer, int step,
                                       uint64_t round, uint64_t expected, uint64_t seen) {
@@ -190,6 +228,8 @@ class GpuTransport {
   }
 
   __device__ size_t chunk_bytes() const { return p_.chunk_bytes; }
+  // Lane 0's thread 0 notes its signals and satisfied waits into `e` (rounds from round0).
+  __device__ void record_into(RecEntry* e, uint64_t round0) { rec_ = e, rec_round0_ = round0; }
   __device__ void sync() const { __syncthreads(); }
 
   // Copy by the whole CTA in 16-byte vectors (all segment boundaries are 16-byte aligned).
@@ -244,14 +284,14 @@ class GpuTransport {
   // All threads' earlier stores (local and remote) happen before the flag: the CTA barrier
   // orders them before thread 0's store, and a release store at system scope is cumulative
   // (the pattern NCCL's LSA barrier uses), so no separate __threadfence_system is needed.
-  // `step`: for a flight recorder (include/jax_gin/recorder.h); not recorded on the GPU yet.
+  // `step`: for the flight recorder (include/jax_gin/recorder.h).
   __device__ void signal(int peer, int kind, uint64_t value, int step = -1) const {
-    (void)step;
     __syncthreads();
     if (threadIdx.x == 0 && p_.rank != p_.fault_rank) {
       uint64_t* f = reinterpret_cast<uint64_t*>(peers_.base(peer) + p_.flags_offset) +
                     flag_index(lane_, p_.rank, kind, p_.nranks);
       st_release_sys(f, value);
+      if (rec_) rec_note(*rec_, kind == kCredit ? kRecCredit : kRecSend, step, peer, value, rec_round0_, globaltimer_ns());
     }
   }
 
@@ -272,6 +312,7 @@ class GpuTransport {
           }
         }
       }
+      if (rec_) rec_note(*rec_, kind == kCredit ? kRecCreditWait : kRecWait, step, peer, value, rec_round0_, globaltimer_ns());
     }
     __syncthreads();
     return true;
@@ -286,6 +327,8 @@ class GpuTransport {
   LaneParams p_;
   int lane_;
   size_t slot_bytes_;
+  RecEntry* rec_ = nullptr;  // lane 0's thread 0 while recording
+  uint64_t rec_round0_ = 0;
 };
 
 // ---- groups that span nodes: LSA within a node, a GIN "rail" between nodes --------------

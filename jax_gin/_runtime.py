@@ -148,8 +148,9 @@ class Settings:
     fault_mode: testing only -- "drop" (fault_rank's signals are lost) or "absent" (on CPU,
         fault_rank returns from every call at once, as if it never reached it).
     record: the flight recorder keeps each rank's last calls with per-phase timestamps
-        (JAX_GIN_RECORD=1; CPU; jax_gin.trace turns it on for its block). Off by default; the
-        state block that hang reports read (which call, which wait) is kept either way.
+        (JAX_GIN_RECORD=1; jax_gin.trace turns it on for its block; on GPUs, lane 0's phases).
+        Off by default; on CPU the state block that hang reports read (which call, which
+        wait) is kept either way.
     record_entries: calls the recorder keeps per rank (JAX_GIN_RECORD_ENTRIES, default 64),
         fixed when a communicator is created; the processes of a group must agree.
 
@@ -226,6 +227,8 @@ class Settings:
         super().__setattr__(name, value)
         if name == "record":
             _native.cpu.set_record(bool(value))
+            if hasattr(_native.cuda, "set_record"):
+                _native.cuda.set_record(bool(value))
         if name == "tuning_dir" and "load_table" in _select_cache:
             _select_cache["load_table"].cache_clear()  # tables are read again from there
 
@@ -269,6 +272,7 @@ _lock = threading.Lock()
 _cache: dict = {}
 # CPU communicator id -> (device id by logical id, GroupLayout): who runs each rank (trace).
 comm_devices: dict = {}
+gpu_comm_devices: dict = {}  # the same for GPU communicators (their ids are counted apart)
 _generations: dict = {}  # key -> communicators created for it so far (names in shared memory)
 
 
@@ -338,6 +342,7 @@ def communicator(platform: str, mesh, axes: tuple) -> int:
             comm = _create_cpu_comm(mesh, devices, layout, ws, key)
         else:
             comm = _create_cuda_comm(mesh, layout, ws, key)
+            gpu_comm_devices[comm] = (tuple(int(d.id) for d in devices), layout)
         _cache[cache_key] = comm
         return comm
 
@@ -381,7 +386,7 @@ def _create_cuda_comm(mesh, layout: GroupLayout, ws: int, key=None) -> int:
 # communicator creation (cuda/nccl_runtime.h, LaunchSettings): they must agree over the
 # processes of a group.
 _GPU_LAUNCH_FIELDS = ("max_lanes", "lane_grain_bytes", "chunk_bytes", "one_shot_chunk_bytes",
-                      "ll_max_bytes", "experimental_gin")
+                      "ll_max_bytes", "experimental_gin", "record_entries")
 
 
 def gpu_launch_kwargs() -> dict:
@@ -460,6 +465,7 @@ def reset() -> None:
                 comm_devices.pop(comm, None)
             elif _native.cuda is not None:
                 _native.cuda.comm_destroy(comm)
+                gpu_comm_devices.pop(comm, None)
         _cache.clear()
 
 

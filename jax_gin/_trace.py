@@ -1,12 +1,13 @@
 """Timelines from the flight recorder: jax_gin.trace(path) and `python -m jax_gin.trace merge`.
 
 Inside `with jax_gin.trace(path):` the recorder (include/jax_gin/recorder.h) is on; at exit
-every call that CPU devices of this process ran in the block is written as a Chrome/Perfetto
+every call that the devices of this process ran in the block is written as a Chrome/Perfetto
 trace (JSON `traceEvents`): pid = process index, tid = device id, one span per call named
 "<op> <algorithm>" with args (bytes, dtype, round, rounds, seq, ...), and within it a span or
 instant per recorded phase (sends and satisfied waits of each step, coalesced over chunks and
-peers). Times are the recorder's clock, CLOCK_MONOTONIC, in microseconds: files written by
-the processes of one host share it, and `merge` rebases them onto their earliest event.
+peers; on GPUs, lane 0's). Times are the recorder's clock in microseconds: CLOCK_MONOTONIC on
+CPU devices, which the processes of one host share, and the GPUs' %globaltimer on GPUs;
+`merge` rebases files onto their earliest event.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import sys
 import time
 
 CLOCK = "CLOCK_MONOTONIC"
+GPU_CLOCK = "%globaltimer"  # the GPUs' global nanosecond timer (their entries' times)
 
 
 def _events(entries: list, pid: int, devices: dict) -> list:
@@ -44,9 +46,25 @@ def _events(entries: list, pid: int, devices: dict) -> list:
     return out
 
 
-def collect(t_begin_ns: int, t_end_ns: int | None = None) -> list:
-    """The recorded calls of this process's CPU ranks that entered in [t_begin_ns, t_end_ns]
-    (time.monotonic_ns()), as trace events with metadata for the process and each device."""
+def gpu_marks() -> dict:
+    """(comm, group, rank) -> calls recorded so far, for this process's GPU ranks."""
+    from . import _native, _runtime
+    marks = {}
+    if not hasattr(_native.cuda, "recorder_counts"):
+        return marks
+    for comm in list(_runtime.gpu_comm_devices):
+        try:
+            for group, rank, n in _native.cuda.recorder_counts(comm):
+                marks[(comm, group, rank)] = n
+        except ValueError:  # destroyed meanwhile
+            continue
+    return marks
+
+
+def collect(t_begin_ns: int, t_end_ns: int | None = None, marks: dict | None = None) -> list:
+    """The recorded calls of this process's ranks, as trace events with metadata for the
+    process and each device: CPU calls that entered in [t_begin_ns, t_end_ns]
+    (time.monotonic_ns()), GPU calls recorded after `marks` (gpu_marks())."""
     import jax
 
     from . import _native, _runtime
@@ -62,6 +80,17 @@ def collect(t_begin_ns: int, t_end_ns: int | None = None) -> list:
             continue
         entries += [e for e in got if e["t_start"] >= t_begin_ns and
                     (t_end_ns is None or e["t_start"] <= t_end_ns)]
+    marks = marks or {}
+    for comm, (device_ids, layout) in list(_runtime.gpu_comm_devices.items()):
+        if not hasattr(_native.cuda, "recorder_entries"):
+            break
+        for logical, dev in enumerate(device_ids):
+            devices[(comm, layout.group_of[logical], layout.rank_of[logical])] = dev
+        try:
+            got = _native.cuda.recorder_entries(comm)
+        except ValueError:  # destroyed meanwhile
+            continue
+        entries += [e for e in got if e["seq"] > marks.get((comm, e["group"], e["rank"]), 0)]
     entries.sort(key=lambda e: (e["t_start"], e["rank"]))
     events = [{"name": "process_name", "ph": "M", "pid": pid,
                "args": {"name": f"process {pid} ({socket.gethostname()})"}}]
@@ -74,21 +103,22 @@ def collect(t_begin_ns: int, t_end_ns: int | None = None) -> list:
 
 def write(path, events: list, **meta) -> None:
     import jax
-    doc = {"traceEvents": events, "displayTimeUnit": "ns",
-           "metadata": {"jax_gin": {"clock": CLOCK, "host": socket.gethostname(),
-                                    "process": int(jax.process_index()), **meta}}}
+    info = {"clock": CLOCK, "host": socket.gethostname(), "process": int(jax.process_index())}
+    info.update(meta)
+    doc = {"traceEvents": events, "displayTimeUnit": "ns", "metadata": {"jax_gin": info}}
     with open(path, "w") as f:
         json.dump(doc, f)
 
 
 @contextlib.contextmanager
 def trace(path):
-    """Write every jax_gin call that this process's CPU devices run inside the block to `path`
+    """Write every jax_gin call that this process's devices run inside the block to `path`
     as a Chrome/Perfetto trace (see the module docstring). The recorder is on for the block;
     results must be ready (jax.block_until_ready) before the block ends. The recorder keeps
     the last JAX_GIN_RECORD_ENTRIES calls per rank: a longer block keeps only its last ones."""
     from . import _runtime
     before = _runtime.settings.record
+    marks = gpu_marks()
     _runtime.settings.record = True
     t0 = time.monotonic_ns()
     try:
@@ -96,7 +126,9 @@ def trace(path):
     finally:
         t1 = time.monotonic_ns()
         _runtime.settings.record = before
-        write(path, collect(t0, t1))
+        events = collect(t0, t1, marks)
+        gpu = bool(_runtime.gpu_comm_devices)
+        write(path, events, **({"clock": GPU_CLOCK} if gpu else {}))
 
 
 def merge(paths: list, out) -> dict:

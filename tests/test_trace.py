@@ -1,0 +1,64 @@
+"""jax_gin.trace on every platform: on CPU devices and on GPUs (JAX_PLATFORMS=cuda), a valid
+Chrome/Perfetto trace with one track per device for psum, pmax and pmin of every algorithm,
+each call a span with its phases inside it (on GPUs, lane 0's)."""
+import itertools
+import json
+import re
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_gin
+from jax_gin import _runtime
+from conftest import mesh_1d, ndev
+from helpers import exact_input, smap
+
+_timeouts = itertools.count()
+
+
+@pytest.mark.parametrize("size", [300, 70_001])  # one_shot's LL path on GPUs; flags everywhere
+def test_trace_every_algorithm(monkeypatch, tmp_path, size):
+    # a timeout of its own: communicators of its own
+    monkeypatch.setattr(_runtime.settings, "timeout_s", 25.0 + 0.001 * next(_timeouts))
+    gpu = jax.default_backend() != "cpu"
+    x = exact_input((size,), ndev(), "float32")
+    calls = [(api, algo) for api in ("psum", "pmax", "pmin") for algo in jax_gin.ALGORITHMS]
+    fns = [smap(lambda v, api=api, algo=algo: getattr(jax_gin, api)(v, "i", algorithm=algo),
+                mesh_1d(), P("i")) for api, algo in calls]
+    for f in fns:
+        jax.block_until_ready(f(x))  # compiled and run once before the block
+    path = tmp_path / "t.json"
+    with jax_gin.trace(path):
+        for f in fns:
+            jax.block_until_ready(f(x))
+    assert _runtime.settings.record is False
+    doc = json.loads(path.read_text())
+    assert doc["metadata"]["jax_gin"]["clock"] == ("%globaltimer" if gpu else "CLOCK_MONOTONIC")
+    events = doc["traceEvents"]
+    devices = sorted(int(d.id) for d in jax.devices())
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert sorted(names) == devices
+    spans = [e for e in events if e.get("cat") == "jax_gin"]
+    assert len(spans) == len(calls) * ndev()
+    for tid in devices:
+        mine = sorted((s for s in spans if s["tid"] == tid), key=lambda s: s["ts"])
+        assert [s["name"] for s in mine] == [f"{api} {algo}" for api, algo in calls]
+        seqs = [s["args"]["seq"] for s in mine]
+        assert seqs == list(range(seqs[0], seqs[0] + len(calls)))
+        for s in mine:
+            assert s["ph"] == "X" and s["dur"] >= 0 and s["args"]["status"] == "done"
+            assert s["args"]["bytes"] == 4 * size and s["args"]["dtype"] == "float32"
+    phases = [e for e in events if e.get("cat") == "jax_gin.phase"]
+    assert {p["args"]["kind"] for p in phases} >= {"send", "wait"}
+    for p in phases:
+        inside = [s for s in spans if s["tid"] == p["tid"] and
+                  s["ts"] <= p["ts"] and p["ts"] + p.get("dur", 0) <= s["ts"] + s["dur"] + 1e-3]
+        assert len(inside) == 1, p
+        assert re.fullmatch(r"(send|wait) step \d+|credit|credit wait", p["name"]), p["name"]
+    # every call of every algorithm but GPU one_shot over LL (no flags) has phases
+    with_phases = {(s["tid"], s["ts"]) for s in spans for p in phases
+                   if p["tid"] == s["tid"] and s["ts"] <= p["ts"] <= s["ts"] + s["dur"]}
+    for s in spans:
+        if not (gpu and size == 300 and s["name"].endswith("one_shot")):
+            assert (s["tid"], s["ts"]) in with_phases, s
