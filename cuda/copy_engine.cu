@@ -56,7 +56,7 @@ __global__ void ce_sync_kernel(Peers peers, LaneParams p, int step, int begin) {
   uint64_t round = p.rounds[0];
   if (begin) p.rounds[0] = ++round;
   // the recorder's entry: opened by the call's first kernel, closed by its last
-  RecEntry* rec = step == kCeEnter ? rec_begin(p, round) : rec_current(p);
+  RecEntry* rec = step == kCeEnter ? rec_begin(p, round, nullptr) : rec_current(p);
   __threadfence_system();
   const uint64_t tag = data_tag(round, step);
   for (int k = 1; k < N; ++k) {
@@ -88,7 +88,7 @@ __global__ void ce_sync_kernel(Peers peers, LaneParams p, int step, int begin) {
       st_release_sys(reinterpret_cast<uint64_t*>(peers.base(q) + p.flags_offset) +
                          flag_index(0, r, kCredit, N), round);
     }
-  if (step == kCeDone && rec) rec_end(rec, round + 1 - rec->round0);
+  if (step == kCeDone && rec) rec_end(p, rec, round + 1 - rec->round0);
 }
 
 // Segment q of a round of m elements (schedule::piece, as two_shot cuts its rounds).

@@ -18,6 +18,7 @@
 // Algorithm "copy_engine" runs the copy-engine path of asynchronous calls (copy_engine.cu),
 // whose reduction uses at most --max-lanes CTAs (--ce-serial 1: all on one stream); its rounds share lane 0's flags with the
 // other algorithms', which the default list interleaves.
+// --record 1 turns each rank's flight recorder on and checks its entries after each rank count.
 // --dtypes takes the short names of JAX_GIN_DTYPES (common.h): f32, f64, bf16, f16, i32, i64,
 // u32 (unsigned types get inputs 0..14, the others -7..7).
 // Exit code: 0 all correct, 1 mismatch or CUDA error, 3 a wait timed out (diagnostic printed).
@@ -41,6 +42,7 @@
 #include "jax_gin/reduce.h"
 #include "kernels.h"
 #include "nccl_runtime.h"
+#include "jax_gin/recorder.h"
 
 using namespace jax_gin;
 
@@ -97,7 +99,42 @@ struct Rank {
   void* out = nullptr;
   cudaStream_t stream;
   gpu::CopyEngineAux ce_aux;  // copy_engine's second stream and events
+  RecEntry* rec_ring = nullptr;  // --record 1: the flight recorder's ring and control words
+  uint64_t* rec_ctl = nullptr;
+  long calls = 0;                // calls launched on this rank (what the recorder must count)
 };
+
+constexpr int kHarnessRecEntries = 64;
+
+// --record 1: rank R's recorder counted every call, and its last entries are whole: in order,
+// done, with their phases inside [t_start, t_end]. Returns the number of problems (printed).
+long check_recorder(const Rank& R, int r) {
+  uint64_t ctl[2];
+  std::vector<RecEntry> ring(kHarnessRecEntries);
+  CK(cudaSetDevice(R.dev));
+  CK(cudaMemcpy(ctl, R.rec_ctl, sizeof ctl, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(ring.data(), R.rec_ring, ring.size() * sizeof(RecEntry), cudaMemcpyDeviceToHost));
+  long bad = 0;
+  if (long(ctl[1]) != R.calls) {
+    std::printf("FAIL recorder rank %d: %llu calls recorded, %ld made\n", r, (unsigned long long)ctl[1], R.calls);
+    ++bad;
+  }
+  const uint64_t last = ctl[1], first = last > ring.size() ? last - ring.size() + 1 : 1;
+  for (uint64_t seq = first; seq <= last; ++seq) {
+    const RecEntry& e = ring[(seq - 1) % ring.size()];
+    bool ok = e.seq == seq && e.status == kRecDone && e.t_end >= e.t_start && e.rank == r &&
+              e.nevents <= kRecEvents;
+    for (int i = 0; ok && i < e.nevents; ++i)
+      ok = e.events[i].t_first >= e.t_start && e.events[i].t_last <= e.t_end &&
+           e.events[i].t_first <= e.events[i].t_last;
+    if (!ok) {
+      std::printf("FAIL recorder rank %d: entry %llu (seq %llu, status %d, %d events)\n", r,
+                  (unsigned long long)seq, (unsigned long long)e.seq, int(e.status), int(e.nevents));
+      ++bad;
+    }
+  }
+  return bad;
+}
 
 // A run of cases with one window layout: ranks_per_node 0 for the one-node algorithms, L for
 // hierarchical with nodes of L ranks.
@@ -123,6 +160,7 @@ int main(int argc, char** argv) {
   // figure; this is the device-side time per call that XLA's command buffers would see.
   int time_graph = 0;
   int ce_serial = 0;  // --ce-serial 1: copy_engine without its second stream
+  int record = 0;     // --record 1: the flight recorder on, checked after each rank count
   size_t lane_bytes = 256 << 10;
   size_t ll_max_bytes = gpu::LaunchConfig().ll_max_bytes;
   size_t chunk_bytes = gpu::LaunchConfig().chunk_bytes;
@@ -148,6 +186,7 @@ int main(int argc, char** argv) {
     else if (k == "--ll-max-bytes") ll_max_bytes = std::strtoull(v.c_str(), nullptr, 10);
     else if (k == "--chunk-bytes") chunk_bytes = std::strtoull(v.c_str(), nullptr, 10);
     else if (k == "--ce-serial") ce_serial = std::atoi(v.c_str());
+    else if (k == "--record") record = std::atoi(v.c_str());
     else if (k == "--lane-grain") lane_grain = std::strtoull(v.c_str(), nullptr, 10);
     else if (k == "--one-shot-chunk-bytes") one_shot_chunk = std::strtoull(v.c_str(), nullptr, 10), one_shot_chunk_set = true;
     else { std::fprintf(stderr, "unknown flag %s\n", k.c_str()); return 2; }
@@ -215,6 +254,13 @@ int main(int argc, char** argv) {
       CK(cudaMalloc(&R.in, max_count * 8 + 16));
       CK(cudaMalloc(&R.out, max_count * 8 + 16));
       CK(cudaStreamCreateWithFlags(&R.stream, cudaStreamNonBlocking));
+      if (record) {
+        CK(cudaMalloc(&R.rec_ring, kHarnessRecEntries * sizeof(RecEntry)));
+        CK(cudaMemset(R.rec_ring, 0, kHarnessRecEntries * sizeof(RecEntry)));
+        CK(cudaMalloc(&R.rec_ctl, 2 * sizeof(uint64_t)));
+        const uint64_t on[2] = {1, 0};
+        CK(cudaMemcpy(R.rec_ctl, on, sizeof on, cudaMemcpyHostToDevice));
+      }
       CK(cudaStreamCreateWithFlags(&R.ce_aux.stream, cudaStreamNonBlocking));
       CK(cudaEventCreateWithFlags(&R.ce_aux.reduced, cudaEventDisableTiming));
       CK(cudaEventCreateWithFlags(&R.ce_aux.pulled, cudaEventDisableTiming));
@@ -310,6 +356,10 @@ int main(int argc, char** argv) {
                   cfg.diag = R.diag_dev;
                   cfg.timeout_ns = uint64_t(timeout_s * 1e9);
                   cfg.fault_rank = fault_rank;
+                  cfg.rec_ring = R.rec_ring;
+                  cfg.rec_ctl = R.rec_ctl;
+                  cfg.rec_entries = kHarnessRecEntries;
+                  if (count > 0) ++R.calls;  // a call of no elements launches nothing
                   e = copy_engine
                           ? gpu::launch_allreduce_copy_engine(gpu::PeerAccess{nullptr, R.table}, bases.data(),
                                                               cfg, dt->dt, op, R.in, R.out, count, max_lanes,
@@ -404,12 +454,24 @@ int main(int argc, char** argv) {
       }
       if (rpn) std::printf("ranks=%d ranks_per_node=%d (%d nodes, GIN emulated): done\n", N, rpn, N / rpn);
     }
+    if (record) {
+      for (int r = 0; r < N; ++r) {
+        CK(cudaSetDevice(rk[r].dev));
+        CK(cudaDeviceSynchronize());
+      }
+      long bad = 0;
+      for (int r = 0; r < N; ++r) bad += check_recorder(rk[r], r);
+      failures += bad;
+      ++cases;
+      std::printf("ranks=%d: recorder %s (%ld calls per rank)\n", N, bad ? "FAILED" : "ok", rk[0].calls);
+    }
     std::printf("ranks=%d: done\n", N);
     for (auto& R : rk) {
       cudaSetDevice(R.dev);
       cudaFree(R.window); cudaFree(R.rounds); cudaFreeHost(R.diag_host); cudaFree(R.table);
       cudaFree(R.in); cudaFree(R.out); cudaStreamDestroy(R.stream);
       cudaStreamDestroy(R.ce_aux.stream); cudaEventDestroy(R.ce_aux.reduced); cudaEventDestroy(R.ce_aux.pulled);
+      cudaFree(R.rec_ring); cudaFree(R.rec_ctl);
     }
   }
   std::printf("%ld passed, %ld failed\n", cases - failures, failures);

@@ -26,11 +26,12 @@ __device__ __forceinline__ void allreduce_lane(const Peers& peers, const LanePar
   // same control flow, so the copies agree, and thread 0 writes it back.
   uint64_t round = p.rounds[lane];
   const uint64_t round0 = round + 1;
-  RecEntry* rec = lane == 0 && threadIdx.x == 0 ? rec_begin(p, round0) : nullptr;
+  __shared__ RecEntry s_rec;  // lane 0's recorder entry while the call runs
+  RecEntry* rec = lane == 0 && threadIdx.x == 0 ? rec_begin(p, round0, &s_rec) : nullptr;
   tp.record_into(rec, round0);
   run_lane<T, Op>(tp, algo, io.at(mine.offset), mine.count, p.lane_bytes, round);
   if (threadIdx.x == 0) p.rounds[lane] = round;
-  rec_end(rec, round + 1 - round0);
+  rec_end(p, rec, round + 1 - round0);
 }
 
 template <class T, class Op, class Peers>
@@ -64,12 +65,13 @@ __global__ void __launch_bounds__(512)
   HierTransport<Peers, Rail> tp(peers, rail, p, lane, slot_bytes);
   uint64_t round = p.rounds[lane];
   const uint64_t round0 = round + 1;
-  RecEntry* rec = lane == 0 && threadIdx.x == 0 ? rec_begin(p, round0) : nullptr;
+  __shared__ RecEntry s_rec;
+  RecEntry* rec = lane == 0 && threadIdx.x == 0 ? rec_begin(p, round0, &s_rec) : nullptr;
   run_lane_hierarchical<T, Op>(tp, in + mine.offset, out + mine.offset, mine.count, p.lane_bytes,
                                p.ranks_per_node, round);
   tp.finish();
   if (threadIdx.x == 0) p.rounds[lane] = round;
-  rec_end(rec, round + 1 - round0);
+  rec_end(p, rec, round + 1 - round0);
 }
 
 // one_shot over the LL protocol (transport.cuh). Purpose: the smallest latency for messages up
@@ -123,7 +125,8 @@ __device__ __forceinline__ void one_shot_ll_lane(const Peers& peers, const LaneP
   __syncthreads();
   const uint64_t round = s_round;
   // LL has no flags of its own to note: the recorder keeps the call's start and end
-  RecEntry* rec = lane == 0 && threadIdx.x == 0 ? rec_begin(p, round) : nullptr;
+  __shared__ RecEntry s_rec;
+  RecEntry* rec = lane == 0 && threadIdx.x == 0 ? rec_begin(p, round, &s_rec) : nullptr;
   const uint32_t flag = uint32_t(round);
   const int parity = int(round & 1);
   const size_t total = count * sizeof(T);
@@ -178,7 +181,7 @@ __device__ __forceinline__ void one_shot_ll_lane(const Peers& peers, const LaneP
   }
   if (threadIdx.x == 0) p.rounds[kMaxLanes + lane] = round;
   if (p.rec_ctl != nullptr) __syncthreads();  // the lane's end, for the recorder
-  rec_end(rec, 1);
+  rec_end(p, rec, 1);
 }
 
 template <class T, class Op, class Peers>

@@ -4,6 +4,7 @@
 // window and read with acquire semantics. No kernel includes nanobind, Python or XLA.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include <nccl.h>
@@ -103,29 +104,45 @@ struct TablePeers {
 // call starts (if recording is on: one load of a device word otherwise), notes each signal
 // and satisfied wait of lane 0 (rec_note, recorder.h), and closes it at the end; times are
 // %globaltimer ns. Calls of one rank are stream-ordered, so the counter needs no atomics.
-__device__ inline RecEntry* rec_begin(const LaneParams& p, uint64_t round0) {
-  if (p.rec_ctl == nullptr || *reinterpret_cast<volatile uint64_t*>(p.rec_ctl) == 0) return nullptr;
-  const uint64_t seq = p.rec_ctl[1] + 1;
+// A kernel keeps its entry in `local` (shared memory: notes cost no global-memory round
+// trip) and stores it into the ring when it ends; the copy-engine path, whose call spans
+// several kernels, writes the ring's entry in place (local = null).
+__device__ inline RecEntry* rec_begin(const LaneParams& p, uint64_t round0, RecEntry* local) {
+  if (p.rec_ctl == nullptr) return nullptr;
+  uint64_t on, calls;  // both control words in one load: one memory round trip
+  asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(on), "=l"(calls) : "l"(p.rec_ctl));
+  if (on == 0) return nullptr;
+  const uint64_t seq = calls + 1;
   p.rec_ctl[1] = seq;
-  RecEntry* e = p.rec_ring + (seq - 1) % p.rec_entries;
-  e->seq = 0;
+  RecEntry* e = local ? local : p.rec_ring + (seq - 1) % p.rec_entries;
+  if (!local) e->seq = 0;
   rec_open(*e, globaltimer_ns(), p.bytes, round0, p.rec_comm, p.group, p.rank, p.op, p.algorithm,
            p.dtype, 0);
   e->seq = seq;
   return e;
 }
-// The entry rec_begin opened for the call in progress, for the later kernels of a call made of
-// several (the copy-engine path); null if none is open.
+// The ring's entry of the call in progress, for the later kernels of a call made of several
+// (the copy-engine path); null if none is open.
 __device__ inline RecEntry* rec_current(const LaneParams& p) {
   if (p.rec_ctl == nullptr || p.rec_ctl[1] == 0) return nullptr;
   RecEntry* e = p.rec_ring + (p.rec_ctl[1] - 1) % p.rec_entries;
   return e->seq == p.rec_ctl[1] && e->status == kRecRunning ? e : nullptr;
 }
-__device__ inline void rec_end(RecEntry* e, uint64_t rounds) {
+// Closes entry e (of rec_begin or rec_current); a local one is stored into the ring, header
+// and the events it holds.
+__device__ inline void rec_end(const LaneParams& p, RecEntry* e, uint64_t rounds) {
   if (e == nullptr) return;
   e->rounds = uint32_t(rounds);
   e->status = kRecDone;
   e->t_end = globaltimer_ns();
+  RecEntry* g = p.rec_ring + (e->seq - 1) % p.rec_entries;
+  if (g == e) return;
+  constexpr size_t kHeader = offsetof(RecEntry, events);
+  static_assert(kHeader % 8 == 0 && sizeof(RecEvent) % 8 == 0, "8-byte copies");
+  const size_t words = (kHeader + size_t(e->nevents) * sizeof(RecEvent)) / 8;
+  const uint64_t* src = reinterpret_cast<const uint64_t*>(e);
+  uint64_t* dst = reinterpret_cast<uint64_t*>(g);
+  for (size_t i = 0; i < words; ++i) dst[i] = src[i];
 }
 
 __device__ inline void record_timeout(const LaneParams& p, int lane, int peer, int step,
