@@ -3,9 +3,10 @@
 # Uses the machine's own python3, nvcc, cmake and NCCL wheel; installs nothing. Logs and
 # results go under $OUT (default ./gpu_out).
 #
-#   bash scripts/gpu_run.sh test       native harness (N = 2, 3, 4, 8; GIN emulated; fault
-#                                      injection), compute-sanitizer, the GPU pytest suite and
-#                                      the 2-process GPU tests
+#   bash scripts/gpu_run.sh test       native harness (N = 2, 3, 4, 8; GIN emulated; copy
+#                                      engines; flight recorder; fault injection),
+#                                      compute-sanitizer, the GPU pytest suite and the
+#                                      2-process GPU tests
 #   bash scripts/gpu_run.sh record     the results of record: the op sweep (auto and lax, float32,
 #                                      4 KiB - 1 GiB) and the whole-step workloads
 #                                      (dp-train, tp-train, tp-decode, overlap at 256 and
@@ -53,6 +54,11 @@ harness() {
   log "harness, tiny chunks rc=$? $(tail -1 "$OUT/harness.log")"
   $H --ranks 4,8 --ranks-per-node 2,4 --dtypes f32,bf16,f16,i32,f64 --iters 3 >> "$OUT/harness.log" 2>&1
   log "harness, hierarchical (GIN emulated over P2P) rc=$? $(tail -1 "$OUT/harness.log")"
+  $H --ranks 2,3,4,8 --dtypes f32,bf16 --iters 2 --record 1 >> "$OUT/harness.log" 2>&1
+  log "harness, flight recorder on and checked rc=$? $(tail -1 "$OUT/harness.log")"
+  $H --ranks 2,3,4,8 --lane-bytes 4096 --algos copy_engine,two_shot,copy_engine,ring \
+    --counts 1,1001,300001,1000003 --dtypes f32,bf16 --ops sum,max --iters 2 >> "$OUT/harness.log" 2>&1
+  log "harness, copy engines over several rounds rc=$? $(tail -1 "$OUT/harness.log")"
   $H --ranks 2 --counts 1000 --algos one_shot --dtypes f32 --ops sum --iters 1 --timeout-s 1 \
     --fault-rank 1 >> "$OUT/harness.log" 2>&1
   log "fault injection rc=$? (3 expected): $(grep -m1 'timed out' "$OUT/harness.log")"
