@@ -275,13 +275,16 @@ class _Bootstrap:
 
 
 def group_workspaces(layout, procs: list, me: int, lane_bytes: int, key, generation: int,
-                     timeout_s: float, what: str, record_entries: int = 64) -> list:
+                     timeout_s: float, what: str, record_entries: int = 64,
+                     settings: dict | None = None) -> list:
     """One Workspace per group of `layout` (None where no rank runs in this process).
 
     procs[logical id] is the process that runs that device; `me` is this process. Groups that
     live in this process alone get private memory; groups that span processes get a shared
     segment, set up collectively with the other processes of those groups. Every process of
-    a group must pass the same `record_entries` (the flight recorder's ring per rank).
+    a group must pass the same `lane_bytes` and `record_entries` (the segment's layout):
+    `settings` ({variable: value}) names them; the segment's creator publishes it beside the
+    segment's name, and the others compare and raise a ValueError naming the difference.
     """
     ngroups, nranks = layout.ngroups, layout.nranks
     proc_of, spanning = _process_map(layout, procs)
@@ -319,6 +322,8 @@ def group_workspaces(layout, procs: list, me: int, lane_bytes: int, key, generat
             name = segment_name(token, tag, g)
             shared[g] = _native.cpu.Workspace.create(name, nranks, lane_bytes, record_entries)
             shared[g].join([r for r in range(nranks) if proc_of[g][r] == me], me)
+            # the settings first: a reader that has the name finds them
+            _kv(doing, client.key_value_set, f"{prefix}/settings/g{g}", json.dumps(settings or {}))
             _kv(doing, client.key_value_set, f"{prefix}/g{g}", name)
         # 3. map the others' segments
         for g in mine:
@@ -327,10 +332,13 @@ def group_workspaces(layout, procs: list, me: int, lane_bytes: int, key, generat
             expected = segment_name(token, tag, g)
             try:
                 name = _kv(doing, client.blocking_key_value_get, f"{prefix}/g{g}", _ms(deadline))
+                theirs = json.loads(_kv(doing, client.blocking_key_value_get,
+                                        f"{prefix}/settings/g{g}", _ms(deadline)))
             except _Deadline:
                 # The creator may have died between creating and publishing: drop its name.
                 _native.cpu.shm_unlink(expected)
                 raise missing_error({proc_of[g][0]}) from None
+            check_same_settings(settings or {}, theirs, proc_of[g][0], what)
             if name != expected:
                 raise RuntimeError(f"jax_gin: process {proc_of[g][0]} published segment "
                                    f"{name!r} for group {g}, expected {expected!r}")

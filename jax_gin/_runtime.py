@@ -328,9 +328,10 @@ def communicator(platform: str, mesh, axes: tuple) -> int:
            settings.fault_rank)
     if platform == "cpu":
         key += (settings.fault_mode, settings.record_entries)
-    # The GPU launch settings select the cached communicator too, but stay out of `key`, which
-    # names the communicator's set-up across processes (_distributed.communicator_tag): the
-    # processes of a group meet there and then compare them, naming any difference.
+    # The settings select the cached communicator, but stay out of `meet`, which names the
+    # communicator's set-up across processes (_distributed.communicator_tag): the processes of
+    # a group meet there and then compare the settings that must agree, naming any difference.
+    meet = (platform, device_ids, names, sizes, tuple(axes))
     cache_key = key if platform == "cpu" else key + (tuple(gpu_launch_kwargs().items()),)
     _distributed.check_initialized(len({d.process_index for d in devices}))
     with _lock:
@@ -339,12 +340,19 @@ def communicator(platform: str, mesh, axes: tuple) -> int:
             return comm
         layout = group_layout(names, sizes, tuple(axes))
         if platform == "cpu":
-            comm = _create_cpu_comm(mesh, devices, layout, ws, key)
+            comm = _create_cpu_comm(mesh, devices, layout, ws, meet)
         else:
-            comm = _create_cuda_comm(mesh, layout, ws, key)
+            comm = _create_cuda_comm(mesh, layout, ws, meet)
             gpu_comm_devices[comm] = (tuple(int(d.id) for d in devices), layout)
         _cache[cache_key] = comm
         return comm
+
+
+def cpu_group_settings(workspace_bytes: int) -> dict:
+    """What must be equal in every process of a CPU group (checked at bootstrap): they decide
+    its shared workspace's layout."""
+    return {_RULES["cpu_workspace_bytes"][0]: int(workspace_bytes),
+            _RULES["record_entries"][0]: int(settings.record_entries)}
 
 
 def _create_cpu_comm(mesh, devices, layout: GroupLayout, ws: int, key) -> int:
@@ -358,7 +366,7 @@ def _create_cpu_comm(mesh, devices, layout: GroupLayout, ws: int, key) -> int:
                 f"({len(set(procs))} processes)")
         workspaces = _distributed.group_workspaces(
             layout, procs, jax.process_index(), ws, key, generation, settings.timeout_s, what,
-            settings.record_entries)
+            settings.record_entries, cpu_group_settings(ws))
     comm = _native.cpu.cpu_comm_create(
         layout.nranks, list(layout.group_of), list(layout.rank_of), ws, settings.timeout_s,
         settings.fault_rank, workspaces, _FAULT_MODES[settings.fault_mode], settings.record_entries)

@@ -1,6 +1,11 @@
 """python -m jax_gin.doctor: whether jax_gin runs correctly on this machine, and if not, why.
 
     python -m jax_gin.doctor [--quick] [--sizes 1K,1M] [--json PATH]
+                             [--coordinator HOST:PORT --num-processes N --process-id I]
+
+With --coordinator, run it in every process of a job: it joins them (jax.distributed) and
+the self-test runs over every process's devices, so that settings that differ between the
+processes, or a process that cannot reach the others, fail the check.
 
 It prints five sections, then the verdict:
   versions    python, jax, jaxlib, jax_gin; on GPUs the NCCL loaded at run time and the NCCL
@@ -264,11 +269,22 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="the self-test at the first size only, one timed call each")
     p.add_argument("--json", metavar="PATH", help="also write the facts and verdict as JSON")
+    p.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="one process of a multi-process job: jax.distributed.initialize with "
+                        "this coordinator, --num-processes and --process-id; the self-test then "
+                        "runs over every process's devices (run the doctor in every process)")
+    p.add_argument("--num-processes", type=int, default=1)
+    p.add_argument("--process-id", type=int, default=0)
     args = p.parse_args(argv)
     invalid = invalid_settings()  # before anything reads the settings
     r = Report()
+    if args.coordinator:
+        if jax.config.jax_platforms in (None, "", "cpu") and not os.environ.get("JAX_PLATFORMS", "").startswith("cuda"):
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")  # lax.psum across processes
+        jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
+                                   process_id=args.process_id)
     try:
-        devices = jax.local_devices()
+        devices = jax.devices() if args.coordinator else jax.local_devices()
     except RuntimeError as e:
         devices = []
         r.fail(f"JAX found no devices: {e}", "check JAX_PLATFORMS and the jax install")

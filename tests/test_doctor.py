@@ -108,3 +108,22 @@ def test_nvls_is_only_reported_on_cpu():
     assert done.returncode == 0, done.stdout + done.stderr
     assert "NCCL_NVLS_ENABLE 1 (reported only: CPU backend)" in done.stdout
     assert done.stdout.rstrip().splitlines()[-1] == "PASS"
+
+
+def test_settings_that_differ_across_processes():
+    """Two processes of one job (--coordinator), whose workspaces differ: the doctor fails, and
+    the process that finds the difference names it."""
+    from multiproc import clean_env, free_port
+    port = free_port()
+    procs = []
+    for i, ws in enumerate((1 << 20, 2 << 20)):
+        env = clean_env(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+                        JAX_GIN_WORKSPACE_BYTES=str(ws), JAX_GIN_TIMEOUT_S="3")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "jax_gin.doctor", "--quick", "--coordinator",
+             f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=150)[0] for p in procs]
+    assert [p.returncode for p in procs] == [1, 1], outs
+    assert "JAX_GIN_WORKSPACE_BYTES=2097152 here but 1048576 in process 0" in outs[1], outs[1]
+    assert "FAIL:" in outs[0] and "FAIL:" in outs[1]
