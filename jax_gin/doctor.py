@@ -37,6 +37,7 @@ import dataclasses
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import time
@@ -86,7 +87,8 @@ def _command(args: list, timeout: float = 10.0) -> str | None:
         done = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return done.stdout.strip() if done.returncode == 0 else None
+    # nvidia-smi underlines its header with terminal escape codes even into a pipe
+    return re.sub(r"\x1b\[[0-9;]*m", "", done.stdout).strip() if done.returncode == 0 else None
 
 
 def _nccl_version(code: int) -> str:
