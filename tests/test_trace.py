@@ -21,6 +21,8 @@ _timeouts = itertools.count()
 def test_trace_every_algorithm(monkeypatch, tmp_path, size):
     # a timeout of its own: communicators of its own
     monkeypatch.setattr(_runtime.settings, "timeout_s", 25.0 + 0.001 * next(_timeouts))
+    if ndev() < 2:
+        pytest.skip("a group of one rank only copies: no phases to trace")
     gpu = jax.default_backend() != "cpu"
     x = exact_input((size,), ndev(), "float32")
     calls = [(api, algo) for api in ("psum", "pmax", "pmin") for algo in jax_gin.ALGORITHMS]
