@@ -28,11 +28,10 @@ __device__ __forceinline__ void allreduce_lane(const Peers& peers, const LanePar
   const uint64_t round0 = round + 1;
   __shared__ RecEntry s_rec;  // lane 0's recorder entry while the call runs
   RecEntry* rec = lane == 0 && threadIdx.x == 0 ? rec_begin(p, round0, &s_rec) : nullptr;
-  const uint64_t c0 = rec ? clock64() : 0;
   tp.record_into(rec, round0);
   run_lane<T, Op>(tp, algo, io.at(mine.offset), mine.count, p.lane_bytes, round);
   if (threadIdx.x == 0) p.rounds[lane] = round;
-  rec_end(p, rec, round + 1 - round0, c0);
+  rec_end(p, rec, round + 1 - round0);
 }
 
 template <class T, class Op, class Peers>

@@ -129,23 +129,12 @@ __device__ inline RecEntry* rec_current(const LaneParams& p) {
   return e->seq == p.rec_ctl[1] && e->status == kRecRunning ? e : nullptr;
 }
 // Closes entry e (of rec_begin or rec_current); a local one is stored into the ring, header
-// and the events it holds. `c0` > 0: the events were stamped with this SM's clock64 (cheap to
-// read, unlike %globaltimer), c0 read right after t_start; they are mapped onto the global
-// timer linearly between the entry's start and end.
-__device__ inline void rec_end(const LaneParams& p, RecEntry* e, uint64_t rounds, uint64_t c0 = 0) {
+// and the events it holds.
+__device__ inline void rec_end(const LaneParams& p, RecEntry* e, uint64_t rounds) {
   if (e == nullptr) return;
   e->rounds = uint32_t(rounds);
   e->status = kRecDone;
   e->t_end = globaltimer_ns();
-  if (c0 > 0) {
-    const uint64_t c1 = clock64();
-    const double ns_per_tick = c1 > c0 ? double(e->t_end - e->t_start) / double(c1 - c0) : 0.0;
-    for (int i = 0; i < e->nevents; ++i) {
-      RecEvent& ev = e->events[i];
-      ev.t_first = e->t_start + uint64_t(double(ev.t_first - c0) * ns_per_tick);
-      ev.t_last = e->t_start + uint64_t(double(ev.t_last - c0) * ns_per_tick);
-    }
-  }
   RecEntry* g = p.rec_ring + (e->seq - 1) % p.rec_entries;
   if (g == e) return;
   constexpr size_t kHeader = offsetof(RecEntry, events);
@@ -256,8 +245,7 @@ class GpuTransport {
   }
 
   __device__ size_t chunk_bytes() const { return p_.chunk_bytes; }
-  // Lane 0's thread 0 notes its signals and satisfied waits into `e` (rounds from round0),
-  // stamped with clock64 (rec_end maps them onto the global timer).
+  // Lane 0's thread 0 notes its signals and satisfied waits into `e` (rounds from round0).
   __device__ void record_into(RecEntry* e, uint64_t round0) { rec_ = e, rec_round0_ = round0; }
   __device__ void sync() const { __syncthreads(); }
 
@@ -320,7 +308,7 @@ class GpuTransport {
       uint64_t* f = reinterpret_cast<uint64_t*>(peers_.base(peer) + p_.flags_offset) +
                     flag_index(lane_, p_.rank, kind, p_.nranks);
       st_release_sys(f, value);
-      if (rec_) rec_note(*rec_, kind == kCredit ? kRecCredit : kRecSend, step, peer, value, rec_round0_, clock64());
+      if (rec_) rec_note(*rec_, kind == kCredit ? kRecCredit : kRecSend, step, peer, value, rec_round0_, globaltimer_ns());
     }
   }
 
@@ -341,7 +329,7 @@ class GpuTransport {
           }
         }
       }
-      if (rec_) rec_note(*rec_, kind == kCredit ? kRecCreditWait : kRecWait, step, peer, value, rec_round0_, clock64());
+      if (rec_) rec_note(*rec_, kind == kCredit ? kRecCreditWait : kRecWait, step, peer, value, rec_round0_, globaltimer_ns());
     }
     __syncthreads();
     return true;
