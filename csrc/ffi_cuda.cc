@@ -167,8 +167,8 @@ ffi::Error CudaAllReduceDoneImpl(cudaStream_t stream, int32_t device, ffi::Buffe
 }
 
 
-// psum_add_rmsnorm: the all-reduce of x into new_residual, then the epilogue kernel, both on
-// XLA's stream (one call, two launches).
+// psum_add_rmsnorm: with one_shot over LL, one kernel (launch_add_rmsnorm_ll); otherwise the
+// all-reduce of x into new_residual, then the epilogue kernel, both on XLA's stream.
 ffi::Error CudaAddRmsNormImpl(cudaStream_t stream, int32_t device,
                               ffi::Buffer<ffi::U32> partition_id, ffi::Buffer<ffi::U32> order_in,
                               ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer weight,
@@ -190,6 +190,15 @@ ffi::Error CudaAddRmsNormImpl(cudaStream_t stream, int32_t device,
   const gpu::RankState* st = nullptr;
   if (ffi::Error err = rank_state(comm, device, algorithm, &st); err.failure()) return err;
   const gpu::PeerAccess peers{st->win, nullptr, hier ? &st->devcomm : nullptr};
+  // one_shot over LL: the sum, the add and the norm in one kernel where the rows fit it
+  if (Algorithm(algorithm) == Algorithm::kOneShot) {
+    const cudaError_t e = gpu::launch_add_rmsnorm_ll(
+        peers, st->cfg, dtype, x.untyped_data(), residual.untyped_data(),
+        new_residual->untyped_data(), weight.untyped_data(), normed->untyped_data(), rows, d, eps,
+        stream);
+    if (e == cudaSuccess) return ffi::Error::Success();
+    if (e != cudaErrorNotSupported) return cuda_error("kernel launch failed", e);
+  }
   Segment seg{0, x.element_count(), x.untyped_data(), new_residual->untyped_data()};
   if (cudaError_t e = gpu::launch_allreduce(peers, st->cfg, dtype, RedOp::kSum,
                                             Algorithm(algorithm), &seg, 1, stream))

@@ -1,24 +1,13 @@
 // The epilogue of psum_add_rmsnorm on the GPU: after the all-reduce has written the sum into
-// new_residual, one CTA per row adds the residual and normalizes the row (norm.h). The
-// squares of a row are summed in one fixed order (per thread in column order, then a
-// butterfly over each warp and over the warps), so every rank computes the same bits.
+// new_residual, one CTA per row adds the residual and normalizes the row (norm_row.cuh).
 #include "kernels.h"
-#include "device_types.cuh"
-
-#include "jax_gin/norm.h"
+#include "norm_row.cuh"
 
 #include <climits>
 
 namespace jax_gin {
 namespace gpu {
 namespace {
-
-constexpr int kNormThreads = 256;
-
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;
-}
 
 template <class T>
 __global__ void __launch_bounds__(kNormThreads)
@@ -28,22 +17,9 @@ add_rmsnorm_kernel(const T* __restrict__ res, T* nr, const T* __restrict__ w,
   res += row * d;
   nr += row * d;
   out += row * d;
-  float acc = 0.0f;
-  for (size_t i = threadIdx.x; i < d; i += kNormThreads) {
-    const T v = add_residual(res[i], nr[i]);
-    nr[i] = v;
-    const float r = Widen<T>::up(v);
-    acc += r * r;
-  }
-  __shared__ float part[kNormThreads / 32];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  acc = warp_sum(acc);
-  if (lane == 0) part[warp] = acc;
-  __syncthreads();
-  acc = warp_sum(lane < kNormThreads / 32 ? part[lane] : 0.0f);
-  const float inv = inv_rms(acc, d, eps);
-  // each thread reads back only the elements it wrote above
-  for (size_t i = threadIdx.x; i < d; i += kNormThreads) out[i] = scale(Widen<T>::up(nr[i]), inv, w[i]);
+  // each thread reads back, in norm_row, only the elements it writes here
+  for (size_t i = threadIdx.x; i < d; i += kNormThreads) nr[i] = add_residual(res[i], nr[i]);
+  norm_row(nr, w, out, d, eps);
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 // Algorithm "copy_engine" runs the copy-engine path of asynchronous calls (copy_engine.cu),
 // whose reduction uses at most --max-lanes CTAs (--ce-serial 1: all on one stream); its rounds share lane 0's flags with the
 // other algorithms', which the default list interleaves.
+// --add-rmsnorm 1 checks psum_add_rmsnorm's one-kernel LL path against its two-kernel form.
 // --record 1 turns each rank's flight recorder on and checks its entries after each rank count.
 // --dtypes takes the short names of JAX_GIN_DTYPES (common.h): f32, f64, bf16, f16, i32, i64,
 // u32 (unsigned types get inputs 0..14, the others -7..7).
@@ -143,6 +144,92 @@ struct Layout {
   std::vector<std::string> algos;
 };
 
+// --add-rmsnorm 1: psum_add_rmsnorm's one-kernel LL path (launch_add_rmsnorm_ll) against its
+// two-kernel composition (one_shot, then launch_add_rmsnorm), bit for bit on every rank, and
+// the normed rows equal across ranks. Returns the number of failures (printed).
+long check_add_rmsnorm(std::vector<Rank>& rk, int N, size_t lane_bytes, double timeout_s,
+                       const std::vector<std::string>& dtypes) {
+  struct Shape { size_t rows, d; };
+  const Shape shapes[] = {{8, 4096}, {3, 1000}, {32, 1024}, {1, 7}, {5, 2048}};
+  long failures = 0;
+  for (const auto& ds : dtypes) {
+    const DT* dt = nullptr;
+    for (const auto& x : kDTypes) if (ds == x.name) dt = &x;
+    if (!dt || !(dt->dt == DType::kF32 || dt->dt == DType::kBF16 || dt->dt == DType::kF16)) continue;
+    for (const Shape& sh : shapes) {
+      const size_t n = sh.rows * sh.d, bytes = n * dt->size;
+      if (sh.d * dt->size > 8192) continue;  // a row larger than an LL lane: not this path
+      std::mt19937 gen(unsigned(n * 7 + N));
+      std::vector<char> host(bytes), res(bytes), w(sh.d * dt->size);
+      for (size_t i = 0; i < n; ++i) encode(dt->dt, double(int(gen() % 15) - 7), res.data() + i * dt->size);
+      for (size_t i = 0; i < sh.d; ++i) encode(dt->dt, double(int(gen() % 7) - 3), w.data() + i * dt->size);
+      struct Bufs { void *x, *res, *w, *nr1, *out1, *nr2, *out2; };
+      std::vector<Bufs> b(N);
+      std::vector<gpu::LaunchConfig> cfg(N);
+      for (int r = 0; r < N; ++r) {
+        CK(cudaSetDevice(rk[r].dev));
+        for (void** q : {&b[r].x, &b[r].res, &b[r].nr1, &b[r].out1, &b[r].nr2, &b[r].out2}) CK(cudaMalloc(q, bytes));
+        CK(cudaMalloc(&b[r].w, sh.d * dt->size));
+        for (size_t i = 0; i < n; ++i) encode(dt->dt, double(int(gen() % 15) - 7), host.data() + i * dt->size);
+        CK(cudaMemcpy(b[r].x, host.data(), bytes, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(b[r].res, res.data(), bytes, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(b[r].w, w.data(), sh.d * dt->size, cudaMemcpyHostToDevice));
+        gpu::LaunchConfig& c = cfg[r];
+        c.rank = r;
+        c.nranks = N;
+        gpu::set_window_layout(c, N, lane_bytes, 0);
+        c.rounds = rk[r].rounds;
+        c.diag = rk[r].diag_dev;
+        c.timeout_ns = uint64_t(timeout_s * 1e9);
+      }
+      const float eps = 1e-6f;
+      bool supported = true;
+      for (int r = 0; r < N; ++r) {  // every rank before any is synchronized
+        CK(cudaSetDevice(rk[r].dev));
+        const cudaError_t e = gpu::launch_add_rmsnorm_ll(gpu::PeerAccess{nullptr, rk[r].table}, cfg[r], dt->dt,
+                                                         b[r].x, b[r].res, b[r].nr1, b[r].w, b[r].out1,
+                                                         sh.rows, sh.d, eps, rk[r].stream);
+        if (e == cudaErrorNotSupported) { supported = false; break; }
+        CK(e);
+      }
+      bool ok = supported;
+      if (supported) {
+        for (int r = 0; r < N; ++r) {
+          CK(cudaSetDevice(rk[r].dev));
+          CK(gpu::launch_allreduce(gpu::PeerAccess{nullptr, rk[r].table}, cfg[r], dt->dt, RedOp::kSum,
+                                   Algorithm::kOneShot, b[r].x, b[r].nr2, n, rk[r].stream));
+        }
+        for (int r = 0; r < N; ++r) {
+          CK(cudaSetDevice(rk[r].dev));
+          CK(gpu::launch_add_rmsnorm(dt->dt, b[r].res, b[r].nr2, b[r].w, b[r].out2, sh.rows, sh.d, eps,
+                                     rk[r].stream));
+        }
+        std::vector<char> a(bytes), c(bytes), first(bytes);
+        for (int r = 0; r < N; ++r) {
+          CK(cudaSetDevice(rk[r].dev));
+          CK(cudaStreamSynchronize(rk[r].stream));
+          CK(cudaMemcpy(a.data(), b[r].nr1, bytes, cudaMemcpyDeviceToHost));
+          CK(cudaMemcpy(c.data(), b[r].nr2, bytes, cudaMemcpyDeviceToHost));
+          ok = ok && std::memcmp(a.data(), c.data(), bytes) == 0;
+          CK(cudaMemcpy(a.data(), b[r].out1, bytes, cudaMemcpyDeviceToHost));
+          CK(cudaMemcpy(c.data(), b[r].out2, bytes, cudaMemcpyDeviceToHost));
+          ok = ok && std::memcmp(a.data(), c.data(), bytes) == 0;
+          if (r == 0) first = a;
+          ok = ok && std::memcmp(a.data(), first.data(), bytes) == 0;
+        }
+      }
+      for (int r = 0; r < N; ++r) {
+        CK(cudaSetDevice(rk[r].dev));
+        for (void* q : {b[r].x, b[r].res, b[r].w, b[r].nr1, b[r].out1, b[r].nr2, b[r].out2}) cudaFree(q);
+      }
+      std::printf("%s add_rmsnorm ranks=%d dtype=%s rows=%zu d=%zu%s\n", ok ? "ok" : "FAIL", N, dt->name,
+                  sh.rows, sh.d, supported ? "" : " (one-kernel path not taken)");
+      if (!ok) ++failures;
+    }
+  }
+  return failures;
+}
+
 int main(int argc, char** argv) {
   // Ranks that share a GPU spin on each other's work: with more streams than the device's
   // hardware queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default), one rank's work can queue
@@ -161,6 +248,7 @@ int main(int argc, char** argv) {
   int time_graph = 0;
   int ce_serial = 0;  // --ce-serial 1: copy_engine without its second stream
   int record = 0;     // --record 1: the flight recorder on, checked after each rank count
+  int add_rmsnorm = 0;  // --add-rmsnorm 1: psum_add_rmsnorm's one-kernel path, after each rank count
   size_t lane_bytes = 256 << 10;
   size_t ll_max_bytes = gpu::LaunchConfig().ll_max_bytes;
   size_t chunk_bytes = gpu::LaunchConfig().chunk_bytes;
@@ -187,6 +275,7 @@ int main(int argc, char** argv) {
     else if (k == "--chunk-bytes") chunk_bytes = std::strtoull(v.c_str(), nullptr, 10);
     else if (k == "--ce-serial") ce_serial = std::atoi(v.c_str());
     else if (k == "--record") record = std::atoi(v.c_str());
+    else if (k == "--add-rmsnorm") add_rmsnorm = std::atoi(v.c_str());
     else if (k == "--lane-grain") lane_grain = std::strtoull(v.c_str(), nullptr, 10);
     else if (k == "--one-shot-chunk-bytes") one_shot_chunk = std::strtoull(v.c_str(), nullptr, 10), one_shot_chunk_set = true;
     else { std::fprintf(stderr, "unknown flag %s\n", k.c_str()); return 2; }
@@ -464,6 +553,11 @@ int main(int argc, char** argv) {
       failures += bad;
       ++cases;
       std::printf("ranks=%d: recorder %s (%ld calls per rank)\n", N, bad ? "FAILED" : "ok", rk[0].calls);
+    }
+    if (add_rmsnorm) {
+      const long bad = check_add_rmsnorm(rk, N, lane_bytes, timeout_s, dtypes_s);
+      failures += bad;
+      ++cases;
     }
     std::printf("ranks=%d: done\n", N);
     for (auto& R : rk) {

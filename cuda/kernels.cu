@@ -41,6 +41,11 @@ template <class T>
 cudaError_t table_occupancy(Algorithm algo, int threads, int* per_sm);
 template <class T>
 cudaError_t preload_ce_type();
+template <class T, class Peers>
+cudaError_t launch_ll_add_rmsnorm(const Peers& peers, const LaneParams& p, int lanes,
+                                  const void* x, const void* res, void* nr, const void* w,
+                                  void* out, size_t rows, size_t d, size_t rows_per_lane,
+                                  float eps, cudaStream_t s);
 cudaError_t preload_copy_engine();  // copy_engine.cu
 
 LaneParams lane_params(const LaunchConfig& cfg, RedOp op, Algorithm algo);
@@ -219,6 +224,31 @@ cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, D
   return with_type(dtype, [&](auto t) {
     return launch_multi_op<typename decltype(t)::type>(op, NcclPeers{peers.win}, p, lanes, cfg.threads,
                                                        algo, table, count, stream);
+  });
+}
+
+cudaError_t launch_add_rmsnorm_ll(const PeerAccess& peers, const LaunchConfig& cfg, DType dtype,
+                                  const void* x, const void* residual, void* new_residual,
+                                  const void* weight, void* normed, size_t rows, size_t d,
+                                  float eps, cudaStream_t stream) {
+  const size_t row_bytes = d * dtype_size(dtype), bytes = rows * row_bytes;
+  if (rows == 0 || d == 0 || row_bytes > kLLLanePayload || !use_ll(cfg, Algorithm::kOneShot, bytes))
+    return cudaErrorNotSupported;
+  const size_t rows_per_lane = kLLLanePayload / row_bytes;
+  const size_t lanes = (rows + rows_per_lane - 1) / rows_per_lane;
+  if (lanes > size_t(kLLMaxLanes)) return cudaErrorNotSupported;
+  LaneParams p = lane_params(cfg, RedOp::kSum, Algorithm::kOneShot);
+  p.dtype = int32_t(dtype);
+  p.bytes = bytes;
+  p.ll = 1;
+  return with_type(dtype, [&](auto t) {
+    using T = typename decltype(t)::type;
+    if (peers.table != nullptr)
+      return launch_ll_add_rmsnorm<T>(TablePeers{peers.table}, p, int(lanes), x, residual,
+                                      new_residual, weight, normed, rows, d, rows_per_lane, eps,
+                                      stream);
+    return launch_ll_add_rmsnorm<T>(NcclPeers{peers.win}, p, int(lanes), x, residual, new_residual,
+                                    weight, normed, rows, d, rows_per_lane, eps, stream);
   });
 }
 

@@ -148,6 +148,15 @@ int default_max_lanes(int device);
 cudaError_t launch_add_rmsnorm(DType dtype, const void* residual, void* new_residual,
                                const void* weight, void* normed, size_t rows, size_t d, float eps,
                                cudaStream_t stream);
+// psum_add_rmsnorm of x (rows x d) in one one_shot kernel over the LL protocol: the sum, the
+// residual add and the norm (norm_row.cuh), the same bits as launch_allreduce (one_shot) then
+// launch_add_rmsnorm. cudaErrorNotSupported where it does not apply (one_shot would not take
+// LL, a row is larger than an LL lane's 8 KiB, or the rows need more than its 32 lanes): the
+// caller then runs those two.
+cudaError_t launch_add_rmsnorm_ll(const PeerAccess& peers, const LaunchConfig& cfg, DType dtype,
+                                  const void* x, const void* residual, void* new_residual,
+                                  const void* weight, void* normed, size_t rows, size_t d,
+                                  float eps, cudaStream_t stream);
 
 }  // namespace gpu
 }  // namespace jax_gin

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "kernels.h"
+#include "norm_row.cuh"
 #include "transport.cuh"
 
 #include "jax_gin/message.h"
@@ -116,72 +117,131 @@ __device__ __forceinline__ void ll_write(const Segmented<T>& io, size_t b, size_
   ll_store8(static_cast<char*>(g.out), (b - g.start * sizeof(T)) / 8, g.count * sizeof(T), v);
 }
 
-template <class T, class Op, class Peers, class IO>
-__device__ __forceinline__ void one_shot_ll_lane(const Peers& peers, const LaneParams& p,
-                                                 const IO& io, size_t count) {
-  const int lane = blockIdx.x, r = p.rank, N = p.nranks;
+// Line i (8 bytes, `mine`) of lane `lane` in an LL round: pushes it, tagged with the round's
+// flag, to every peer, then reduces the N ranks' lines in rank order, polling for the peers'
+// ones; accumulates in the wide type (float for 16-bit floats) and rounds once.
+template <class T, class Op, class Peers>
+__device__ __forceinline__ uint64_t ll_reduce_line(const Peers& peers, const LaneParams& p, int lane,
+                                                   size_t i, uint64_t mine, uint64_t round) {
+  const int r = p.rank, N = p.nranks;
+  const uint32_t flag = uint32_t(round);
+  const int parity = int(round & 1);
+  const uint64_t hi = uint64_t(flag) << 32;
+  constexpr int E = 8 / sizeof(T);
+  if (r != p.fault_rank) {
+    for (int k = 1; k < N; ++k) {
+      const int q = (r + k) % N;
+      uint64_t* dst = reinterpret_cast<uint64_t*>(peers.base(q) + p.ll_offset +
+                                                  ll_slot_offset(parity, lane, r, N)) + 2 * i;
+      st_volatile_v2(dst, hi | (mine & 0xffffffffull), hi | (mine >> 32));
+    }
+  }
+  using Wd = Widen<T>;
+  typename Wd::type acc[E];
+  union { uint64_t u; T e[E]; } x;
+  for (int q = 0; q < N; ++q) {
+    if (q == r) {
+      x.u = mine;
+    } else {
+      const uint64_t* src = reinterpret_cast<const uint64_t*>(
+          peers.base(r) + p.ll_offset + ll_slot_offset(parity, lane, q, N)) + 2 * i;
+      uint64_t a, b;
+      ld_volatile_v2(src, a, b);
+      if ((a >> 32) != flag || (b >> 32) != flag) {
+        const uint64_t start = globaltimer_ns();
+        for (uint32_t spins = 1;; ++spins) {
+          ld_volatile_v2(src, a, b);
+          if ((a >> 32) == flag && (b >> 32) == flag) break;
+          if ((spins & 1023u) == 0 && globaltimer_ns() - start > p.timeout_ns) {
+            record_timeout(p, lane, q, 0, round, flag, (a >> 32) != flag ? (a >> 32) : (b >> 32));
+            __trap();
+          }
+        }
+      }
+      x.u = (a & 0xffffffffull) | (b << 32);
+    }
+#pragma unroll
+    for (int j = 0; j < E; ++j) acc[j] = q == 0 ? Wd::up(x.e[j]) : Op::apply(acc[j], Wd::up(x.e[j]));
+  }
+#pragma unroll
+  for (int j = 0; j < E; ++j) x.e[j] = Wd::down(acc[j]);
+  return x.u;
+}
+
+// The LL round number of lane `lane` for this call, read by thread 0 and shared.
+__device__ __forceinline__ uint64_t ll_round(const LaneParams& p, int lane) {
   __shared__ uint64_t s_round;
   if (threadIdx.x == 0) s_round = p.rounds[kMaxLanes + lane] + 1;
   __syncthreads();
-  const uint64_t round = s_round;
+  return s_round;
+}
+
+template <class T, class Op, class Peers, class IO>
+__device__ __forceinline__ void one_shot_ll_lane(const Peers& peers, const LaneParams& p,
+                                                 const IO& io, size_t count) {
+  const int lane = blockIdx.x;
+  const uint64_t round = ll_round(p, lane);
   // LL has no flags of its own to note: the recorder keeps the call's start and end
   __shared__ RecEntry s_rec;
   RecEntry* rec = lane == 0 && threadIdx.x == 0 ? rec_begin(p, round, &s_rec) : nullptr;
-  const uint32_t flag = uint32_t(round);
-  const int parity = int(round & 1);
   const size_t total = count * sizeof(T);
   const size_t lo = size_t(lane) * kLLLanePayload;
   const size_t nbytes = total > lo ? (total - lo < kLLLanePayload ? total - lo : kLLLanePayload) : 0;
   const size_t nlines = (nbytes + 7) / 8;
-  const uint64_t hi = uint64_t(flag) << 32;
-  constexpr int E = 8 / sizeof(T);
   for (size_t i = threadIdx.x; i < nlines; i += blockDim.x) {
-    const uint64_t mine = ll_read(io, lo + 8 * i, total);
-    // step 0: push my line, tagged with the round's flag, to every peer
-    if (r != p.fault_rank) {
-      for (int k = 1; k < N; ++k) {
-        const int q = (r + k) % N;
-        uint64_t* dst = reinterpret_cast<uint64_t*>(peers.base(q) + p.ll_offset +
-                                                    ll_slot_offset(parity, lane, r, N)) + 2 * i;
-        st_volatile_v2(dst, hi | (mine & 0xffffffffull), hi | (mine >> 32));
-      }
-    }
-    // reduce the N lines in rank order, polling for the peers' ones; accumulate in the wide
-    // type (float for 16-bit floats) and round once
-    using Wd = Widen<T>;
-    typename Wd::type acc[E];
-    union { uint64_t u; T e[E]; } x;
-    for (int q = 0; q < N; ++q) {
-      if (q == r) {
-        x.u = mine;
-      } else {
-        const uint64_t* src = reinterpret_cast<const uint64_t*>(
-            peers.base(r) + p.ll_offset + ll_slot_offset(parity, lane, q, N)) + 2 * i;
-        uint64_t a, b;
-        ld_volatile_v2(src, a, b);
-        if ((a >> 32) != flag || (b >> 32) != flag) {
-          const uint64_t start = globaltimer_ns();
-          for (uint32_t spins = 1;; ++spins) {
-            ld_volatile_v2(src, a, b);
-            if ((a >> 32) == flag && (b >> 32) == flag) break;
-            if ((spins & 1023u) == 0 && globaltimer_ns() - start > p.timeout_ns) {
-              record_timeout(p, lane, q, 0, round, flag, (a >> 32) != flag ? (a >> 32) : (b >> 32));
-              __trap();
-            }
-          }
-        }
-        x.u = (a & 0xffffffffull) | (b << 32);
-      }
-#pragma unroll
-      for (int j = 0; j < E; ++j) acc[j] = q == 0 ? Wd::up(x.e[j]) : Op::apply(acc[j], Wd::up(x.e[j]));
-    }
-#pragma unroll
-    for (int j = 0; j < E; ++j) x.e[j] = Wd::down(acc[j]);
-    ll_write(io, lo + 8 * i, total, x.u);
+    const uint64_t sum = ll_reduce_line<T, Op>(peers, p, lane, i, ll_read(io, lo + 8 * i, total), round);
+    ll_write(io, lo + 8 * i, total, sum);
   }
   if (threadIdx.x == 0) p.rounds[kMaxLanes + lane] = round;
   if (p.rec_ctl != nullptr) __syncthreads();  // the lane's end, for the recorder
   rec_end(p, rec, 1);
+}
+
+// psum_add_rmsnorm in one kernel over the LL protocol (norm.h, norm_row.cuh): lane l owns rows
+// [l * rows_per_lane, ...) of x, whose bytes fit one LL lane's payload; it sums each line of
+// them over the ranks, adds the residual into new_residual, then normalizes its rows exactly
+// as the epilogue kernel does (fused_norm.cu), so that the results are the same bits.
+template <class T, class Peers>
+__global__ void __launch_bounds__(512)
+    ll_add_rmsnorm_kernel(Peers peers, LaneParams p, const T* __restrict__ x,
+                          const T* __restrict__ res, T* nr, const T* __restrict__ w,
+                          T* __restrict__ out, size_t rows, size_t d, size_t rows_per_lane,
+                          float eps) {
+  const int lane = blockIdx.x;
+  const uint64_t round = ll_round(p, lane);
+  const size_t row0 = size_t(lane) * rows_per_lane;
+  const size_t row1 = row0 + rows_per_lane < rows ? row0 + rows_per_lane : rows;
+  const size_t nbytes = (row1 - row0) * d * sizeof(T);
+  const char* xb = reinterpret_cast<const char*>(x + row0 * d);
+  const char* rb = reinterpret_cast<const char*>(res + row0 * d);
+  char* nb = reinterpret_cast<char*>(nr + row0 * d);
+  constexpr int E = 8 / sizeof(T);
+  for (size_t i = threadIdx.x; i < (nbytes + 7) / 8; i += blockDim.x) {
+    union { uint64_t u; T e[E]; } sum, rl;
+    sum.u = ll_reduce_line<T, Sum>(peers, p, lane, i, ll_load8(xb, i, nbytes), round);
+    rl.u = ll_load8(rb, i, nbytes);
+#pragma unroll
+    for (int j = 0; j < E; ++j) sum.e[j] = add_residual(rl.e[j], sum.e[j]);
+    ll_store8(nb, i, nbytes, sum.u);
+  }
+  if (threadIdx.x == 0) p.rounds[kMaxLanes + lane] = round;
+  __syncthreads();  // the lane's new residual rows are written (visible to the block)
+  for (size_t row = row0; row < row1; ++row) norm_row(nr + row * d, w, out + row * d, d, eps);
+}
+
+template <class T, class Peers>
+cudaError_t launch_ll_add_rmsnorm(const Peers& peers, const LaneParams& p, int lanes,
+                                  const void* x, const void* res, void* nr, const void* w,
+                                  void* out, size_t rows, size_t d, size_t rows_per_lane,
+                                  float eps, cudaStream_t s) {
+  if constexpr (NormElem<T>::ok) {
+    ll_add_rmsnorm_kernel<T, Peers><<<lanes, 512, 0, s>>>(
+        peers, p, static_cast<const T*>(x), static_cast<const T*>(res), static_cast<T*>(nr),
+        static_cast<const T*>(w), static_cast<T*>(out), rows, d, rows_per_lane, eps);
+    return cudaGetLastError();
+  } else {
+    return cudaErrorInvalidValue;
+  }
 }
 
 template <class T, class Op, class Peers>
@@ -359,7 +419,13 @@ cudaError_t preload_ce_type() {
   template cudaError_t table_occupancy<T>(Algorithm, int, int*);                                \
   template cudaError_t launch_ce_reduce<T>(RedOp, const void*, size_t, int, int, const void*,    \
                                            void*, void*, size_t, int, int, cudaStream_t);        \
-  template cudaError_t preload_ce_type<T>();
+  template cudaError_t preload_ce_type<T>();                                                     \
+  template cudaError_t launch_ll_add_rmsnorm<T, NcclPeers>(                                      \
+      const NcclPeers&, const LaneParams&, int, const void*, const void*, void*, const void*,   \
+      void*, size_t, size_t, size_t, float, cudaStream_t);                                       \
+  template cudaError_t launch_ll_add_rmsnorm<T, TablePeers>(                                     \
+      const TablePeers&, const LaneParams&, int, const void*, const void*, void*, const void*,  \
+      void*, size_t, size_t, size_t, float, cudaStream_t);
 // ... for the element type of DType::k<E> (a generated kernels_<short_name>.cu).
 #define JAX_GIN_INSTANTIATE_DTYPE(E) JAX_GIN_INSTANTIATE(DeviceElem<DType::k##E>::type)
 
