@@ -16,6 +16,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <utility>
 #include <shared_mutex>
 #include <stdexcept>
 #include <thread>
@@ -101,14 +102,14 @@ std::atomic<bool> g_watch_stop{false};
 std::thread* g_watchdog = nullptr;  // never deleted: joined at exit by stop_watchdog
 
 void watchdog_loop() {
-  std::set<const volatile Diagnostic*> reported;
+  std::set<std::pair<int64_t, int>> reported;  // (communicator, device) already printed
   while (!g_watch_stop.load()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
     std::shared_lock<std::shared_mutex> lock(g_mu);
     for (auto& [cid, c] : g_comms)
       for (auto& s : c->ranks) {
-        if (s.diag_host == nullptr || !s.diag_host->valid || reported.count(s.diag_host)) continue;
-        reported.insert(s.diag_host);
+        if (s.diag_host == nullptr || !s.diag_host->valid || reported.count({cid, s.device})) continue;
+        reported.insert({cid, s.device});
         Diagnostic d;
         std::memcpy(&d, const_cast<const Diagnostic*>(s.diag_host), sizeof d);
         std::fprintf(stderr,
