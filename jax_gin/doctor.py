@@ -146,9 +146,11 @@ def check_devices(r: Report, devices: list, gpu: bool) -> None:
 def check_nccl(r: Report, gpu: bool) -> None:
     f = r.section("nccl", "NCCL environment")
     nvls = os.environ.get("NCCL_NVLS_ENABLE")
+    # NCCL_VERSION is a container image's label of its system NCCL, not a setting NCCL reads:
+    # the NCCL jax_gin loads is in the versions section
     f.update(NCCL_NVLS_ENABLE=nvls, gin=GIN,
              other={k: v for k, v in sorted(os.environ.items())
-                    if k.startswith("NCCL_") and k != "NCCL_NVLS_ENABLE"})
+                    if k.startswith("NCCL_") and k not in ("NCCL_NVLS_ENABLE", "NCCL_VERSION")})
     r.line(f"NCCL_NVLS_ENABLE {'(unset)' if nvls is None else nvls}"
            + ("" if gpu else " (reported only: CPU backend)"))
     if gpu and nvls != "0":
