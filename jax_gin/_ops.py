@@ -28,8 +28,10 @@ SUPPORTED_DTYPE_NAMES = tuple(str(d) for d in SUPPORTED_DTYPES)
 
 def check_dtype(dtype, api: str) -> None:
     dt = np.dtype(dtype)
+    if np.issubdtype(dt, np.complexfloating) and api in ("pmax", "pmin"):
+        raise TypeError(f"jax_gin.{api}: complex values have no order ({dt}); psum takes them")
     if dt not in SUPPORTED_DTYPES:
         raise TypeError(
             f"jax_gin.{api}: unsupported dtype {dt}; supported dtypes are "
-            f"{', '.join(SUPPORTED_DTYPE_NAMES)}"
+            f"{', '.join(SUPPORTED_DTYPE_NAMES)} (and complex64, complex128 for psum)"
         )

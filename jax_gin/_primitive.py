@@ -131,6 +131,8 @@ def _allreduce(x, axis_name, op: str, algorithm: str, bucket_bytes, overlap):
     if not axes:
         return x
     leaves, treedef = tree_util.tree_flatten(x)
+    if op == "sum":
+        leaves, was_complex = _complex_as_pairs(leaves)
     leaves, out, by_dtype, was_bool = group_leaves(leaves, axes, op, api)
     for (dtype, mode), idx in by_dtype.items():
         sizes = [int(np.prod(np.shape(leaves[i]), dtype=np.int64)) * dtype.itemsize for i in idx]
@@ -142,7 +144,25 @@ def _allreduce(x, axis_name, op: str, algorithm: str, bucket_bytes, overlap):
                 out[i] = r
     for i in was_bool:
         out[i] = out[i].astype(np.bool_)
+    if op == "sum":
+        for i in was_complex:
+            out[i] = jax.lax.complex(out[i][..., 0], out[i][..., 1])
     return tree_util.tree_unflatten(treedef, out)
+
+
+def _complex_as_pairs(leaves):
+    """A complex leaf is summed as its (real, imaginary) pairs, a trailing axis of 2 floats:
+    each part of a complex sum is the sum of that part, as XLA's complex all-reduce adds.
+    Returns the leaves and the indices of those that were complex."""
+    out, was_complex = [], set()
+    for i, leaf in enumerate(leaves):
+        if hasattr(leaf, "dtype") and np.issubdtype(leaf.dtype, np.complexfloating) or \
+                isinstance(leaf, complex):
+            leaf = jnp.asarray(leaf)
+            was_complex.add(i)
+            leaf = jnp.stack([jnp.real(leaf), jnp.imag(leaf)], axis=-1)
+        out.append(leaf)
+    return out, was_complex
 
 
 def group_leaves(leaves, axes, op: str, api: str):

@@ -28,11 +28,17 @@ def test_unknown_axis_outside_shard_map():
         jax_gin.psum(jnp.ones(3), "i")
 
 
-@pytest.mark.parametrize("dtype", ["int8", "uint8", "complex64", "int16"])
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16"])
 def test_unsupported_dtype(dtype):
     x = jnp.zeros((ndev() * 2,), dtype)
-    with pytest.raises(TypeError, match=rf"unsupported dtype {dtype}.*float32.*bfloat16"):
+    with pytest.raises(TypeError, match=rf"unsupported dtype {dtype}.*float32.*bfloat16.*complex64"):
         _trace(lambda v: jax_gin.psum(v, "i"), x)
+
+
+def test_complex_where_it_is_not_summed_by_psum():
+    x = jnp.zeros((ndev() * 2,), "complex64")
+    with pytest.raises(TypeError, match=r"jax_gin.psum_overlapping: unsupported dtype complex64"):
+        _trace(lambda v: jax_gin.psum_overlapping(v, "i", jnp.sin, v)[0], x)
 
 
 @pytest.mark.parametrize("algo", ["ringg", "nccl", "", None, 3])
