@@ -48,7 +48,8 @@ cudaError_t launch_ll_add_rmsnorm(const Peers& peers, const LaneParams& p, int l
                                   float eps, cudaStream_t s);
 cudaError_t preload_copy_engine();  // copy_engine.cu
 
-LaneParams lane_params(const LaunchConfig& cfg, RedOp op, Algorithm algo);
+LaneParams lane_params(const LaunchConfig& cfg, RedOp op, Algorithm algo, DType dtype,
+                       size_t count);
 
 namespace {
 
@@ -101,10 +102,8 @@ cudaError_t launch_hierarchical(const PeerAccess& peers, const LaunchConfig& cfg
   const Algorithm algo = Algorithm::kHierarchical;
   const int L = cfg.ranks_per_node;
   if (!spans_nodes(cfg.nranks, L) || cfg.outbox_lane_bytes == 0) return cudaErrorInvalidValue;
-  LaneParams p = lane_params(cfg, op, algo);
-  p.dtype = int32_t(dtype);
-  p.bytes = count * dtype_size(dtype);
-  const int lanes = choose_lanes(algo, count * dtype_size(dtype), cfg.nranks, cfg.max_lanes, cfg.lane_grain_bytes);
+  const LaneParams p = lane_params(cfg, op, algo, dtype, count);
+  const int lanes = choose_lanes(algo, p.bytes, cfg.nranks, cfg.max_lanes, cfg.lane_grain_bytes);
   if (count == 0) return cudaSuccess;  // nothing to reduce
   if (peers.table != nullptr) {
     const EmulatedGinRail rail{peers.table, cfg.rank, cfg.rail_offset + rail_words(cfg.nranks / L) * 8};
@@ -132,8 +131,10 @@ int lanes_for(const LaunchConfig& cfg, Algorithm algo, size_t bytes, bool ll) {
 
 }  // namespace
 
-// A launch's kernel parameters from the rank's configuration (also copy_engine.cu).
-LaneParams lane_params(const LaunchConfig& cfg, RedOp op, Algorithm algo) {
+// A launch's kernel parameters from the rank's configuration, for a call of `count` elements
+// of `dtype` (also copy_engine.cu).
+LaneParams lane_params(const LaunchConfig& cfg, RedOp op, Algorithm algo, DType dtype,
+                       size_t count) {
   LaneParams p;
   p.rank = cfg.rank;
   p.nranks = cfg.nranks;
@@ -158,6 +159,8 @@ LaneParams lane_params(const LaunchConfig& cfg, RedOp op, Algorithm algo) {
   p.rec_ctl = cfg.rec_ctl;
   p.rec_entries = cfg.rec_entries;
   p.rec_comm = cfg.rec_comm;
+  p.dtype = int32_t(dtype);
+  p.bytes = count * dtype_size(dtype);
   return p;
 }
 
@@ -183,10 +186,8 @@ cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, D
   if (algo == Algorithm::kHierarchical)
     return launch_hierarchical(peers, cfg, dtype, op, in, out, count, stream);
   if (int(algo) < 0 || int(algo) >= kNumAlgorithms) return cudaErrorInvalidValue;
-  LaneParams p = lane_params(cfg, op, algo);
-  const size_t bytes = count * dtype_size(dtype);
-  p.dtype = int32_t(dtype);
-  p.bytes = bytes;
+  LaneParams p = lane_params(cfg, op, algo, dtype, count);
+  const size_t bytes = p.bytes;
   // Small one_shot messages take the LL protocol: no separate signal, fence or credit.
   p.ll = use_ll(cfg, algo, bytes);
   const int lanes = lanes_for(cfg, algo, bytes, p.ll);
@@ -214,10 +215,8 @@ cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, D
   for (int s = 0; s < nseg; ++s) table.seg[s] = seg[s];
   table.n = nseg;
   const size_t count = lay_out_segments(table.seg, nseg, dtype_size(dtype));
-  LaneParams p = lane_params(cfg, op, algo);
-  const size_t bytes = count * dtype_size(dtype);
-  p.dtype = int32_t(dtype);
-  p.bytes = bytes;
+  LaneParams p = lane_params(cfg, op, algo, dtype, count);
+  const size_t bytes = p.bytes;
   p.ll = use_ll(cfg, algo, bytes);
   const int lanes = lanes_for(cfg, algo, bytes, p.ll);
   if (lanes == 0 || count == 0) return cudaSuccess;
@@ -237,9 +236,7 @@ cudaError_t launch_add_rmsnorm_ll(const PeerAccess& peers, const LaunchConfig& c
   const size_t rows_per_lane = kLLLanePayload / row_bytes;
   const size_t lanes = (rows + rows_per_lane - 1) / rows_per_lane;
   if (lanes > size_t(kLLMaxLanes)) return cudaErrorNotSupported;
-  LaneParams p = lane_params(cfg, RedOp::kSum, Algorithm::kOneShot);
-  p.dtype = int32_t(dtype);
-  p.bytes = bytes;
+  LaneParams p = lane_params(cfg, RedOp::kSum, Algorithm::kOneShot, dtype, rows * d);
   p.ll = 1;
   return with_type(dtype, [&](auto t) {
     using T = typename decltype(t)::type;
