@@ -239,6 +239,25 @@ std::atomic<bool> g_record{false};
 
 bool recording() { return g_record.load(); }
 
+namespace {
+// A copy between the host and rank s's device memory on its side stream, waited for; throws
+// with `what` on failure. (The side stream: XLA's streams are not waited for.)
+void side_copy(const RankState& s, void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
+               const char* what) {
+  cudaSetDevice(s.device);
+  cudaError_t e = cudaMemcpyAsync(dst, src, bytes, kind, s.side);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(s.side);
+  if (e != cudaSuccess) throw std::runtime_error(std::string("jax_gin: ") + what + ": " + cudaGetErrorString(e));
+}
+
+// The ranks of this process in communicator `id` (under g_mu, held by the caller).
+const std::vector<RankState>& ranks_of(int64_t id) {
+  auto it = g_comms.find(id);
+  if (it == g_comms.end()) throw std::invalid_argument("jax_gin: no communicator " + std::to_string(id));
+  return it->second->ranks;
+}
+}  // namespace
+
 void set_record(bool on) {
   g_record.store(on);
   std::shared_lock<std::shared_mutex> lock(g_mu);
@@ -253,38 +272,19 @@ void set_record(bool on) {
         return w;
       }();
       if (words == nullptr) throw std::runtime_error("jax_gin: cudaHostAlloc failed (recorder flag)");
-      cudaSetDevice(s.device);
-      cudaError_t e = cudaMemcpyAsync(s.rec_ctl, words + (on ? 1 : 0), sizeof(uint64_t),
-                                      cudaMemcpyHostToDevice, s.side);
-      if (e == cudaSuccess) e = cudaStreamSynchronize(s.side);
-      if (e != cudaSuccess)
-        throw std::runtime_error(std::string("jax_gin: setting the recorder flag: ") + cudaGetErrorString(e));
+      side_copy(s, s.rec_ctl, words + (on ? 1 : 0), sizeof(uint64_t), cudaMemcpyHostToDevice,
+                "setting the recorder flag");
     }
 }
 
-namespace {
-// Copies rank s's ring and control words to the host (on its side stream).
-void read_recorder(const RankState& s, std::vector<RecEntry>& ring, uint64_t ctl[2]) {
-  ring.resize(s.cfg.rec_entries);
-  cudaSetDevice(s.device);
-  cudaError_t e = cudaMemcpyAsync(ring.data(), s.rec_ring, ring.size() * sizeof(RecEntry),
-                                  cudaMemcpyDeviceToHost, s.side);
-  if (e == cudaSuccess) e = cudaMemcpyAsync(ctl, s.rec_ctl, 2 * sizeof(uint64_t), cudaMemcpyDeviceToHost, s.side);
-  if (e == cudaSuccess) e = cudaStreamSynchronize(s.side);
-  if (e != cudaSuccess)
-    throw std::runtime_error(std::string("jax_gin: reading the recorder: ") + cudaGetErrorString(e));
-}
-}  // namespace
-
 std::vector<RecEntry> recorder_entries(int64_t id) {
   std::shared_lock<std::shared_mutex> lock(g_mu);
-  auto it = g_comms.find(id);
-  if (it == g_comms.end()) throw std::invalid_argument("jax_gin: no communicator " + std::to_string(id));
   std::vector<RecEntry> out, ring;
-  for (const RankState& s : it->second->ranks) {
+  for (const RankState& s : ranks_of(id)) {
     if (s.rec_ring == nullptr) continue;
-    uint64_t ctl[2];
-    read_recorder(s, ring, ctl);
+    ring.resize(s.cfg.rec_entries);
+    side_copy(s, ring.data(), s.rec_ring, ring.size() * sizeof(RecEntry), cudaMemcpyDeviceToHost,
+              "reading the recorder");
     std::vector<RecEntry> mine;
     for (const RecEntry& e : ring)
       if (e.seq != 0) mine.push_back(e);
@@ -296,17 +296,11 @@ std::vector<RecEntry> recorder_entries(int64_t id) {
 
 std::vector<std::array<int64_t, 3>> recorder_counts(int64_t id) {
   std::shared_lock<std::shared_mutex> lock(g_mu);
-  auto it = g_comms.find(id);
-  if (it == g_comms.end()) throw std::invalid_argument("jax_gin: no communicator " + std::to_string(id));
   std::vector<std::array<int64_t, 3>> out;
-  for (const RankState& s : it->second->ranks) {
+  for (const RankState& s : ranks_of(id)) {
     if (s.rec_ctl == nullptr) continue;
     uint64_t ctl[2] = {0, 0};
-    cudaSetDevice(s.device);
-    cudaError_t e = cudaMemcpyAsync(ctl, s.rec_ctl, sizeof ctl, cudaMemcpyDeviceToHost, s.side);
-    if (e == cudaSuccess) e = cudaStreamSynchronize(s.side);
-    if (e != cudaSuccess)
-      throw std::runtime_error(std::string("jax_gin: reading the recorder: ") + cudaGetErrorString(e));
+    side_copy(s, ctl, s.rec_ctl, sizeof ctl, cudaMemcpyDeviceToHost, "reading the recorder");
     out.push_back({int64_t(s.group), int64_t(s.rank), int64_t(ctl[1])});
   }
   return out;
