@@ -23,10 +23,10 @@ CLOCK = "CLOCK_MONOTONIC"
 GPU_CLOCK = "%globaltimer"  # the GPUs' global nanosecond timer (their entries' times)
 
 
-def _events(entries: list, pid: int, devices: dict) -> list:
+def _events(entries: list, pid: int) -> list:
     out = []
     for e in entries:
-        tid = devices.get((e["comm"], e["group"], e["rank"]), 1_000_000 + e["rank"])
+        tid = e["tid"]
         t0, t1 = e["t_start"], e["t_end"] or e["t_start"]
         args = {k: e[k] for k in ("bytes", "dtype", "round0", "rounds", "seq", "comm", "group",
                                   "rank", "status", "dropped")}
@@ -61,6 +61,23 @@ def gpu_marks() -> dict:
     return marks
 
 
+def _gather(comms: dict, read, keep) -> list:
+    """The entries read(comm) of every communicator of `comms` ({comm: (device ids by logical
+    id, GroupLayout)}) that keep(comm, entry) accepts, each with its device id as "tid"."""
+    entries = []
+    for comm, (device_ids, layout) in list(comms.items()):
+        try:
+            got = read(comm)
+        except ValueError:  # destroyed meanwhile
+            continue
+        device = {(layout.group_of[i], layout.rank_of[i]): d for i, d in enumerate(device_ids)}
+        for e in got:
+            if keep(comm, e):
+                e["tid"] = device.get((e["group"], e["rank"]), 1_000_000 + e["rank"])
+                entries.append(e)
+    return entries
+
+
 def collect(t_begin_ns: int, t_end_ns: int | None = None, marks: dict | None = None) -> list:
     """The recorded calls of this process's ranks, as trace events with metadata for the
     process and each device: CPU calls that entered in [t_begin_ns, t_end_ns]
@@ -69,36 +86,20 @@ def collect(t_begin_ns: int, t_end_ns: int | None = None, marks: dict | None = N
 
     from . import _native, _runtime
     pid = int(jax.process_index())
-    devices: dict = {}  # (comm, group, rank) -> device id
-    entries: list = []
-    for comm, (device_ids, layout) in list(_runtime.comm_devices.items()):
-        for logical, dev in enumerate(device_ids):
-            devices[(comm, layout.group_of[logical], layout.rank_of[logical])] = dev
-        try:
-            got = _native.cpu.cpu_recorder_entries(comm)
-        except ValueError:  # destroyed meanwhile
-            continue
-        entries += [e for e in got if e["t_start"] >= t_begin_ns and
-                    (t_end_ns is None or e["t_start"] <= t_end_ns)]
-    marks = marks or {}
-    for comm, (device_ids, layout) in list(_runtime.gpu_comm_devices.items()):
-        if not hasattr(_native.cuda, "recorder_entries"):
-            break
-        for logical, dev in enumerate(device_ids):
-            devices[(comm, layout.group_of[logical], layout.rank_of[logical])] = dev
-        try:
-            got = _native.cuda.recorder_entries(comm)
-        except ValueError:  # destroyed meanwhile
-            continue
-        entries += [e for e in got if e["seq"] > marks.get((comm, e["group"], e["rank"]), 0)]
+    entries = _gather(_runtime.comm_devices, _native.cpu.cpu_recorder_entries,
+                      lambda comm, e: e["t_start"] >= t_begin_ns and
+                      (t_end_ns is None or e["t_start"] <= t_end_ns))
+    if hasattr(_native.cuda, "recorder_entries"):
+        marks = marks or {}
+        entries += _gather(_runtime.gpu_comm_devices, _native.cuda.recorder_entries,
+                           lambda comm, e: e["seq"] > marks.get((comm, e["group"], e["rank"]), 0))
     entries.sort(key=lambda e: (e["t_start"], e["rank"]))
     events = [{"name": "process_name", "ph": "M", "pid": pid,
                "args": {"name": f"process {pid} ({socket.gethostname()})"}}]
-    for tid in sorted({devices.get((e["comm"], e["group"], e["rank"]), 1_000_000 + e["rank"])
-                       for e in entries}):
+    for tid in sorted({e["tid"] for e in entries}):
         events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
                        "args": {"name": f"device {tid}"}})
-    return events + _events(entries, pid, devices)
+    return events + _events(entries, pid)
 
 
 def write(path, events: list, **meta) -> None:
