@@ -107,6 +107,20 @@ struct Rank {
 
 constexpr int kHarnessRecEntries = 64;
 
+// What every launch of rank R (rank r of N) needs: its window layout (ranks_per_node `rpn`,
+// 0 within one node), round counters, diagnostic slot and timeout.
+gpu::LaunchConfig rank_config(const Rank& R, int r, int N, size_t lane_bytes, int rpn,
+                              double timeout_s) {
+  gpu::LaunchConfig c;
+  c.rank = r;
+  c.nranks = N;
+  gpu::set_window_layout(c, N, lane_bytes, rpn);
+  c.rounds = R.rounds;
+  c.diag = R.diag_dev;
+  c.timeout_ns = uint64_t(timeout_s * 1e9);
+  return c;
+}
+
 // --record 1: rank R's recorder counted every call, and its last entries are whole: in order,
 // done, with their phases inside [t_start, t_end]. Returns the number of problems (printed).
 long check_recorder(const Rank& R, int r) {
@@ -174,13 +188,7 @@ long check_add_rmsnorm(std::vector<Rank>& rk, int N, size_t lane_bytes, double t
         CK(cudaMemcpy(b[r].x, host.data(), bytes, cudaMemcpyHostToDevice));
         CK(cudaMemcpy(b[r].res, res.data(), bytes, cudaMemcpyHostToDevice));
         CK(cudaMemcpy(b[r].w, w.data(), sh.d * dt->size, cudaMemcpyHostToDevice));
-        gpu::LaunchConfig& c = cfg[r];
-        c.rank = r;
-        c.nranks = N;
-        gpu::set_window_layout(c, N, lane_bytes, 0);
-        c.rounds = rk[r].rounds;
-        c.diag = rk[r].diag_dev;
-        c.timeout_ns = uint64_t(timeout_s * 1e9);
+        cfg[r] = rank_config(rk[r], r, N, lane_bytes, 0, timeout_s);
       }
       const float eps = 1e-6f;
       bool supported = true;
@@ -431,19 +439,13 @@ int main(int argc, char** argv) {
                   Rank& R = rk[r];
                   cudaError_t e = cudaSetDevice(R.dev);
                   if (e != cudaSuccess) return e;
-                  gpu::LaunchConfig cfg;
-                  cfg.rank = r;
-                  cfg.nranks = N;
-                  gpu::set_window_layout(cfg, N, lane_bytes, rpn);
+                  gpu::LaunchConfig cfg = rank_config(R, r, N, lane_bytes, rpn, timeout_s);
                   cfg.max_lanes = max_lanes;
                   if (cfg.ll_max_bytes > 0) cfg.ll_max_bytes = ll_max_bytes;  // 0: no LL area
                   cfg.chunk_bytes = chunk_bytes;
                   cfg.lane_grain_bytes = lane_grain;
                   // --chunk-bytes alone (tiny-chunk runs) sets one_shot's chunk too
                   cfg.one_shot_chunk_bytes = one_shot_chunk_set ? one_shot_chunk : std::min(one_shot_chunk, chunk_bytes);
-                  cfg.rounds = R.rounds;
-                  cfg.diag = R.diag_dev;
-                  cfg.timeout_ns = uint64_t(timeout_s * 1e9);
                   cfg.fault_rank = fault_rank;
                   cfg.rec_ring = R.rec_ring;
                   cfg.rec_ctl = R.rec_ctl;
