@@ -187,14 +187,13 @@ class HostTransport {
         return waited(peer, kind, value, step);
       }
       // A peer that already failed (in this process or another) will never signal: give up
-      // now instead of waiting out the whole timeout.
-      if (ws_.header().broken.load(std::memory_order_relaxed)) {
-        record(peer, step, value, seen, "gave up because another rank of the group failed");
-        return false;
-      }
+      // now instead of waiting out the whole timeout. Where a process of the group is gone,
+      // say so, whichever rank's error the caller sees first.
+      const bool broken = ws_.header().broken.load(std::memory_order_relaxed);
       // A peer whose process is gone will never signal either (checked every ~100 ms).
-      if ((++sleeps & 127u) == 0) {
-        const std::string dead = ws_.gone(peer);
+      if (broken || (++sleeps & 127u) == 0) {
+        std::string dead = ws_.gone(peer);
+        for (int r = 0; broken && dead.empty() && r < nranks(); ++r) dead = ws_.gone(r);
         if (!dead.empty()) {
           const std::string why = "gave up because " + dead + " is gone (it exited or was killed)";
           record(peer, step, value, seen, why.c_str(),
@@ -202,6 +201,10 @@ class HostTransport {
                  "restart the job.");
           return false;
         }
+      }
+      if (broken) {
+        record(peer, step, value, seen, "gave up because another rank of the group failed");
+        return false;
       }
       if (clock::now() - start > limit) {
         record(peer, step, value, seen, nullptr);
