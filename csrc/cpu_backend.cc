@@ -26,6 +26,7 @@
 #include "host_types.h"
 #include "jax_gin/text.h"
 #include "jax_gin/algorithms.h"
+#include "jax_gin/collectives.h"
 #include "jax_gin/schedule.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -79,7 +80,7 @@ class HostTransport {
   // `entry`: the call's flight-recorder entry (null: not recording), whose first round is
   // `round0`.
   HostTransport(Workspace& ws, const CommConfig& cfg, int group, int rank, size_t slot_bytes,
-                RedOp op, Algorithm algo, RecEntry* entry, uint64_t round0)
+                int op, Algorithm algo, RecEntry* entry, uint64_t round0)
       : ws_(ws), cfg_(cfg), group_(group), rank_(rank), slot_bytes_(slot_bytes), op_(op),
         algo_(algo), entry_(entry), round0_(round0) {}
 
@@ -230,7 +231,7 @@ class HostTransport {
   void record(int peer, int step, uint64_t expected, uint64_t seen, const char* why,
               const char* advice = nullptr) {
     Text os;
-    os << "jax_gin " << redop_name(op_) << " (" << algorithm_name(algo_) << ") on CPU: rank "
+    os << "jax_gin " << call_op_name(op_) << " (" << algorithm_name(algo_) << ") on CPU: rank "
        << rank_ << " of group " << group_ << " (" << nranks() << " ranks) ";
     if (why) {
       os << why << ", while waiting for peer " << peer;
@@ -252,7 +253,7 @@ class HostTransport {
   int group_;
   int rank_;
   size_t slot_bytes_;
-  RedOp op_;
+  int op_;  // CallOp
   Algorithm algo_;
   RecEntry* entry_;
   uint64_t round0_;
@@ -568,10 +569,14 @@ std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Al
   return allreduce(comm, group, rank, dtype, op, algo, &seg, 1);
 }
 
-std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Algorithm algo,
-                      Segment* seg, int nseg) {
-  if (nseg < 1 || nseg > kMaxSegments) return "jax_gin: " + std::to_string(nseg) + " buffers in one call (1.." +
-                                              std::to_string(kMaxSegments) + " allowed)";
+namespace {
+
+// One rank's call: the checks, the busy flag and the flight recorder around `body(tp, round)`,
+// which runs the schedule over a HostTransport whose slots are `slot_bytes` apart and returns
+// false on failure. `op` is the call's op (CallOp), `bytes` its message size for the recorder.
+template <class Body>
+std::string run_call(Comm& comm, int group, int rank, DType dtype, int op, Algorithm algo,
+                     size_t slot_bytes, size_t bytes, Body&& body) {
   if (group < 0 || group >= int(comm.groups.size()) || rank < 0 || rank >= comm.config.nranks ||
       !comm.groups[group]->ws) {
     Text os;
@@ -592,24 +597,10 @@ std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Al
            "communicator)";
   }
   const int nranks = ws.nranks();
-  const size_t lane_bytes = ws.lane_bytes();
-  const size_t esize = dtype_size(dtype);
-  const size_t count = nseg == 1 ? seg[0].count : lay_out_segments(seg, nseg, esize);
-  const int rpn = comm.config.ranks_per_node;
-  if (int(algo) < 0 || int(algo) >= kNumInternalAlgorithms) {
-    return "jax_gin: unknown algorithm id " + std::to_string(int(algo));
-  }
-  if (algo == Algorithm::kHierarchical && !schedule::hier_valid(nranks, rpn)) {
-    Text os;
-    os << "jax_gin: hierarchical over " << nranks << " ranks needs ranks_per_node in 1.."
-       << nranks << " that divides " << nranks << " (or 0: one node), got " << rpn;
-    return os.str();
-  }
-  const size_t slot_bytes = schedule::slot_elems(algo, nranks, lane_bytes, esize, rpn) * esize;
   if (nranks > 1 && slot_bytes == 0) {
     Text os;
-    os << "jax_gin: workspace of " << lane_bytes << " bytes is too small for "
-       << algorithm_name(algo) << " over " << nranks << " ranks";
+    os << "jax_gin: workspace of " << ws.lane_bytes() << " bytes is too small for "
+       << call_op_name(op) << " (" << algorithm_name(algo) << ") over " << nranks << " ranks";
     return os.str();
   }
   // injected fault: this rank returns at once, as if it never reached the call
@@ -633,24 +624,19 @@ std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Al
   st.algorithm = int8_t(algo);
   st.dtype = int8_t(dtype);
   st.failed = 0;
-  st.bytes = uint64_t(count * esize);
+  st.bytes = uint64_t(bytes);
   store_release(st.seq, seq);
   RecEntry* entry = nullptr;
   if (g_record.load(std::memory_order_relaxed)) {
     entry = ws.rec_ring(rank) + (seq - 1) % uint64_t(ws.record_entries());
     store_release(entry->seq, uint64_t(0));  // a reader skips the slot while it is rewritten
-    rec_open(*entry, now_ns(), uint64_t(count * esize), round + 1, int(comm.id), group, rank,
-             int(op), int(algo), int(dtype), 0);
+    rec_open(*entry, now_ns(), uint64_t(bytes), round + 1, int(comm.id), group, rank, op,
+             int(algo), int(dtype), 0);
     store_release(entry->seq, seq);
   }
   HostTransport tp(ws, comm.config, group, rank, slot_bytes, op, algo, entry, round + 1);
   const uint64_t round_before = round;
-  const bool ok = with_dtype<HostElem>(dtype, false, [&](auto elem) {
-    using T = typename decltype(elem)::type;
-    return with_redop(op, false, [&](auto red) {
-      return run_all<T, decltype(red)>(tp, algo, seg, nseg, count, lane_bytes, rpn, round);
-    });
-  });
+  const bool ok = body(tp, round);
   if (entry) {
     entry->rounds = uint32_t(round - round_before);
     entry->status = ok ? kRecDone : kRecFailed;
@@ -666,8 +652,8 @@ std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Al
   return tp.error();
 }
 
-std::string allreduce_logical(Comm& comm, uint32_t logical_id, DType dtype, RedOp op,
-                              Algorithm algo, Segment* seg, int nseg) {
+// The group and rank of logical device `logical_id`, or an error.
+std::string locate(const Comm& comm, uint32_t logical_id, int* group, int* rank) {
   const auto& cfg = comm.config;
   if (logical_id >= cfg.group_of.size()) {
     Text os;
@@ -675,8 +661,87 @@ std::string allreduce_logical(Comm& comm, uint32_t logical_id, DType dtype, RedO
        << comm.id << " (" << cfg.group_of.size() << " devices)";
     return os.str();
   }
-  return allreduce(comm, cfg.group_of[logical_id], cfg.rank_of[logical_id], dtype, op, algo, seg,
-                   nseg);
+  *group = cfg.group_of[logical_id];
+  *rank = cfg.rank_of[logical_id];
+  return std::string();
+}
+
+}  // namespace
+
+std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Algorithm algo,
+                      Segment* seg, int nseg) {
+  if (nseg < 1 || nseg > kMaxSegments) return "jax_gin: " + std::to_string(nseg) + " buffers in one call (1.." +
+                                              std::to_string(kMaxSegments) + " allowed)";
+  const int nranks = comm.config.nranks;
+  const size_t lane_bytes = comm.config.lane_bytes;
+  const size_t esize = dtype_size(dtype);
+  const size_t count = nseg == 1 ? seg[0].count : lay_out_segments(seg, nseg, esize);
+  const int rpn = comm.config.ranks_per_node;
+  if (int(algo) < 0 || int(algo) >= kNumInternalAlgorithms) {
+    return "jax_gin: unknown algorithm id " + std::to_string(int(algo));
+  }
+  if (algo == Algorithm::kHierarchical && !schedule::hier_valid(nranks, rpn)) {
+    Text os;
+    os << "jax_gin: hierarchical over " << nranks << " ranks needs ranks_per_node in 1.."
+       << nranks << " that divides " << nranks << " (or 0: one node), got " << rpn;
+    return os.str();
+  }
+  const size_t slot_bytes = schedule::slot_elems(algo, nranks, lane_bytes, esize, rpn) * esize;
+  return run_call(comm, group, rank, dtype, int(op), algo, slot_bytes, count * esize,
+                  [&](HostTransport& tp, uint64_t& round) {
+    return with_dtype<HostElem>(dtype, false, [&](auto elem) {
+      using T = typename decltype(elem)::type;
+      return with_redop(op, false, [&](auto red) {
+        return run_all<T, decltype(red)>(tp, algo, seg, nseg, count, lane_bytes, rpn, round);
+      });
+    });
+  });
+}
+
+std::string collective(Comm& comm, int group, int rank, DType dtype, int call_op, Algorithm algo,
+                       const void* in, void* out, size_t block) {
+  if (call_op != kOpReduceScatter && call_op != kOpAllGather)
+    return "jax_gin: unknown collective op " + std::to_string(call_op);
+  if (!schedule::coll_supported(algo)) {
+    return std::string("jax_gin: ") + call_op_name(call_op) + " runs one_shot or ring, not " +
+           algorithm_name(algo);
+  }
+  const size_t esize = dtype_size(dtype);
+  if ((block * esize) % kAlignBytes != 0) {
+    Text os;
+    os << "jax_gin: " << call_op_name(call_op) << " blocks of " << block * esize
+       << " bytes; blocks must be multiples of " << kAlignBytes << " bytes";
+    return os.str();
+  }
+  const int nranks = comm.config.nranks;
+  const size_t lane_bytes = comm.config.lane_bytes;
+  const size_t slot_bytes = schedule::coll_slot_elems(algo, nranks, lane_bytes, esize) * esize;
+  // the recorder's size: the larger side, as nccl-tests reports these collectives
+  const size_t bytes = block * esize * size_t(nranks);
+  return run_call(comm, group, rank, dtype, call_op, algo, slot_bytes, bytes,
+                  [&](HostTransport& tp, uint64_t& round) {
+    return with_dtype<HostElem>(dtype, false, [&](auto elem) {
+      using T = typename decltype(elem)::type;
+      const Blocks<T> b{static_cast<const T*>(in), static_cast<T*>(out), block};
+      return run_lane_collective<T, Sum>(tp, call_op, algo, b, block, lane_bytes, round);
+    });
+  });
+}
+
+std::string collective_logical(Comm& comm, uint32_t logical_id, DType dtype, int call_op,
+                               Algorithm algo, const void* in, void* out, size_t block) {
+  int group = 0, rank = 0;
+  std::string err = locate(comm, logical_id, &group, &rank);
+  if (!err.empty()) return err;
+  return collective(comm, group, rank, dtype, call_op, algo, in, out, block);
+}
+
+std::string allreduce_logical(Comm& comm, uint32_t logical_id, DType dtype, RedOp op,
+                              Algorithm algo, Segment* seg, int nseg) {
+  int group = 0, rank = 0;
+  std::string err = locate(comm, logical_id, &group, &rank);
+  if (!err.empty()) return err;
+  return allreduce(comm, group, rank, dtype, op, algo, seg, nseg);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -712,7 +777,7 @@ struct Seen {
 
 std::string call_name(uint64_t seq, int op, int algo) {
   Text os;
-  os << "call #" << seq << " (" << redop_name(RedOp(op)) << ", " << algorithm_name(Algorithm(algo)) << ")";
+  os << "call #" << seq << " (" << call_op_name(op) << ", " << algorithm_name(Algorithm(algo)) << ")";
   return os.str();
 }
 
@@ -863,7 +928,7 @@ std::string laggard_report(const Workspace& ws, int group, int self) {
     const Seen& x = s[size_t(r)];
     os << (r ? ";" : "") << " rank " << r << ": ";
     if (x.seq == 0) { os << "none"; continue; }
-    os << "#" << x.seq << " " << redop_name(RedOp(x.op)) << "/" << algorithm_name(Algorithm(x.algo));
+    os << "#" << x.seq << " " << call_op_name(x.op) << "/" << algorithm_name(Algorithm(x.algo));
     if (x.in_call()) os << (x.waiting() ? ", " + wait_text(x) : std::string(", running"));
     else if (x.failed) os << ", failed" << (x.waiting() ? " " + wait_text(x) : std::string());
     else os << ", done";

@@ -179,6 +179,15 @@ std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Al
 std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Algorithm algo,
                       Segment* seg, int nseg);
 
+// One rank's part of a reduce-scatter (call_op kOpReduceScatter, a sum) or all-gather
+// (kOpAllGather) of blocks of `block` elements (collectives.h): a reduce-scatter reads
+// nranks blocks from `in` and writes one to `out`, an all-gather the other way round.
+// block * dtype size must be a multiple of 16 bytes.
+std::string collective(Comm& comm, int group, int rank, DType dtype, int call_op, Algorithm algo,
+                       const void* in, void* out, size_t block);
+std::string collective_logical(Comm& comm, uint32_t logical_id, DType dtype, int call_op,
+                               Algorithm algo, const void* in, void* out, size_t block);
+
 // Same, addressed by the logical device id that XLA reports as the partition id.
 std::string allreduce_logical(Comm& comm, uint32_t logical_id, DType dtype, RedOp op,
                               Algorithm algo, Segment* seg, int nseg);

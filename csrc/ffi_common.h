@@ -5,6 +5,7 @@
 
 #include "jax_gin/common.h"
 #include "host_types.h"
+#include "jax_gin/collectives.h"
 #include "jax_gin/message.h"
 #include "jax_gin/norm.h"
 #include "xla/ffi/api/ffi.h"
@@ -68,6 +69,31 @@ inline xla::ffi::Error collect_segments(const xla::ffi::RemainingArgs& args,
   return ffi::Error::Success();
 }
 
+// The buffers of a reduce-scatter (call_op kOpReduceScatter: x holds nranks blocks, y one) or
+// all-gather (kOpAllGather: the other way round), of one element type; the algorithm one of
+// theirs (collectives.h). Fills *dtype and *block (elements per block).
+inline xla::ffi::Error check_collective(const xla::ffi::AnyBuffer& x, const xla::ffi::AnyBuffer& y,
+                                        int32_t call_op, int32_t algorithm, int nranks,
+                                        DType* dtype, size_t* block) {
+  namespace ffi = xla::ffi;
+  if (call_op != kOpReduceScatter && call_op != kOpAllGather)
+    return ffi::Error::InvalidArgument("jax_gin: unknown collective op " + std::to_string(call_op));
+  if (algorithm < 0 || algorithm >= kNumAlgorithms || !schedule::coll_supported(Algorithm(algorithm)))
+    return ffi::Error::InvalidArgument("jax_gin: algorithm id " + std::to_string(algorithm) +
+                                       " is not one of " + call_op_name(call_op) + "'s");
+  if (ffi::Error err = to_dtype(x.element_type(), dtype); err.failure()) return err;
+  const size_t small = call_op == kOpReduceScatter ? y.element_count() : x.element_count();
+  const size_t large = call_op == kOpReduceScatter ? x.element_count() : y.element_count();
+  if (y.element_type() != x.element_type() || large != small * size_t(nranks) ||
+      (small * dtype_size(*dtype)) % kAlignBytes != 0)
+    return ffi::Error::InvalidArgument(
+        std::string("jax_gin: ") + call_op_name(call_op) + " over " + std::to_string(nranks) +
+        " ranks takes blocks of a multiple of 16 bytes, the large side nranks blocks, of one "
+        "element type; got " + std::to_string(x.element_count()) + " -> " +
+        std::to_string(y.element_count()) + " elements");
+  *block = small;
+  return ffi::Error::Success();
+}
 
 // "psum_add_rmsnorm: ... " for an element type without a norm (norm.h).
 inline std::string norm_dtype_error(DType t) {

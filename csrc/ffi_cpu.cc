@@ -117,6 +117,31 @@ ffi::Error CpuAddRmsNormImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
+// psum_scatter and all_gather (collectives.h): one buffer in, one out.
+ffi::Error CpuCollectiveImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Buffer<ffi::U32> order_in,
+                             ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U32>> order_out,
+                             ffi::Result<ffi::AnyBuffer> y, int64_t comm, int32_t op,
+                             int32_t algorithm) {
+  (void)order_in;
+  order_out->typed_data()[0] = 0;
+  auto c = cpu::find_comm(comm);
+  if (!c) {
+    return ffi::Error::Internal("jax_gin: communicator " + std::to_string(comm) +
+                                " does not exist (was jax_gin.runtime.reset() called after "
+                                "compilation?)");
+  }
+  DType dtype;
+  size_t block = 0;
+  if (ffi::Error err = check_collective(x, *y, op, algorithm, c->config.nranks, &dtype, &block);
+      err.failure())
+    return err;
+  std::string err = cpu::collective_logical(*c, partition_id.typed_data()[0], dtype, op,
+                                            Algorithm(algorithm), x.untyped_data(),
+                                            y->untyped_data(), block);
+  if (!err.empty()) return ffi::Error::Internal(err);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jax_gin
 
@@ -167,3 +192,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAddRmsNorm, jax_gin::CpuAddRmsNormImpl,
                                   .Attr<int64_t>("comm")          // communicator id (runtime)
                                   .Attr<int32_t>("algorithm")     // Algorithm
                                   .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuCollective, jax_gin::CpuCollectiveImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // partition id (logical id)
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // order token of the previous call
+                                  .Arg<ffi::AnyBuffer>()          // x
+                                  .Ret<ffi::Buffer<ffi::U32>>()   // order token for the next call
+                                  .Ret<ffi::AnyBuffer>()          // y
+                                  .Attr<int64_t>("comm")          // communicator id (runtime)
+                                  .Attr<int32_t>("op")            // CallOp: psum_scatter, all_gather
+                                  .Attr<int32_t>("algorithm"));   // Algorithm: one_shot or ring

@@ -18,6 +18,7 @@
 #include "cpu_backend.h"
 #include "ffi_cpu.h"
 #include "host_types.h"
+#include "jax_gin/collectives.h"
 #include "jax_gin/schedule.h"
 #include "recorder_dict.h"
 
@@ -103,6 +104,62 @@ nb::ndarray<nb::numpy> threads_allreduce(nb::ndarray<nb::c_contig, nb::device::c
   return nb::ndarray<nb::numpy>(out, 2, shape, owner, nullptr, inputs.dtype());
 }
 
+// Runs one reduce-scatter (call_op kOpReduceScatter) or all-gather (kOpAllGather) among
+// `inputs.shape[0]` ranks on threads, as threads_allreduce: row r of `inputs` is rank r's
+// input (nranks blocks for a reduce-scatter, one for an all-gather), row r of the result its
+// output.
+nb::ndarray<nb::numpy> threads_collective(nb::ndarray<nb::c_contig, nb::device::cpu> inputs,
+                                          int call_op, int algorithm, size_t lane_bytes,
+                                          int repeats, double timeout_s, int fault_rank,
+                                          size_t chunk_bytes) {
+  if (inputs.ndim() != 2) throw nb::value_error("inputs must have shape (nranks, count)");
+  const int nranks = int(inputs.shape(0));
+  const DType dt = dtype_of(inputs);
+  const size_t esize = dtype_size(dt);
+  if (nranks < 1 || nranks > kMaxRanks)
+    throw nb::value_error(("threads_collective: 1 to " + std::to_string(kMaxRanks) + " ranks").c_str());
+  if (call_op != kOpReduceScatter && call_op != kOpAllGather)
+    throw nb::value_error("threads_collective: unknown collective op");
+  const bool rs = call_op == kOpReduceScatter;
+  const size_t in_count = inputs.shape(1);
+  if (rs && in_count % size_t(nranks) != 0)
+    throw nb::value_error("threads_collective: a reduce-scatter's row holds nranks blocks");
+  const size_t block = rs ? in_count / size_t(nranks) : in_count;
+  const size_t out_count = rs ? block : block * size_t(nranks);
+  cpu::CommConfig cfg;
+  cfg.nranks = nranks;
+  for (int r = 0; r < nranks; ++r) { cfg.group_of.push_back(0); cfg.rank_of.push_back(r); }
+  cfg.lane_bytes = lane_bytes;
+  cfg.timeout_s = timeout_s;
+  cfg.fault_rank = fault_rank;
+  cfg.chunk_bytes = chunk_bytes;
+  const int64_t id = cpu::create_comm(cfg);
+  auto comm = cpu::find_comm(id);
+  char* out = new char[out_count * esize * size_t(nranks) + 1];
+  std::vector<std::string> errors(nranks);
+  {
+    nb::gil_scoped_release release;
+    std::vector<std::thread> threads;
+    const char* in = static_cast<const char*>(inputs.data());
+    for (int r = 0; r < nranks; ++r) {
+      threads.emplace_back([&, r] {
+        for (int i = 0; i < repeats && errors[r].empty(); ++i)
+          errors[r] = cpu::collective(*comm, 0, r, dt, call_op, Algorithm(algorithm),
+                                      in + size_t(r) * in_count * esize,
+                                      out + size_t(r) * out_count * esize, block);
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+  cpu::destroy_comm(id);
+  for (int r = 0; r < nranks; ++r) {
+    if (!errors[r].empty()) { delete[] out; throw std::runtime_error(errors[r]); }
+  }
+  nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<char*>(p); });
+  size_t shape[2] = {size_t(nranks), out_count};
+  return nb::ndarray<nb::numpy>(out, 2, shape, owner, nullptr, inputs.dtype());
+}
+
 }  // namespace
 
 NB_MODULE(_jax_gin, m) {
@@ -117,6 +174,7 @@ NB_MODULE(_jax_gin, m) {
     d["jax_gin_all_reduce_start_cpu"] = encapsulate_ffi_handler(JaxGinCpuAllReduceStart);
     d["jax_gin_all_reduce_done_cpu"] = encapsulate_ffi_handler(JaxGinCpuAllReduceDone);
     d["jax_gin_add_rmsnorm_cpu"] = encapsulate_ffi_handler(JaxGinCpuAddRmsNorm);
+    d["jax_gin_collective_cpu"] = encapsulate_ffi_handler(JaxGinCpuCollective);
     return d;
   });
   // Names by code of the element types and reduction ops (JAX_GIN_DTYPES, JAX_GIN_REDOPS in
@@ -134,6 +192,13 @@ NB_MODULE(_jax_gin, m) {
     JAX_GIN_REDOPS(JG_NAME)
 #undef JG_NAME
     return v;
+  });
+  // The op codes of psum_scatter and all_gather (CallOp in common.h), by jax_gin function.
+  m.def("collective_ops", []() {
+    nb::dict d;
+    d[call_op_name(kOpReduceScatter)] = int(kOpReduceScatter);
+    d[call_op_name(kOpAllGather)] = int(kOpAllGather);
+    return d;
   });
   m.def("algorithm_names", []() {
     std::vector<std::string> v;
@@ -235,6 +300,10 @@ NB_MODULE(_jax_gin, m) {
         nb::arg("algorithm"), nb::arg("lane_bytes"), nb::arg("repeats") = 1,
         nb::arg("timeout_s") = 30.0, nb::arg("fault_rank") = -1, nb::arg("ranks_per_node") = 0,
         nb::arg("chunk_bytes") = cpu::CommConfig().chunk_bytes, nb::arg("fault_mode") = 0);
+  m.def("threads_collective", &threads_collective, nb::arg("inputs"), nb::arg("op"),
+        nb::arg("algorithm"), nb::arg("lane_bytes"), nb::arg("repeats") = 1,
+        nb::arg("timeout_s") = 30.0, nb::arg("fault_rank") = -1,
+        nb::arg("chunk_bytes") = cpu::CommConfig().chunk_bytes);
   // Internal algorithm ids (not in jax_gin.ALGORITHMS), for tests through threads_allreduce.
   m.attr("ALGORITHM_HIERARCHICAL") = int(Algorithm::kHierarchical);
   // Most buffers one call reduces as one message (message.h); larger pytrees take more calls.

@@ -23,7 +23,7 @@ inline nanobind::dict entry_dict(const RecEntry& e) {
   d["group"] = e.group;
   d["rank"] = e.rank;
   d["lane"] = e.lane;
-  d["op"] = redop_name(RedOp(e.op));
+  d["op"] = call_op_name(e.op);
   d["algorithm"] = algorithm_name(Algorithm(e.algorithm));
   d["dtype"] = dtype_name(DType(e.dtype));
   d["status"] = e.status == kRecDone ? "done" : e.status == kRecFailed ? "failed" : "running";

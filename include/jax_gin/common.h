@@ -131,6 +131,19 @@ JG_HD const char* redop_name(RedOp op) {
   return "?";
 }
 
+// What a call does, as recorder entries, hang reports and profiles name it: an all-reduce's
+// RedOp code, or one of the collectives below, numbered after the RedOps. psum_scatter always
+// sums, as lax.psum_scatter does; all_gather reduces nothing.
+enum CallOp : int32_t { kOpReduceScatter = kNumRedOps, kOpAllGather = kNumRedOps + 1 };
+constexpr int kNumCallOps = kNumRedOps + 2;
+
+JG_HD const char* call_op_name(int32_t op) {
+  if (op >= 0 && op < kNumRedOps) return redop_name(RedOp(op));
+  if (op == kOpReduceScatter) return "psum_scatter";
+  if (op == kOpAllGather) return "all_gather";
+  return "?";
+}
+
 // Limits shared by every backend.
 constexpr int kMaxRanks = 128;   // ring uses 2(N-1) steps of up to kMaxChunks tags per round.
 // Independent slices of one message (CTAs on GPU). With both GPUs pushing over NVLink, SM
