@@ -338,6 +338,10 @@ NB_MODULE(_jax_gin, m) {
     return std::make_pair(r.offset, r.count);
   });
   s.def("chunks_for", &schedule::chunks_for);
+  s.def("coll_slot_elems", [](int algo, int n, size_t lane_bytes, size_t elem_size) {
+    return schedule::coll_slot_elems(Algorithm(algo), n, lane_bytes, elem_size);
+  }, "psum_scatter / all_gather: elements per window slot (0: the window is too small)");
+  s.def("coll_slots", [](int algo, int n) { return schedule::coll_slots(Algorithm(algo), n); });
   s.def("chunk", [](size_t off, size_t count, int chunks, int c, size_t align) {
     auto r = schedule::chunk(schedule::Range{off, count}, chunks, c, align);
     return std::make_pair(r.offset, r.count);

@@ -1,7 +1,8 @@
 """jax_gin: GPU-initiated all-reduce collectives for JAX.
 
-Drop-in replacements for ``jax.lax.psum``, ``pmax`` and ``pmin`` inside ``jax.shard_map``,
-computed by jax_gin's own device-initiated ring, tree, one-shot and two-shot algorithms:
+Drop-in replacements for ``jax.lax.psum``, ``pmax``, ``pmin``, ``psum_scatter`` and
+``all_gather`` inside ``jax.shard_map``, computed by jax_gin's own device-initiated ring, tree,
+one-shot and two-shot algorithms (one-shot and ring for psum_scatter and all_gather):
 CUDA kernels over NCCL's device API on GPUs, and a host-memory implementation of the same
 schedules on CPU devices.
 """
@@ -13,6 +14,7 @@ from ._ops import ALGORITHMS, SUPPORTED_DTYPE_NAMES as SUPPORTED_DTYPES
 from ._primitive import allreduce_p, pmax, pmin, psum
 from ._overlap import psum_overlapping
 from ._fused import psum_add_rmsnorm
+from ._scatter_gather import all_gather, psum_scatter
 from ._explain import explain
 from ._trace import trace
 from .global_ops import einsum, matmul, max, mean, min, sum  # global view (jit/pjit)
@@ -21,7 +23,8 @@ __version__ = "0.1.0"
 
 has_cuda = _native.has_cuda
 
-__all__ = ["psum", "pmax", "pmin", "psum_overlapping", "psum_add_rmsnorm", "ALGORITHMS",
+__all__ = ["psum", "pmax", "pmin", "psum_scatter", "all_gather", "psum_overlapping",
+           "psum_add_rmsnorm", "ALGORITHMS",
            "SUPPORTED_DTYPES", "explain", "trace", "runtime",
            "has_cuda", "allreduce_p", "__version__"]
 __all__ += ["einsum", "matmul", "sum", "mean", "max", "min"]

@@ -130,6 +130,23 @@ def xla_allreduce_lowering(ctx, xs, op: str, axes: tuple):
     return outs
 
 
+def xla_collective_lowering(ctx, x, api: str, axes: tuple, dim: int, tiled: bool):
+    """Lower psum_scatter / all_gather of `x` over mesh `axes` as XLA's own reduce-scatter or
+    all-gather: lax's registered lowering rules."""
+    from jax import lax
+    from jax._src.lax import parallel as _parallel
+    size = 1
+    for a in axes:
+        size *= int(ctx.module_context.axis_context.mesh.shape[a])
+    if api == "psum_scatter":
+        return _parallel._reduce_scatter_lowering(
+            lax.add_p, ctx, x, scatter_dimension=dim, axis_name=tuple(axes),
+            axis_index_groups=None, axis_size=size, tiled=tiled)
+    return _parallel._all_gather_lowering(
+        ctx, x, all_gather_dimension=dim, axis_name=tuple(axes), axis_index_groups=None,
+        axis_size=size, tiled=tiled)
+
+
 def use_shardy() -> bool:
     """Is jit partitioning with Shardy (jax_use_shardy_partitioner), rather than GSPMD?"""
     return bool(_config.use_shardy_partitioner.value)

@@ -20,6 +20,10 @@ ASYNC_TARGETS = {"cpu": ("jax_gin_all_reduce_start_cpu", "jax_gin_all_reduce_don
 # that XLA's partitioner hands each device its own shard. The names of their own keep every
 # other call away from that partitioner.
 PARTITIONED_TARGETS = {"cpu": CPU_TARGET + "_partitioned", "cuda": CUDA_TARGET + "_partitioned"}
+# psum_scatter and all_gather (include/jax_gin/collectives.h): one target per platform, the
+# collective named by the call's `op` attribute (COLLECTIVE_OPS).
+COLLECTIVE_TARGETS = {"cpu": "jax_gin_collective_cpu", "cuda": "jax_gin_collective_cuda"}
+COLLECTIVE_OPS = dict(cpu.collective_ops())  # {"psum_scatter": code, "all_gather": code}
 # Event slots per rank of start/done pairs (include/jax_gin/common.h kAsyncSlots).
 ASYNC_SLOTS = int(cpu.ASYNC_SLOTS)
 

@@ -402,6 +402,35 @@ def resolve_call(ctx, avals, axes, op, algorithm, platform) -> Call | None:
     """The communicator and algorithm of an all-reduce of `avals` over `axes`, or None where
     `auto` (or the caller) chose XLA's own all-reduce."""
     api = OP_API_NAMES[op]
+    mesh, partial = lowering_mesh(ctx, api)
+    layout = _runtime.group_layout(tuple(mesh.axis_names),
+                                   tuple(int(mesh.shape[n]) for n in mesh.axis_names), axes)
+    itemsize = np.dtype(avals[0].dtype).itemsize
+    nbytes = sum(int(np.prod(a.shape, dtype=np.int64)) for a in avals) * itemsize
+    requested = algorithm
+    if algorithm == "auto":
+        kind = np.asarray(mesh.devices).flat[0].device_kind
+        algorithm, _ = _select.choose(platform, nbytes, layout.nranks, kind)
+    if algorithm == _select.XLA_FALLBACK:
+        return None
+    _runtime.check_workspace(platform, algorithm, layout.nranks, itemsize, api)
+    check_cuda_module(platform, api)
+    comm = _runtime.communicator(platform, mesh, axes)
+    code = _runtime.algorithm_code(platform, comm, requested, algorithm, api)
+    attrs = dict(comm=np.int64(comm), op=np.int32(OP_CODES[op]), algorithm=np.int32(code))
+    return Call(comm, attrs, partial, layout.nranks, nbytes, np.dtype(avals[0].dtype).name)
+
+
+def check_cuda_module(platform: str, api: str) -> None:
+    if platform != "cpu" and _native.cuda is None:
+        raise RuntimeError(
+            f"jax_gin.{api}: a CUDA lowering was requested but jax_gin was not compiled with "
+            f"CUDA support ({_native.CUDA_IMPORT_ERROR or '_jax_gin_cuda is missing'})")
+
+
+def lowering_mesh(ctx, api: str):
+    """(mesh, partial) of the shard_map being lowered: its concrete Mesh, and whether some of
+    its axes stay automatic (a partially-manual shard_map)."""
     axis_ctx = ctx.module_context.axis_context
     mesh = getattr(axis_ctx, "mesh", None)
     if isinstance(mesh, jax.sharding.AbstractMesh):
@@ -420,25 +449,7 @@ def resolve_call(ctx, avals, axes, op, algorithm, platform) -> Call | None:
     manual = frozenset(getattr(axis_ctx, "manual_axes", ()))
     # (An automatic axis is not bound in the body: _normalize_axes rejects it at trace time.)
     partial = bool(manual) and manual != frozenset(mesh.axis_names)
-    layout = _runtime.group_layout(tuple(mesh.axis_names),
-                                   tuple(int(mesh.shape[n]) for n in mesh.axis_names), axes)
-    itemsize = np.dtype(avals[0].dtype).itemsize
-    nbytes = sum(int(np.prod(a.shape, dtype=np.int64)) for a in avals) * itemsize
-    requested = algorithm
-    if algorithm == "auto":
-        kind = np.asarray(mesh.devices).flat[0].device_kind
-        algorithm, _ = _select.choose(platform, nbytes, layout.nranks, kind)
-    if algorithm == _select.XLA_FALLBACK:
-        return None
-    _runtime.check_workspace(platform, algorithm, layout.nranks, itemsize, api)
-    if platform != "cpu" and _native.cuda is None:
-        raise RuntimeError(
-            f"jax_gin.{api}: a CUDA lowering was requested but jax_gin was not compiled with "
-            f"CUDA support ({_native.CUDA_IMPORT_ERROR or '_jax_gin_cuda is missing'})")
-    comm = _runtime.communicator(platform, mesh, axes)
-    code = _runtime.algorithm_code(platform, comm, requested, algorithm, api)
-    attrs = dict(comm=np.int64(comm), op=np.int32(OP_CODES[op]), algorithm=np.int32(code))
-    return Call(comm, attrs, partial, layout.nranks, nbytes, np.dtype(avals[0].dtype).name)
+    return mesh, partial
 
 
 def size_text(nbytes: int) -> str:

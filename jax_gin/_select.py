@@ -65,6 +65,33 @@ def choose(platform: str, nbytes: int, nranks: int, device_kind: str | None = No
     return "two_shot", f"{nbytes} B > {small} B with {nranks} ranks: moves 2(N-1)/N of the data"
 
 
+# psum_scatter and all_gather run these (include/jax_gin/collectives.h).
+COLLECTIVE_ALGORITHMS = ("one_shot", "ring")
+
+
+def choose_collective(platform: str, nbytes: int, nranks: int) -> tuple[str, str]:
+    """(algorithm, reason) for psum_scatter / all_gather; `nbytes` is the larger side per
+    device. Both schedules move the same (N-1)/N of it per rank: one_shot to all peers at once
+    in one step, ring to one neighbour in N-1 steps. Within an NVLink/NVSwitch node, or on the
+    CPU, every peer is one hop away and one step is cheapest; ring suits large groups, whose
+    all-to-all traffic does not scale."""
+    if nranks <= 1:
+        return "one_shot", "a group of one rank only copies"
+    small = SMALL_BYTES["cpu" if platform == "cpu" else "cuda"]
+    if nranks >= RING_MIN_RANKS and nbytes > small:
+        return "ring", f"{nranks} ranks >= {RING_MIN_RANKS}: nearest-neighbour traffic only"
+    return "one_shot", (f"{nranks} ranks: every peer is one hop away, so one step moves the "
+                        f"(N-1)/N share of the {nbytes} B per rank that any schedule moves")
+
+
+def validate_collective(algorithm, api: str) -> str:
+    if algorithm == "auto" or algorithm in COLLECTIVE_ALGORITHMS:
+        return algorithm
+    raise ValueError(
+        f"jax_gin.{api}: unknown algorithm {algorithm!r}; expected 'auto' or one of "
+        f"{', '.join(repr(a) for a in COLLECTIVE_ALGORITHMS)}")
+
+
 def validate(algorithm, api: str) -> str:
     if algorithm == "auto" or algorithm in ALGORITHMS:
         return algorithm

@@ -1,0 +1,309 @@
+"""psum_scatter and all_gather: drop-ins for lax's, run by jax_gin's device-initiated
+reduce-scatter and all-gather (include/jax_gin/collectives.h).
+
+Two primitives work on a flat layout: `jax_gin_psum_scatter` takes N blocks of m elements
+(N*m,) and returns the sum of block `rank` (m,); `jax_gin_all_gather` takes (m,) and returns
+every rank's block in rank order (N*m,). Ranks are lax.axis_index of the reduced axes (the
+tuple's row-major index). Each is the other's transpose. The public functions move the
+scattered or gathered dimension to the front, flatten, and pad a block to a multiple of 16
+bytes (the kernels move 16-byte vectors) in ordinary JAX operations around the primitive, so
+lax's semantics for any dimension, `tiled`, pytrees and complex values need nothing more of
+the primitives, and grad, vmap and jit see plain JAX around them.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax import tree_util
+from jax.extend.core import Primitive
+from jax.interpreters import ad, mlir
+
+from . import _compat, _native, _primitive, _runtime, _select
+from ._ops import ALGORITHM_CODES, SUPPORTED_DTYPE_NAMES, SUPPORTED_DTYPES
+
+API_NAMES = ("psum_scatter", "all_gather")
+psum_scatter_p = Primitive("jax_gin_psum_scatter")
+all_gather_p = Primitive("jax_gin_all_gather")
+_PRIMS = {"psum_scatter": psum_scatter_p, "all_gather": all_gather_p}
+ALIGN_BYTES = 16  # block boundaries (common.h kAlignBytes)
+
+
+# ---------------------------------------------------------------------------------------
+# Public API
+
+
+def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = False,
+                 algorithm: str = "auto"):
+    """Sum over mesh axis `axis_name` (a name or a tuple of names), keeping on each device
+    only its part; a drop-in for ``jax.lax.psum_scatter`` inside ``shard_map``.
+
+    Device i (``lax.axis_index(axis_name)``) gets the sum of everyone's i-th slice of `x`
+    along `scatter_dimension`: untiled, that dimension must have the axis size and is removed;
+    tiled, its size must be a multiple of the axis size and is divided by it. `algorithm` is
+    "auto", "one_shot" (each rank sends each peer its slice directly, one step) or "ring"
+    (N-1 steps to the next rank). A pytree is scattered leaf by leaf.
+    """
+    return _apply("psum_scatter", x, axis_name, scatter_dimension, tiled, algorithm)
+
+
+def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, algorithm: str = "auto"):
+    """Every device's `x`, over mesh axis `axis_name`, in axis-index order; a drop-in for
+    ``jax.lax.all_gather`` inside ``shard_map``.
+
+    Untiled, the blocks are stacked along a new dimension at `axis`; tiled, concatenated
+    along the existing dimension `axis`. `algorithm` is "auto", "one_shot" or "ring", as for
+    psum_scatter. A pytree is gathered leaf by leaf.
+    """
+    return _apply("all_gather", x, axis_name, axis, tiled, algorithm)
+
+
+def _apply(api, x, axis_name, dim, tiled, algorithm):
+    algorithm = _select.validate_collective(algorithm, api)
+    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
+        name = "scatter_dimension" if api == "psum_scatter" else "axis"
+        raise TypeError(f"jax_gin.{api}: {name} must be an integer, got {dim!r}")
+    if not isinstance(tiled, (bool, np.bool_)):
+        raise TypeError(f"jax_gin.{api}: tiled must be True or False, got {tiled!r}")
+    axes = _primitive._normalize_axes(axis_name, api)
+    nranks = math.prod(_compat.axis_size(a) for a in axes)
+    fn = _scatter if api == "psum_scatter" else _gather
+    return tree_util.tree_map(lambda leaf: fn(leaf, axes, nranks, int(dim), bool(tiled),
+                                              algorithm), x)
+
+
+def _canonical_dim(dim: int, ndim: int, api: str, name: str, shape) -> int:
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"jax_gin.{api}: {name}={dim} is out of range for a value of shape "
+                         f"{tuple(shape)} (valid: {-ndim} to {ndim - 1})")
+    return dim % ndim
+
+
+def _prepare(leaf, axes, api):
+    """The leaf as an array of a supported dtype: (array, how to undo the dtype change)."""
+    leaf = jnp.asarray(leaf)
+    undo = None
+    if np.issubdtype(leaf.dtype, np.complexfloating):
+        # a complex value moves (and sums) as its real and imaginary parts: a trailing axis
+        leaf = jnp.stack([jnp.real(leaf), jnp.imag(leaf)], axis=-1)
+        undo = lambda y: jax.lax.complex(y[..., 0], y[..., 1])  # noqa: E731
+    elif leaf.dtype == np.bool_ and api == "all_gather":
+        leaf, undo = leaf.astype(np.int32), (lambda y: y.astype(np.bool_))
+    if np.dtype(leaf.dtype) not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"jax_gin.{api}: unsupported dtype {leaf.dtype}; supported dtypes are "
+            f"{', '.join(SUPPORTED_DTYPE_NAMES)}, complex64 and complex128"
+            + (" and bool" if api == "all_gather" else ""))
+    if _compat.check_vma_enabled():
+        # as lax's collectives: a value that does not vary over `axes` is made varying first
+        manual = _compat.manual_mesh_axes()
+        vma = _compat.varying_axes(jax.typeof(leaf))
+        leaf = _compat.pcast_varying(leaf, tuple(a for a in axes if a in manual and a not in vma))
+    return leaf, undo
+
+
+def _pad_to(m: int, itemsize: int) -> int:
+    al = ALIGN_BYTES // itemsize
+    return -(-m // al) * al
+
+
+def _scatter(leaf, axes, nranks, dim, tiled, algorithm):
+    # (a complex leaf's parts are a trailing axis: the leaf's own dimensions keep their index)
+    d = _canonical_dim(dim, np.ndim(leaf), "psum_scatter", "scatter_dimension", np.shape(leaf))
+    x, undo = _prepare(leaf, axes, "psum_scatter")
+    size = x.shape[d]
+    if tiled and size % nranks:
+        raise ValueError(f"jax_gin.psum_scatter: tiled scatter dimension {d} of size {size} is "
+                         f"not divisible by the size of axis {_axes_text(axes)} ({nranks})")
+    if not tiled and size != nranks:
+        raise ValueError(f"jax_gin.psum_scatter: scatter dimension {d} has size {size}; untiled "
+                         f"it must equal the size of axis {_axes_text(axes)} ({nranks})")
+    moved = jnp.moveaxis(x, d, 0)  # (N * k, ...): block q is rows q*k .. q*k + k - 1
+    rest = moved.shape[1:]
+    k = size // nranks
+    m = k * math.prod(rest)
+    mp = _pad_to(m, x.dtype.itemsize)
+    blocks = moved.reshape(nranks, m)
+    if mp != m:
+        blocks = jnp.pad(blocks, ((0, 0), (0, mp - m)))
+    y = psum_scatter_p.bind(blocks.reshape(nranks * mp), axes=axes, nranks=nranks,
+                            algorithm=algorithm)[:m]
+    y = jnp.moveaxis(y.reshape((k,) + rest), 0, d) if tiled else y.reshape(rest)
+    return undo(y) if undo else y
+
+
+def _gather(leaf, axes, nranks, dim, tiled, algorithm):
+    ndim, shape = np.ndim(leaf), np.shape(leaf)
+    if tiled:
+        if ndim == 0:
+            raise ValueError("jax_gin.all_gather: tiled=True needs an array with a dimension "
+                             "to concatenate along, got a scalar")
+        d = _canonical_dim(dim, ndim, "all_gather", "axis", shape)
+    else:
+        d = _canonical_dim(dim, ndim + 1, "all_gather", "axis", shape + (1,))
+    x, undo = _prepare(leaf, axes, "all_gather")
+    moved = jnp.moveaxis(x, d, 0) if tiled else x
+    m = int(np.prod(moved.shape, dtype=np.int64))
+    mp = _pad_to(m, x.dtype.itemsize)
+    flat = moved.reshape(m)
+    if mp != m:
+        flat = jnp.pad(flat, (0, mp - m))
+    y = all_gather_p.bind(flat, axes=axes, nranks=nranks, algorithm=algorithm)
+    y = y.reshape(nranks, mp)[:, :m]
+    if tiled:
+        y = y.reshape((nranks * moved.shape[0],) + moved.shape[1:])
+        y = jnp.moveaxis(y, 0, d)
+    else:
+        y = jnp.moveaxis(y.reshape((nranks,) + x.shape), 0, d)
+    return undo(y) if undo else y
+
+
+def _axes_text(axes) -> str:
+    return repr(axes[0]) if len(axes) == 1 else repr(tuple(axes))
+
+
+# ---------------------------------------------------------------------------------------
+# Rules of the flat primitives (params: axes, nranks, algorithm)
+
+
+def _abstract_eval(api, x, *, axes, nranks, algorithm):
+    del algorithm
+    for a in axes:
+        if not _compat.axis_exists(a):
+            raise NameError(f"jax_gin.{api}: unknown axis name {a!r}")
+    if _compat.unreduced_axes(x) & set(axes):
+        raise NotImplementedError(f"jax_gin.{api} of an unreduced value is not supported; use "
+                                  f"jax.lax.{api}")
+    (n,) = x.shape
+    if api == "psum_scatter":
+        assert n % nranks == 0, (n, nranks)
+        shape = (n // nranks,)
+    else:
+        shape = (n * nranks,)
+    if _compat.check_vma_enabled():
+        vma = _compat.varying_axes(x)
+        need = set(axes) & _compat.manual_mesh_axes()
+        if not need <= vma:
+            raise ValueError(f"jax_gin.{api}: with check_vma=True the input must vary over "
+                             f"{axes}; it varies over {sorted(vma)}")
+    return x.update(shape=shape), {_compat.NamedAxisEffect(a) for a in axes}
+
+
+def _transpose(api, ct, x, *, axes, nranks, algorithm):
+    # a reduce-scatter's transpose is the all-gather of its cotangent, and the other way round
+    other = all_gather_p if api == "psum_scatter" else psum_scatter_p
+    return [other.bind(ct, axes=axes, nranks=nranks, algorithm=algorithm)]
+
+
+def _batch(api, axis_data, vals_in, dims_in, *, axes, nranks, algorithm):
+    (x,), (d,) = vals_in, dims_in
+    params = dict(axes=axes, nranks=nranks, algorithm=algorithm)
+    prim = _PRIMS[api]
+    if axis_data.name not in axes:
+        if d is None:
+            return prim.bind(x, **params), None
+        # B batch elements: each rank's blocks stay contiguous if the batch goes inside them
+        x = jnp.moveaxis(x, d, 0)
+        b = x.shape[0]
+        if api == "psum_scatter":
+            m = x.shape[1] // nranks
+            y = prim.bind(x.reshape(b, nranks, m).transpose(1, 0, 2).reshape(-1), **params)
+            return y.reshape(b, m), 0
+        m = x.shape[1]
+        y = prim.bind(x.reshape(-1), **params)
+        return y.reshape(nranks, b, m).transpose(1, 0, 2).reshape(b, nranks * m), 0
+    if axes != (axis_data.name,):
+        raise NotImplementedError(
+            f"jax_gin.{api} over vmapped axis {axis_data.name!r} together with other axes "
+            f"{tuple(a for a in axes if a != axis_data.name)} (lax does not support it either)")
+    # the vmapped axis is the whole group: compute locally
+    if api == "psum_scatter":
+        if d is None:
+            return (x * jnp.asarray(nranks, x.dtype)).reshape(nranks, -1), 0
+        x = jnp.moveaxis(x, d, 0)
+        return jnp.sum(x, axis=0, dtype=x.dtype).reshape(nranks, -1), 0
+    if d is None:
+        return jnp.tile(x, nranks), None
+    return jnp.moveaxis(x, d, 0).reshape(-1), None
+
+
+def _lowering(api, ctx, x, *, axes, nranks, algorithm, platform):
+    (aval,) = ctx.avals_in
+    mesh, partial = _primitive.lowering_mesh(ctx, api)
+    itemsize = np.dtype(aval.dtype).itemsize
+    nbytes = int(max(aval.shape[0], ctx.avals_out[0].shape[0])) * itemsize
+    requested = algorithm
+    if algorithm == "auto":
+        algorithm, _ = _select.choose_collective(platform, nbytes, nranks)
+    comm = None
+    if not partial:
+        _check_workspace(platform, algorithm, nranks, itemsize, api)
+        _primitive.check_cuda_module(platform, api)
+        comm = _runtime.communicator(platform, mesh, axes)
+        if _spans_nodes(platform, comm):
+            if requested != "auto":
+                raise ValueError(
+                    f"jax_gin.{api}: algorithm={requested!r} needs load/store access to every "
+                    "peer, but this group spans nodes; use algorithm='auto', which runs XLA's "
+                    f"own {api} there")
+            comm = None
+    if comm is None:
+        # a partially-manual shard_map, or a group that spans nodes: XLA's own collective
+        return _compat.xla_collective_lowering(ctx, x, api, axes, 0, True)
+    _primitive.check_no_open_start(ctx, api)
+    attrs = dict(comm=np.int64(comm), op=np.int32(_native.COLLECTIVE_OPS[api]),
+                 algorithm=np.int32(ALGORITHM_CODES[algorithm]))
+    call = _primitive.Call(comm, attrs, False, nranks, nbytes, np.dtype(aval.dtype).name)
+    tok_aval = _primitive.TOKEN
+    with call.named(api, platform, 1, False):
+        tok, y = jax.ffi.ffi_lowering(_native.COLLECTIVE_TARGETS[platform])(
+            ctx.replace(avals_in=[tok_aval, tok_aval, aval],
+                        avals_out=[tok_aval, ctx.avals_out[0]]),
+            _compat.partition_id(), _primitive._chain_token(ctx), x, **attrs)
+    _primitive._set_chain_token(ctx, tok)
+    return [y]
+
+
+def _spans_nodes(platform: str, comm: int) -> bool:
+    rpn = getattr(_native.cuda, "comm_ranks_per_node", None) if platform != "cpu" else None
+    return rpn is not None and rpn(comm) > 0
+
+
+def _check_workspace(platform, algorithm, nranks, itemsize, api):
+    """Raise at trace time if one round cannot fit in the workspace."""
+    if nranks <= 1:
+        return
+    lane = _runtime.workspace_bytes(platform)
+    if platform != "cpu" and _native.cuda is not None:
+        lane = _native.cuda.lane_bytes(lane)
+    code = ALGORITHM_CODES[algorithm]
+    if _native.cpu.schedule.coll_slot_elems(code, nranks, lane, itemsize) == 0:
+        need = _native.cpu.schedule.coll_slots(code, nranks) * ALIGN_BYTES
+        raise ValueError(
+            f"jax_gin.{api}: workspace too small: {lane} bytes per rank cannot hold one round "
+            f"of {algorithm} over {nranks} ranks (needs at least {need} bytes); raise "
+            "JAX_GIN_WORKSPACE_BYTES or jax_gin.runtime.settings")
+
+
+# ---------------------------------------------------------------------------------------
+# Registration: every rule of both primitives, in one place.
+
+for _api, _prim in _PRIMS.items():
+    def _impl(*xs, _api=_api, **params):
+        raise NameError(f"jax_gin.{_api} must be called inside jax.shard_map "
+                        f"(axes {params['axes']} are not bound here)")
+    _prim.def_impl(_impl)
+    _prim.def_effectful_abstract_eval(
+        lambda x, _api=_api, **p: _abstract_eval(_api, x, **p))
+    ad.deflinear2(_prim, lambda ct, x, _api=_api, **p: _transpose(_api, ct, x, **p))
+    _compat.batching.fancy_primitive_batchers[_prim] = (
+        lambda axis_data, vals, dims, _api=_api, **p: _batch(_api, axis_data, vals, dims, **p))
+    # Not cacheable: each call must take the previous call's order token (_primitive._chain).
+    for _platform in ("cpu", "cuda"):
+        mlir.register_lowering(
+            _prim, lambda ctx, x, _api=_api, _platform=_platform, **p:
+            _lowering(_api, ctx, x, platform=_platform, **p),
+            platform=_platform, cacheable=False)
