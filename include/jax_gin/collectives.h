@@ -12,7 +12,8 @@
 //   one_shot ("direct"): one step. Reduce-scatter: rank r puts its block p into slot r of
 //     rank p's window; p reduces slots 0..N-1 in rank order (its own block read in place).
 //     All-gather: r puts its input into slot r of every peer; each copies slot q into its
-//     block q. N slots. Latency-bound sizes.
+//     block q. N slots. Both in chunks signalled one by one, so that the receiver works on a
+//     chunk while the next ones arrive.
 //   ring: N-1 steps around r -> r+1, each rank sending 1/N of the data per step over one
 //     link. Reduce-scatter step s: r sends block (r - s - 1) mod N (its raw input at s = 0,
 //     else the partial it just reduced) and receives block (r - s - 2) mod N, which it reduces
@@ -59,23 +60,34 @@ JG_HD size_t coll_slot_elems(Algorithm a, int n, size_t lane_bytes, size_t elem_
 }  // namespace schedule
 
 // ---------------------------------------------------------------------------------------
-// Reduce-scatter of n elements per block (one round).
+// Reduce-scatter of n elements per block (one round). Pipelined as two_shot's first half: the
+// blocks are pushed chunk by chunk, each chunk signalled on its own, and the owner reduces
+// chunk c as soon as every peer's chunk c is in, while later chunks still arrive.
 template <class T, class Op, class Tp>
 JG_HD bool rs_one_shot_round(Tp& tp, const Blocks<T>& b, size_t n, size_t slot, uint64_t round) {
   const int r = tp.rank(), N = tp.nranks();
-  const uint64_t tag = data_tag(round, schedule::kOneShotStep);
-  for (int k = 1; k < N; ++k) {
-    const int p = schedule::mod(r + k, N);  // staggered, so that peers are not all hit at once
-    if (!await_credit(tp, p, round)) return false;
-    tp.copy(tp.template slot<T>(p, r), b.in + size_t(p) * b.stride, n);
-    tp.signal(p, kData, tag, schedule::kOneShotStep);
+  const size_t al = schedule::align_elems(sizeof(T));
+  const int C = schedule::chunks_for(n, sizeof(T), tp.chunk_bytes());
+  const schedule::Range all{0, n};
+  auto tag = [&](int c) { return data_tag(round, schedule::kOneShotStep * C + c); };
+  for (int k = 1; k < N; ++k)
+    if (!await_credit(tp, schedule::mod(r + k, N), round)) return false;
+  for (int c = 0; c < C; ++c) {
+    const schedule::Range ch = schedule::chunk(all, C, c, al);
+    for (int k = 1; k < N; ++k) {
+      const int p = schedule::mod(r + k, N);  // staggered, so that peers are not all hit at once
+      tp.copy(tp.template slot<T>(p, r) + ch.offset, b.in + size_t(p) * b.stride + ch.offset, ch.count);
+      tp.signal(p, kData, tag(c), schedule::kOneShotStep);
+    }
   }
-  for (int k = 1; k < N; ++k) {
-    const int q = schedule::mod(r - k, N);
-    if (!tp.wait(q, kData, tag, schedule::kOneShotStep)) return false;
+  for (int c = 0; c < C; ++c) {
+    for (int k = 1; k < N; ++k)
+      if (!tp.wait(schedule::mod(r - k, N), kData, tag(c), schedule::kOneShotStep)) return false;
+    const schedule::Range ch = schedule::chunk(all, C, c, al);
+    SlotSources<T> srcs{tp.template slot<T>(r, 0) + ch.offset, slot, r,
+                        b.in + size_t(r) * b.stride + ch.offset, N};
+    tp.template reduce<T, Op>(b.out + ch.offset, srcs, ch.count);
   }
-  SlotSources<T> srcs{tp.template slot<T>(r, 0), slot, r, b.in + size_t(r) * b.stride, N};
-  tp.template reduce<T, Op>(b.out, srcs, n);
   give_credit(tp, round);
   return true;
 }
@@ -123,22 +135,34 @@ JG_HD bool rs_ring_round(Tp& tp, const Blocks<T>& b, size_t n, size_t slot, uint
 
 // ---------------------------------------------------------------------------------------
 // All-gather of n elements per block (one round).
+// Pipelined in chunks as rs_one_shot_round: a peer's chunk c is copied out while later chunks
+// arrive. My own block is copied while the first chunks travel.
 template <class T, class Tp>
 JG_HD bool ag_one_shot_round(Tp& tp, const Blocks<T>& b, size_t n, size_t slot, uint64_t round) {
   (void)slot;
   const int r = tp.rank(), N = tp.nranks();
-  const uint64_t tag = data_tag(round, schedule::kOneShotStep);
-  for (int k = 1; k < N; ++k) {
-    const int p = schedule::mod(r + k, N);
-    if (!await_credit(tp, p, round)) return false;
-    tp.copy(tp.template slot<T>(p, r), b.in, n);
-    tp.signal(p, kData, tag, schedule::kOneShotStep);
+  const size_t al = schedule::align_elems(sizeof(T));
+  const int C = schedule::chunks_for(n, sizeof(T), tp.chunk_bytes());
+  const schedule::Range all{0, n};
+  auto tag = [&](int c) { return data_tag(round, schedule::kOneShotStep * C + c); };
+  for (int k = 1; k < N; ++k)
+    if (!await_credit(tp, schedule::mod(r + k, N), round)) return false;
+  for (int c = 0; c < C; ++c) {
+    const schedule::Range ch = schedule::chunk(all, C, c, al);
+    for (int k = 1; k < N; ++k) {
+      const int p = schedule::mod(r + k, N);
+      tp.copy(tp.template slot<T>(p, r) + ch.offset, b.in + ch.offset, ch.count);
+      tp.signal(p, kData, tag(c), schedule::kOneShotStep);
+    }
   }
   tp.copy(b.out + size_t(r) * b.stride, b.in, n);
-  for (int k = 1; k < N; ++k) {
-    const int q = schedule::mod(r - k, N);
-    if (!tp.wait(q, kData, tag, schedule::kOneShotStep)) return false;
-    tp.copy(b.out + size_t(q) * b.stride, tp.template slot<T>(r, q), n);
+  for (int c = 0; c < C; ++c) {
+    const schedule::Range ch = schedule::chunk(all, C, c, al);
+    for (int k = 1; k < N; ++k) {
+      const int q = schedule::mod(r - k, N);
+      if (!tp.wait(q, kData, tag(c), schedule::kOneShotStep)) return false;
+      tp.copy(b.out + size_t(q) * b.stride + ch.offset, tp.template slot<T>(r, q) + ch.offset, ch.count);
+    }
   }
   give_credit(tp, round);
   return true;
