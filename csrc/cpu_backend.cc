@@ -25,6 +25,7 @@
 
 #include "host_types.h"
 #include "jax_gin/text.h"
+#include "laggard.h"
 #include "jax_gin/algorithms.h"
 #include "jax_gin/collectives.h"
 #include "jax_gin/schedule.h"
@@ -765,65 +766,6 @@ std::vector<RecEntry> recorder_entries(const Workspace& ws, int rank) {
   return out;
 }
 
-namespace {
-
-struct Seen {
-  uint64_t seq, done, wseq, wround;
-  int wpeer, wstep, op, algo;
-  bool failed;
-  bool in_call() const { return seq != 0 && done != seq; }
-  bool waiting() const { return seq != 0 && wseq == seq && wpeer >= 0; }
-};
-
-std::string call_name(uint64_t seq, int op, int algo) {
-  Text os;
-  os << "call #" << seq << " (" << call_op_name(op) << ", " << algorithm_name(Algorithm(algo)) << ")";
-  return os.str();
-}
-
-std::string wait_text(const Seen& s) {
-  Text os;
-  os << "waiting for rank " << s.wpeer;
-  if (s.wstep < 0) os << " (credit) before round " << s.wround;
-  else os << " at step " << s.wstep << " of round " << s.wround;
-  return os.str();
-}
-
-// "0, 2-7"
-std::string rank_list(const std::vector<int>& r) {
-  Text os;
-  for (size_t i = 0; i < r.size();) {
-    size_t j = i;
-    while (j + 1 < r.size() && r[j + 1] == r[j] + 1) ++j;
-    if (i) os << ", ";
-    os << r[i];
-    if (j > i) os << (j == i + 1 ? ", " : "-") << r[j];
-    i = j + 1;
-  }
-  return os.str();
-}
-
-std::string ranks_word(const std::vector<int>& r) {
-  return (r.size() == 1 ? "rank " : "ranks ") + rank_list(r);
-}
-
-std::string steps_text(const std::vector<int>& steps) {
-  std::vector<int> u(steps);
-  std::sort(u.begin(), u.end());
-  u.erase(std::unique(u.begin(), u.end()), u.end());
-  Text os;
-  if (u.size() == 1) {
-    if (u[0] < 0) os << "for its credit";
-    else os << "at step " << u[0];
-  } else {
-    os << "at steps ";
-    for (size_t i = 0; i < u.size(); ++i) os << (i ? ", " : "") << u[i];
-  }
-  return os.str();
-}
-
-}  // namespace
-
 std::string laggard_report(const Workspace& ws, int group, int self) {
   const int n = ws.nranks();
   std::vector<Seen> s(static_cast<size_t>(n));
@@ -840,100 +782,7 @@ std::string laggard_report(const Workspace& ws, int group, int self) {
     x.algo = st.algorithm;
     x.failed = st.failed != 0;
   }
-  const Seen& me = s[size_t(self)];
-  const uint64_t k = me.seq;
-  // The rank that is behind: the lowest call number, then the earliest phase (waiting in an
-  // earlier round or step, before a rank that finished the call).
-  auto phase = [](const Seen& x) -> uint64_t {
-    if (!x.in_call() && !x.failed) return ~0ull;
-    if (!x.waiting()) return 0;
-    return x.wround * kTagsPerRound + uint64_t(x.wstep + 1);
-  };
-  int behind = 0;
-  for (int r = 1; r < n; ++r) {
-    const Seen& a = s[size_t(r)];
-    const Seen& b = s[size_t(behind)];
-    if (a.seq < b.seq || (a.seq == b.seq && phase(a) < phase(b))) behind = r;
-  }
-  // Who waits in call k, and for whom.
-  auto waiters_for = [&](int target, std::vector<int>& ranks, std::vector<int>& steps) {
-    for (int r = 0; r < n; ++r) {
-      const Seen& x = s[size_t(r)];
-      if (x.seq == k && x.waiting() && x.wpeer == target) {
-        ranks.push_back(r);
-        steps.push_back(x.wstep);
-      }
-    }
-  };
-  Text os;
-  os << "diagnosis: ";
-  const Seen& lb = s[size_t(behind)];
-  std::vector<int> w, steps;
-  if (lb.seq < k) {
-    waiters_for(behind, w, steps);
-    os << "rank " << behind << " never entered " << call_name(k, me.op, me.algo);
-    if (!w.empty()) os << "; " << ranks_word(w) << " wait" << (w.size() == 1 ? "s" : "") << " for it "
-                       << steps_text(steps);
-    std::vector<int> others, other_steps;
-    for (int r = 0; r < n; ++r) {
-      const Seen& x = s[size_t(r)];
-      if (x.seq == k && x.waiting() && x.wpeer != behind) {
-        others.push_back(r);
-        other_steps.push_back(x.wstep);
-      }
-    }
-    if (!others.empty()) os << (w.empty() ? "; " : ", and ") << ranks_word(others) << " wait in that call "
-                            << steps_text(other_steps);
-    if (lb.seq == 0) os << "; it made no call on this communicator";
-    else if (lb.in_call()) os << "; it is still in its " << call_name(lb.seq, lb.op, lb.algo)
-                             << (lb.waiting() ? ", " + wait_text(lb) : std::string(", not waiting"));
-    else os << "; its last call was " << call_name(lb.seq, lb.op, lb.algo) << (lb.failed ? ", failed" : ", done");
-  } else {
-    // Every rank entered call k. A rank waited for that has finished the call did not deliver
-    // its signals; else follow the waits from this rank to one that is not waiting.
-    int culprit = -1;
-    for (int r = 0; r < n && culprit < 0; ++r) {
-      const Seen& x = s[size_t(r)];
-      if (x.seq == k && !x.in_call() && !x.failed) {
-        std::vector<int> ww, ss;
-        waiters_for(r, ww, ss);
-        if (!ww.empty()) {
-          culprit = r;
-          w = ww;
-          steps = ss;
-        }
-      }
-    }
-    if (culprit >= 0) {
-      os << "rank " << culprit << " finished " << call_name(k, me.op, me.algo) << ", but "
-         << ranks_word(w) << " still wait" << (w.size() == 1 ? "s" : "") << " for it "
-         << steps_text(steps) << ": its signals did not arrive";
-    } else {
-      int r = self, hops = 0;
-      while (s[size_t(r)].waiting() && s[size_t(r)].in_call() && hops++ < n) r = s[size_t(r)].wpeer;
-      if (hops > n) {
-        os << "the ranks of " << call_name(k, me.op, me.algo) << " wait for each other in a cycle";
-      } else if (r == self) {
-        os << "rank " << behind << " is behind in " << call_name(k, me.op, me.algo);
-      } else {
-        waiters_for(r, w, steps);
-        os << "rank " << r << " is in " << call_name(k, me.op, me.algo) << " but not waiting (busy or stopped)";
-        if (!w.empty()) os << "; " << ranks_word(w) << " wait" << (w.size() == 1 ? "s" : "") << " for it "
-                           << steps_text(steps);
-      }
-    }
-  }
-  os << ".\nlast calls of group " << group << ":";
-  for (int r = 0; r < n; ++r) {
-    const Seen& x = s[size_t(r)];
-    os << (r ? ";" : "") << " rank " << r << ": ";
-    if (x.seq == 0) { os << "none"; continue; }
-    os << "#" << x.seq << " " << call_op_name(x.op) << "/" << algorithm_name(Algorithm(x.algo));
-    if (x.in_call()) os << (x.waiting() ? ", " + wait_text(x) : std::string(", running"));
-    else if (x.failed) os << ", failed" << (x.waiting() ? " " + wait_text(x) : std::string());
-    else os << ", done";
-  }
-  return os.str();
+  return laggard_text(s, group, self);
 }
 
 }  // namespace cpu
