@@ -1,6 +1,7 @@
-"""The inputs of the all-reduce benchmark (jax_gin.bench): the swept sizes, the exact values
-every device reduces with their numpy reference, the chain steps that keep them exact, and the
-check of a result against them. The method is described in jax_gin.bench's module doc."""
+"""The inputs of the collectives benchmark (jax_gin.bench): the swept sizes, the exact values
+every device reduces or gathers with their numpy reference, the chain steps that keep them
+exact, and the check of a result against them. The method is described in jax_gin.bench's
+module doc."""
 from __future__ import annotations
 
 import dataclasses
@@ -50,14 +51,17 @@ class Inputs:
     """Host arrays for one (count, dtype, op) on `nranks` devices."""
 
     x: np.ndarray      # (nranks, count): what each device reduces
-    ref: np.ndarray    # (count,): the exact all-reduce of x
+    ref: np.ndarray    # (count,): the exact all-reduce of x (psum_scatter, all_gather:
+    #                    (nranks, L) or (1, L), row i device i's exact result)
     corr: np.ndarray   # (nranks, count): ref - x, so that allreduce(x) - corr == x exactly
+    #                    (psum_scatter, all_gather: (nranks, 1), device i's result[0] - x[i, 0])
     op: str = "sum"
 
     def chain_result(self, k: int, step: str) -> np.ndarray:
-        """What the last all-reduce of a chain of k returns: ref for the subtract step; for
-        the slice step ref * N^(k-1) (sums; exact by slice_is_exact), with element 0 = ref[0]."""
-        if step == "subtract" or self.op != "sum" or k == 1:
+        """What the last op of a chain of k returns: ref for the subtract and restore steps;
+        for the slice step ref * N^(k-1) (sums; exact by slice_is_exact), with element 0 =
+        ref[0]."""
+        if step in ("subtract", RESTORE_STEP) or self.op != "sum" or k == 1:
             return self.ref
         n = self.x.shape[0]
         out = (self.ref.astype(np.float64) * float(n) ** (k - 1)).astype(self.ref.dtype) \
@@ -97,6 +101,11 @@ def slice_is_exact(nranks: int, k: int, dtype, op: str) -> bool:
     return top < jnp.finfo(dtype).maxexp - 2  # float32, bfloat16, float64: exponent range
 
 
+# The chain step of psum_scatter and all_gather, whose result does not have the input's
+# shape: y[0] <- op(y)[0] - corr, which is x[0] again (see jax_gin.bench's module doc).
+RESTORE_STEP = "restore"
+
+
 def chain_step_for(requested: str, nranks: int, k: int, dtype, op: str) -> str:
     if requested == "subtract" or (requested == "auto" and not slice_is_exact(nranks, k, dtype, op)):
         return "subtract"
@@ -123,6 +132,28 @@ def make_inputs(nranks: int, count: int, dtype, op: str, seed: int = 0, scale_ex
                   corr=_cast(ref[None, :] - vals, dtype), op=op)
 
 
+# The redop column of psum_scatter and all_gather (the all-reduce's ops are -o's); nccl-tests
+# prints "none" for an all-gather.
+COLLECTIVE_OPS = {"psum_scatter": "sum", "all_gather": "none"}
+
+
+def make_collective_inputs(collective: str, nranks: int, block: int, dtype,
+                           seed: int = 0) -> Inputs:
+    """psum_scatter: each device holds N blocks of `block` elements and device i's result is
+    the sum of everyone's block i (ref row i); all_gather: each device holds one block and
+    every device's result is all of them in rank order (ref's one row). The values are
+    make_inputs' (exact); corr[i] = device i's result[0] - x[i, 0], for the restore step."""
+    if collective == "psum_scatter":
+        inp = make_inputs(nranks, nranks * block, dtype, "sum", seed)
+        x, ref = inp.x, inp.ref.reshape(nranks, block)
+    else:
+        x = make_inputs(nranks, block, dtype, "sum", seed).x
+        ref = x.reshape(1, -1)
+    first = np.broadcast_to(ref[:, :1], (nranks, 1))
+    corr = _cast(first.astype(np.float64) - x[:, :1].astype(np.float64), dtype)
+    return Inputs(x=x, ref=ref, corr=corr, op=COLLECTIVE_OPS[collective])
+
+
 def reference(vals: np.ndarray, op: str) -> np.ndarray:
     return {"sum": np.sum, "max": np.max, "min": np.min}[op](vals, axis=0)
 
@@ -134,13 +165,17 @@ def _cast(a: np.ndarray, dtype) -> np.ndarray:
 
 
 def count_wrong(out, ref: np.ndarray, nranks: int) -> int:
-    """Elements of the (nranks * count,) result that differ from ref on any device (each
-    device's shard is its whole result). With several processes each checks its own devices'
+    """Elements of the (nranks * L,) result that differ from ref on any device (each
+    device's shard is its whole result): ref is (L,), every device's result, or (nranks, L),
+    row i device i's, or (1, L). With several processes each checks its own devices'
     shards and the counts are summed over the processes."""
+    want = np.broadcast_to(ref, (nranks, ref.shape[-1]))
     if getattr(out, "is_fully_addressable", True):
         got = np.asarray(out).reshape(nranks, -1)
-        return int(np.count_nonzero(got != ref[None, :]))
+        return int(np.count_nonzero(got != want))
     from jax.experimental import multihost_utils
-    mine = sum(int(np.count_nonzero(np.asarray(sh.data) != ref)) for sh in out.addressable_shards)
+    flat = want.reshape(-1)
+    mine = sum(int(np.count_nonzero(np.asarray(sh.data) != flat[sh.index[0]]))
+               for sh in out.addressable_shards)
     return int(np.sum(multihost_utils.process_allgather(np.array([mine], np.int64))))
 

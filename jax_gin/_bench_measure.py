@@ -1,7 +1,7 @@
-"""The measurement of the all-reduce benchmark (jax_gin.bench): the chains of dependent
-all-reduces that are timed, one call's wall time, and the turns in which every algorithm's
-chains of 1 and of K are timed side by side. The method is described in jax_gin.bench's
-module doc."""
+"""The measurement of the collectives benchmark (jax_gin.bench): the chains of dependent
+all-reduces (psum_scatters, all_gathers) that are timed, one call's wall time, and the turns in
+which every algorithm's chains of 1 and of K are timed side by side. The method is described
+in jax_gin.bench's module doc."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +13,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_gin
 
-from ._bench_inputs import Inputs, count_wrong, format_size
+from ._bench_inputs import RESTORE_STEP, Inputs, count_wrong, format_size
+from ._select import ALL_REDUCE
 
 AXIS = "i"
 LAX_NAME = "lax"
@@ -46,12 +47,36 @@ def reduce_fn(op: str, algorithm: str):
     return lambda v, axis: gin(v, axis, algorithm=algorithm)
 
 
+def collective_fn(collective: str, op: str, algorithm: str):
+    """(value, axis) -> result of `collective`: jax.lax's for 'lax', else jax_gin's with
+    `algorithm`; psum_scatter and all_gather tiled, along dimension 0."""
+    if collective == ALL_REDUCE:
+        return reduce_fn(op, algorithm)
+    if algorithm == LAX_NAME:
+        ref = getattr(jax.lax, collective)
+        return lambda v, axis: ref(v, axis, tiled=True)
+    gin = getattr(jax_gin, collective)
+    return lambda v, axis: gin(v, axis, tiled=True, algorithm=algorithm)
+
+
+def bus_factor(collective: str, nranks: int) -> float:
+    """busbw / algbw (nccl-tests): an all-reduce moves 2(N-1)/N of its size per rank, a
+    reduce-scatter or an all-gather (N-1)/N of its larger side."""
+    return (2 if collective == ALL_REDUCE else 1) * (nranks - 1) / nranks
+
+
 def build_chain(mesh: Mesh, reduce, k: int, step: str = "subtract"):
-    """jit(shard_map) of k dependent all-reduces with the chain `step` between them."""
+    """jit(shard_map) of k dependent all-reduces (psum_scatters, all_gathers: step
+    RESTORE_STEP) with the chain `step` between them."""
     def chain(x, corr):
         y = x
         for _ in range(k - 1):
-            if step == "slice":
+            if step == RESTORE_STEP:
+                # The result has another shape than y, so the next input is y again with one
+                # element written in place from the result: result[0] - corr is x[0], which
+                # keeps the values exact and makes the next op depend on this one.
+                y = y.at[0].set(reduce(y, AXIS)[0] - corr[0])
+            elif step == "slice":
                 # One element from this device's x: the next input varies over the devices
                 # again (so XLA cannot treat it as replicated); an in-place one-element update.
                 y = reduce(y, AXIS).at[0].set(x[0])
@@ -78,8 +103,8 @@ def time_call(f, args) -> tuple:
 
 @dataclasses.dataclass
 class Record:
-    size: int                 # bytes per device
-    count: int                # elements per device
+    size: int                 # bytes per device (psum_scatter, all_gather: of the larger side)
+    count: int                # elements per device (of the larger side)
     dtype: str
     op: str
     algorithm: str
@@ -96,17 +121,26 @@ class Record:
     vs_lax: float | None = None
     auto_choice: str | None = None    # what algorithm="auto" ran
     error: str | None = None
+    collective: str = ALL_REDUCE      # all_reduce, psum_scatter or all_gather
 
     @property
     def failed(self) -> bool:
         return self.error is not None or bool(self.wrong) or bool(self.wrong_chain)
 
 
-def auto_choice(algorithm: str, count: int, dtype, nranks: int, platform: str) -> str | None:
+def auto_choice(algorithm: str, count: int, dtype, nranks: int, platform: str,
+                collective: str = ALL_REDUCE, device_kind: str | None = None) -> str | None:
+    """What algorithm="auto" runs for a row of `count` elements per device (the larger side):
+    its device kind's tuning table decides where there is one."""
     if algorithm != "auto":
         return None
-    spec = jax.ShapeDtypeStruct((count,), dtype)
-    return jax_gin.explain(spec, nranks=nranks, platform=platform).split(":", 1)[0]
+    if collective == ALL_REDUCE:
+        spec, kw = jax.ShapeDtypeStruct((count,), dtype), {}
+    else:  # explain takes the input: an all_gather's is one block
+        per_input = count if collective == "psum_scatter" else count // nranks
+        spec, kw = jax.ShapeDtypeStruct((per_input,), dtype), {"collective": collective}
+    return jax_gin.explain(spec, nranks=nranks, platform=platform, device_kind=device_kind,
+                           **kw).split(":", 1)[0]
 
 
 def _error_text(e: Exception) -> str:
@@ -128,7 +162,7 @@ def measure_size(mesh: Mesh, inputs: Inputs, recs: list, args, device_args, prog
     for rec in recs:
         progress.step(f"{rec.dtype} {rec.op} {format_size(rec.size)} {rec.algorithm}")
         try:
-            reduce = reduce_fn(rec.op, rec.algorithm)
+            reduce = collective_fn(rec.collective, rec.op, rec.algorithm)
             f1 = build_chain(mesh, reduce, 1, rec.chain_step)
             fk = build_chain(mesh, reduce, rec.chain, rec.chain_step)
             time_call(f1, device_args)  # first calls compile
@@ -159,7 +193,7 @@ def measure_size(mesh: Mesh, inputs: Inputs, recs: list, args, device_args, prog
         rec.time_us = (tk - t1) / (rec.chain - 1) * 1e6
         if rec.time_us > 0:  # noise can make T_K - T_1 <= 0 for tiny ops on a busy machine
             rec.algbw = rec.size / (rec.time_us * 1e-6) / 1e9
-            rec.busbw = rec.algbw * 2 * (rec.nranks - 1) / rec.nranks
+            rec.busbw = rec.algbw * bus_factor(rec.collective, rec.nranks)
         if args.check:
             rec.wrong = count_wrong(out1, inputs.ref, rec.nranks)
             rec.wrong_chain = count_wrong(outk, inputs.chain_result(rec.chain, rec.chain_step),

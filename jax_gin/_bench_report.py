@@ -1,4 +1,4 @@
-"""The report of the all-reduce benchmark (jax_gin.bench): the nccl-tests style table with its
+"""The report of the collectives benchmark (jax_gin.bench): the nccl-tests style table with its
 header and footer, the run's metadata, the progress bar, the JSON file and the plot."""
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import jax
 
 import jax_gin
 
-from ._bench_inputs import format_size
+from ._bench_inputs import RESTORE_STEP, format_size
 from ._bench_measure import LARGE_CHAIN, LAX_NAME, SMALL_CHAIN, SMALL_CHAIN_MAX_BYTES, Record
+from ._select import ALL_REDUCE
 
 # Column layout of the results table: (header, width).
 COLUMNS = (("size", 12), ("count", 12), ("type", 9), ("redop", 6), ("algo", 9), ("|", 1),
@@ -75,10 +76,23 @@ def environment(devices, platform: str) -> dict:
     }
 
 
+def collective_title(collective: str) -> str:
+    """'all-reduce', or the jax_gin function's name."""
+    return "all-reduce" if collective == ALL_REDUCE else collective
+
+
 def metadata(args, devices, platform: str) -> dict:
     env = environment(devices, platform)
+    method = ("per-op time = (T_K - T_1)/(K - 1), medians of wall times of jit calls; "
+              "chain step slice: y <- allreduce(y); y[0] <- x[0], or subtract: "
+              "y <- allreduce(y) - (ref - x) (each row's chain_step)")
+    if args.collective != [ALL_REDUCE]:
+        method += (f"; psum_scatter and all_gather (tiled, dimension 0): chain step "
+                   f"{RESTORE_STEP}: y[0] <- op(y)[0] - corr (= x[0]); size = the larger side "
+                   "per device, busbw = algbw (N-1)/N")
     return {
-        "benchmark": "all-reduce",
+        "benchmark": ", ".join(collective_title(c) for c in args.collective),
+        "collectives": args.collective,
         **env,
         "processes": jax.process_count(),
         "command_buffer_flags": command_buffer_flags(env["xla_flags"]),
@@ -88,9 +102,7 @@ def metadata(args, devices, platform: str) -> dict:
         f"{SMALL_CHAIN} up to {format_size(SMALL_CHAIN_MAX_BYTES)}, {LARGE_CHAIN} above",
         "dtypes": args.dtype, "ops": args.op, "algorithms": args.algorithm,
         "chain_step": args.chain_step,
-        "method": "per-op time = (T_K - T_1)/(K - 1), medians of wall times of jit calls; "
-                  "chain step slice: y <- allreduce(y); y[0] <- x[0], or subtract: "
-                  "y <- allreduce(y) - (ref - x) (each row's chain_step)",
+        "method": method,
     }
 
 
@@ -101,8 +113,11 @@ def header_lines(meta: dict) -> list:
         graphs = " ".join(meta["command_buffer_flags"])
     else:
         graphs = "XLA default (no command-buffer flag in XLA_FLAGS)"
-    return [
-        f"# jax_gin {meta['jax_gin']} all-reduce benchmark (CUDA extension: "
+    collectives = meta.get("collectives", [ALL_REDUCE])
+    steps = ([meta.get("chain_step", "subtract")] if ALL_REDUCE in collectives else []) + \
+        ([RESTORE_STEP] if collectives != [ALL_REDUCE] else [])
+    lines = [
+        f"# jax_gin {meta['jax_gin']} {meta['benchmark']} benchmark (CUDA extension: "
         f"{'yes' if meta['jax_gin_cuda'] else 'no'})",
         f"# jax {meta['jax']}  jaxlib {meta['jaxlib']}  python {meta['python']}  host {meta['host']}",
         f"# platform {meta['platform']}: {meta['ndevices']} x {meta['device_kind']} "
@@ -114,13 +129,22 @@ def header_lines(meta: dict) -> list:
         f"# date {meta['date']}",
         f"# sizes {format_size(meta['minbytes'])}..{format_size(meta['maxbytes'])} "
         f"x{meta['stepfactor']}  iters {meta['iters']}  warmup {meta['warmup']}  "
-        f"chain K={meta['chain']}  step {meta.get('chain_step', 'subtract')}  "
+        f"chain K={meta['chain']}  step {', '.join(steps)}  "
         f"check {'on' if meta['check'] else 'off'}",
         "# time = per-op (T_K - T_1)/(K - 1); wall = T_1 (one jit call); "
         "vs_lax = lax time / this time",
-        "# chain step: slice = y <- allreduce(y); y[0] <- x[0] (in place); subtract = "
-        "y <- allreduce(y) - (ref - x) (rows marked *)",
     ]
+    if ALL_REDUCE in collectives:
+        lines.append("# chain step: slice = y <- allreduce(y); y[0] <- x[0] (in place); subtract = "
+                     "y <- allreduce(y) - (ref - x) (rows marked *)")
+    if collectives != [ALL_REDUCE]:
+        lines += [
+            "# psum_scatter, all_gather: jax_gin's and lax's, tiled along dimension 0; size = the "
+            "larger side per device (N blocks), algbw = size / time, busbw = algbw (N-1)/N",
+            f"# chain step {RESTORE_STEP}: y[0] <- op(y)[0] - (result[0] - x[0]) (in place; "
+            "y stays x)",
+        ]
+    return lines
 
 
 def footer_lines(records: list, check: bool) -> list:
@@ -131,17 +155,22 @@ def footer_lines(records: list, check: bool) -> list:
     errors = sum(r.error is not None for r in records)
     if errors:
         lines.append(f"# Errors              : {errors} FAILED")
-    for algo in dict.fromkeys(r.algorithm for r in records):
-        mine = [r for r in records if r.algorithm == algo]
+    for key in dict.fromkeys((r.collective, r.algorithm) for r in records):
+        mine = [r for r in records if (r.collective, r.algorithm) == key]
         bus = [r.busbw for r in mine if r.busbw is not None]
         avg = f"{statistics.fmean(bus):.4f} GB/s" if bus else "N/A"
-        lines.append(f"# Avg bus bandwidth   : {avg}  ({algo})")
-    for algo in dict.fromkeys(r.algorithm for r in records if r.algorithm != LAX_NAME):
-        ratios = [r.vs_lax for r in records if r.algorithm == algo and r.vs_lax]
+        lines.append(f"# Avg bus bandwidth   : {avg}  ({_label(*key)})")
+    for key in dict.fromkeys((r.collective, r.algorithm) for r in records
+                             if r.algorithm != LAX_NAME):
+        ratios = [r.vs_lax for r in records if (r.collective, r.algorithm) == key and r.vs_lax]
         if ratios:
             geo = math.exp(statistics.fmean(math.log(v) for v in ratios))
-            lines.append(f"# Geomean vs_lax      : {geo:.2f}  ({algo})")
+            lines.append(f"# Geomean vs_lax      : {geo:.2f}  ({_label(*key)})")
     return lines
+
+
+def _label(collective: str, algorithm: str) -> str:
+    return algorithm if collective == ALL_REDUCE else f"{collective} {algorithm}"
 
 
 class Progress:
@@ -199,12 +228,16 @@ def write_plot(path: str, meta: dict, records: list) -> bool:
         print(f"# --plot {path}: matplotlib is not installed; no plot written "
               "(pip install matplotlib)", file=sys.stderr)
         return False
-    tables = list(dict.fromkeys((r.dtype, r.op) for r in records))
+    tables = list(dict.fromkeys((r.collective, r.dtype, r.op) for r in records))
     fig, axes = plt.subplots(len(tables), 2, figsize=(12, 4.2 * len(tables)), squeeze=False)
-    for (dtype, op), (ax_t, ax_b) in zip(tables, axes):
-        _plot_table([r for r in records if (r.dtype, r.op) == (dtype, op)], ax_t, ax_b)
-        ax_t.set_title(f"time per all-reduce ({dtype} {op})")
-        ax_b.set_title(f"bus bandwidth ({dtype} {op})")
+    for key, (ax_t, ax_b) in zip(tables, axes):
+        collective, dtype, op = key
+        _plot_table([r for r in records if (r.collective, r.dtype, r.op) == key], ax_t, ax_b)
+        title = collective_title(collective)
+        what = f"{dtype} {op}" if collective == ALL_REDUCE else dtype
+        ax_t.set_title(f"time per {title} ({what})")
+        ax_b.set_title(f"bus bandwidth ({what})" if collective == ALL_REDUCE else
+                       f"bus bandwidth ({title}, {what})")
     fig.suptitle(f"jax_gin {meta['jax_gin']} vs lax: {meta['ndevices']} x {meta['device_kind']}, "
                  f"jax {meta['jax']}, {meta['date'][:10]}", fontsize="medium")
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))  # room for the title

@@ -237,9 +237,10 @@ def _lowering(api, ctx, x, *, axes, nranks, algorithm, platform):
     nbytes = int(max(aval.shape[0], ctx.avals_out[0].shape[0])) * itemsize
     requested = algorithm
     if algorithm == "auto":
-        algorithm, _ = _select.choose_collective(platform, nbytes, nranks)
+        kind = np.asarray(mesh.devices).flat[0].device_kind
+        algorithm, _ = _select.choose_collective(platform, nbytes, nranks, kind, api=api)
     comm = None
-    if not partial:
+    if not partial and algorithm != _select.XLA_FALLBACK:
         _check_workspace(platform, algorithm, nranks, itemsize, api)
         _primitive.check_cuda_module(platform, api)
         comm = _runtime.communicator(platform, mesh, axes)
@@ -251,7 +252,8 @@ def _lowering(api, ctx, x, *, axes, nranks, algorithm, platform):
                     f"own {api} there")
             comm = None
     if comm is None:
-        # a partially-manual shard_map, or a group that spans nodes: XLA's own collective
+        # a partially-manual shard_map, a group that spans nodes, or auto's choice from a
+        # tuning table: XLA's own collective
         return _compat.xla_collective_lowering(ctx, x, api, axes, 0, True)
     _primitive.check_no_open_start(ctx, api)
     attrs = dict(comm=np.int64(comm), op=np.int32(_native.COLLECTIVE_OPS[api]),

@@ -1,8 +1,9 @@
 """Algorithm choice: which algorithm `algorithm="auto"` runs, and why.
 
-1. A tuning table (which may also send a size range to XLA's own all-reduce, "xla", where
+1. A tuning table (which may also send a size range to XLA's own collective, "xla", where
    that was measured faster than every jax_gin algorithm) measured on this kind of machine and group size (jax_gin/tuning/*.json,
    written by `python -m jax_gin.tune`; JAX_GIN_TUNING_DIR adds a folder searched first).
+   psum, pmax and pmin read the all-reduce table; psum_scatter and all_gather each their own.
 2. Otherwise a model-based rule (performance.md): one_shot moves (N-1)*S per rank in one
    synchronization step, two_shot 2(N-1)/N*S in two, ring the same bytes in 2(N-1) steps,
    tree log2(N) steps. Small messages are latency-bound -> one_shot; large ones
@@ -22,22 +23,44 @@ SMALL_BYTES = {"cpu": 64 << 10, "cuda": 512 << 10}
 RING_MIN_RANKS = 16
 
 
+# The tables' name for what psum, pmax and pmin run (one table for the three).
+ALL_REDUCE = "all_reduce"
+# psum_scatter and all_gather run these (include/jax_gin/collectives.h).
+COLLECTIVE_ALGORITHMS = ("one_shot", "ring")
+
+
+def algorithms(collective: str) -> tuple:
+    """The algorithms jax_gin runs for `collective`: ALL_REDUCE, "psum_scatter" or
+    "all_gather"."""
+    return ALGORITHMS if collective == ALL_REDUCE else COLLECTIVE_ALGORITHMS
+
+
 @functools.lru_cache(maxsize=None)
-def load_table(device_kind: str, nranks: int):
-    """The tuning table for this device kind and group size, or None."""
+def load_table(device_kind: str, nranks: int, collective: str = ALL_REDUCE):
+    """The tuning table of `collective` for this device kind and group size, or None."""
     from .tune import TABLE_DIR, table_name
-    name = table_name(device_kind, nranks)
+    name = table_name(device_kind, nranks, collective)
+    allowed = algorithms(collective) + (XLA_FALLBACK,)
     for d in (_runtime.settings.tuning_dir, TABLE_DIR):
         if d and os.path.exists(os.path.join(d, name)):
             with open(os.path.join(d, name)) as f:
                 table = json.load(f)
-            if table.get("entries") and all(e["algorithm"] in ALGORITHMS + (XLA_FALLBACK,)
-                                            for e in table["entries"]):
+            if table.get("entries") and all(e["algorithm"] in allowed for e in table["entries"]):
                 return table
     return None
 
 
 _runtime._select_cache["load_table"] = load_table  # a new settings.tuning_dir clears it
+
+
+def _from_table(table: dict, nbytes: int, xla_text: str) -> tuple[str, str]:
+    entries = table["entries"]
+    pick = next((e for e in entries if nbytes <= e["max_bytes"]), entries[-1])
+    where = (f"near {pick['max_bytes']} B in the tuning table for {table['device_kind']} x "
+             f"{table['nranks']} ({table.get('measured', '?')[:10]})")
+    if pick["algorithm"] == XLA_FALLBACK:
+        return XLA_FALLBACK, f"{xla_text} was faster than every jax_gin algorithm {where}"
+    return pick["algorithm"], f"fastest measured {where}"
 
 
 def choose(platform: str, nbytes: int, nranks: int, device_kind: str | None = None) -> tuple[str, str]:
@@ -47,16 +70,7 @@ def choose(platform: str, nbytes: int, nranks: int, device_kind: str | None = No
         return "one_shot", "a group of one rank only copies"
     table = load_table(device_kind, nranks) if device_kind else None
     if table is not None:
-        entries = table["entries"]
-        pick = next((e for e in entries if nbytes <= e["max_bytes"]), entries[-1])
-        if pick["algorithm"] == XLA_FALLBACK:
-            return XLA_FALLBACK, (
-                f"XLA's own all-reduce (what lax.psum runs) was faster than every jax_gin "
-                f"algorithm near {pick['max_bytes']} B in the tuning table for "
-                f"{table['device_kind']} x {table['nranks']} ({table.get('measured', '?')[:10]})")
-        return pick["algorithm"], (
-            f"fastest measured near {pick['max_bytes']} B in the tuning table for "
-            f"{table['device_kind']} x {table['nranks']} ({table.get('measured', '?')[:10]})")
+        return _from_table(table, nbytes, "XLA's own all-reduce (what lax.psum runs)")
     small = SMALL_BYTES[plat]
     if nbytes <= small:
         return "one_shot", f"{nbytes} B <= {small} B: latency-bound, one synchronization step"
@@ -65,18 +79,19 @@ def choose(platform: str, nbytes: int, nranks: int, device_kind: str | None = No
     return "two_shot", f"{nbytes} B > {small} B with {nranks} ranks: moves 2(N-1)/N of the data"
 
 
-# psum_scatter and all_gather run these (include/jax_gin/collectives.h).
-COLLECTIVE_ALGORITHMS = ("one_shot", "ring")
-
-
-def choose_collective(platform: str, nbytes: int, nranks: int) -> tuple[str, str]:
-    """(algorithm, reason) for psum_scatter / all_gather; `nbytes` is the larger side per
-    device. Both schedules move the same (N-1)/N of it per rank: one_shot to all peers at once
-    in one step, ring to one neighbour in N-1 steps. Within an NVLink/NVSwitch node, or on the
-    CPU, every peer is one hop away and one step is cheapest; ring suits large groups, whose
-    all-to-all traffic does not scale."""
+def choose_collective(platform: str, nbytes: int, nranks: int, device_kind: str | None = None,
+                      *, api: str) -> tuple[str, str]:
+    """(algorithm, reason) for `api`, "psum_scatter" or "all_gather"; `nbytes` is the larger
+    side per device. Its tuning table decides where there is one (XLA_FALLBACK: XLA's own
+    collective). Otherwise: both schedules move the same (N-1)/N of it per rank: one_shot to
+    all peers at once in one step, ring to one neighbour in N-1 steps. Within an
+    NVLink/NVSwitch node, or on the CPU, every peer is one hop away and one step is cheapest;
+    ring suits large groups, whose all-to-all traffic does not scale."""
     if nranks <= 1:
         return "one_shot", "a group of one rank only copies"
+    table = load_table(device_kind, nranks, api) if device_kind else None
+    if table is not None:
+        return _from_table(table, nbytes, f"XLA's own {api} (what lax.{api} runs)")
     small = SMALL_BYTES["cpu" if platform == "cpu" else "cuda"]
     if nranks >= RING_MIN_RANKS and nbytes > small:
         return "ring", f"{nranks} ranks >= {RING_MIN_RANKS}: nearest-neighbour traffic only"

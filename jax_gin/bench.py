@@ -1,10 +1,12 @@
-"""jax_gin all-reduce benchmark, in the language of nccl-tests.
+"""jax_gin collectives benchmark, in the language of nccl-tests.
 
     python -m jax_gin.bench -b 4K -e 64M -f 4 -d float32,bfloat16 -o sum -a auto,lax
+    python -m jax_gin.bench -c psum_scatter,all_gather -b 4K -e 64M -a auto,one_shot,ring,lax
 
 For every (size, dtype, op, algorithm) it measures, in one process and on the same inputs,
 jax_gin's psum/pmax/pmin (`-a auto,ring,tree,one_shot,two_shot`) and jax.lax's (`-a lax`),
-as docs/performance.md asks:
+as docs/performance.md asks; with `-c psum_scatter` / `-c all_gather`, jax_gin's
+psum_scatter / all_gather (`-a auto,one_shot,ring`) and lax's, tiled along dimension 0:
 
   per-op time  (T_K - T_1) / (K - 1), where T_K is the median wall time of one jit call of
                a chain of K dependent all-reduces and T_1 that of a chain of one; subtracting
@@ -13,6 +15,9 @@ as docs/performance.md asks:
                divides by K - 1, and a small op needs a long chain to rise above it.
   wall         T_1, the time a user sees for one jit call holding one all-reduce.
   algbw        bytes per device / per-op time;  busbw = algbw * 2(N-1)/N (nccl-tests).
+               psum_scatter, all_gather: size is nccl-tests' too, the larger side per device
+               (N blocks: psum_scatter's input, all_gather's output), -b/-e rounded down to
+               N whole elements per block; algbw = size / per-op time, busbw = algbw (N-1)/N.
   #wrong       elements of the single-call result that differ from a numpy reference.
   vs_lax       lax per-op time / this per-op time at the same size (> 1: faster than lax).
 
@@ -32,6 +37,15 @@ XLA cannot prove it replicated and turn lax's all-reduce into a multiply. Two ch
 
 `--chain-step` picks one; the JSON records the step of every row. Each chain's last
 all-reduce is checked too, against the exact value the step gives.
+
+psum_scatter and all_gather return another shape than they take, so their chain has one step:
+
+  restore   y <- y with y[0] <- op(y)[0] - (result_i[0] - x_i[0])
+            The next input is y (so x_i) again, with one element written in place from the
+            result: values never grow, the next op depends on this one, and the per-op time is
+            the op plus one tiny kernel (and, once per chain, a copy of x). Each device's
+            result is checked bit for bit against numpy's exact one (the sum of its block, or
+            every device's block), as lax's rows are.
 
 main() returns 0, or 1 when any result was wrong or any configuration failed (the failure is
 printed in its row and the sweep goes on). With one device on the reduced axis every
@@ -55,13 +69,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_gin
 from jax_gin import workloads
 
-from ._bench_inputs import (SIZE_UNITS, chain_step_for, f16_scale_exp, make_inputs, put_global,
+from ._bench_inputs import (COLLECTIVE_OPS, RESTORE_STEP, SIZE_UNITS, chain_step_for,
+                            f16_scale_exp, make_collective_inputs, make_inputs, put_global,
                             size_steps)
 from ._bench_measure import (AXIS, LARGE_CHAIN, LAX_NAME, SMALL_CHAIN, SMALL_CHAIN_MAX_BYTES,
                              Record, auto_choice, chain_length, fill_vs_lax, measure_size)
 from ._bench_report import (Progress, footer_lines, format_row, header_lines, metadata,
                             table_header, write_json, write_plot)
 from ._ops import OPS
+from ._select import ALL_REDUCE, algorithms
+from .tune import COLLECTIVES
 
 ALGO_CHOICES = ("auto",) + tuple(jax_gin.ALGORITHMS) + (LAX_NAME,)
 
@@ -70,6 +87,11 @@ DTYPE_ALIASES = {"float": "float32", "half": "float16", "double": "float64", "bf
                  "int": "int32", "uint": "uint32", "f32": "float32", "f16": "float16",
                  "f64": "float64"}
 DEFAULT_MAXBYTES = {"cpu": 1 << 20, "gpu": 64 << 20}
+
+
+def algo_choices(collective: str) -> tuple:
+    """What -a takes for `collective` (ALGO_CHOICES for the all-reduce)."""
+    return ("auto",) + algorithms(collective) + (LAX_NAME,)
 
 
 # ---------------------------------------------------------------------------------------
@@ -84,12 +106,13 @@ def parse_size(text: str) -> int:
     return int(m.group(1)) * SIZE_UNITS[m.group(2).upper()]
 
 
-def _comma_list(choices: tuple, normalize=lambda s: s):
-    """An argparse type: a comma-separated list whose items must be in `choices`."""
+def _comma_list(choices: tuple, normalize=lambda s: s, keep_all: bool = False):
+    """An argparse type: a comma-separated list whose items must be in `choices`; 'all' is
+    every choice (keep_all: the list ['all'], resolved later)."""
     def parse(text: str) -> list:
         items = [normalize(s.strip()) for s in text.split(",") if s.strip()]
         if items == ["all"]:
-            return list(choices)
+            return ["all"] if keep_all else list(choices)
         bad = [s for s in items if s not in choices]
         if bad or not items:
             raise argparse.ArgumentTypeError(
@@ -105,7 +128,13 @@ def _dtype_name(text: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jax_gin.bench",
-        description="Benchmark jax_gin's all-reduce against jax.lax (nccl-tests style).")
+        description="Benchmark jax_gin's all-reduce, psum_scatter and all_gather against "
+                    "jax.lax (nccl-tests style).")
+    p.add_argument("-c", "--collective", type=_comma_list(COLLECTIVES), default=[ALL_REDUCE],
+                   help=f"comma list of {', '.join(COLLECTIVES)}, or all (default all_reduce): "
+                        "all_reduce is psum/pmax/pmin (-o), psum_scatter and all_gather are "
+                        "tiled along dimension 0 against lax.psum_scatter / lax.all_gather; "
+                        "their size is the larger side per device (N blocks), as nccl-tests'")
     p.add_argument("-b", "--minbytes", type=parse_size, default=4 << 10,
                    help="smallest size per device (default 4K)")
     p.add_argument("-e", "--maxbytes", type=parse_size, default=None,
@@ -119,19 +148,26 @@ def build_parser() -> argparse.ArgumentParser:
                    default=["float32"],
                    help=f"comma list of {', '.join(jax_gin.SUPPORTED_DTYPES)} (default float32)")
     p.add_argument("-o", "--op", type=_comma_list(OPS), default=["sum"],
-                   help="comma list of sum, max, min, or all (default sum)")
-    p.add_argument("-a", "--algorithm", type=_comma_list(ALGO_CHOICES),
+                   help="comma list of sum, max, min, or all (default sum); all_reduce's only: "
+                        "psum_scatter sums, all_gather has no op (its redop column: none)")
+    p.add_argument("-a", "--algorithm", type=_comma_list(ALGO_CHOICES, keep_all=True),
                    default=["auto", LAX_NAME],
                    help=f"comma list of {', '.join(ALGO_CHOICES)}, or all (default auto,lax); "
-                        "'lax' is jax.lax.psum/pmax/pmin")
+                        "'lax' is jax.lax's own (psum/pmax/pmin, psum_scatter, all_gather). "
+                        "psum_scatter and all_gather take only "
+                        f"{', '.join(algo_choices('psum_scatter'))}; "
+                        "'all' is each collective's own")
     p.add_argument("-k", "--chain", type=int, default=None,
-                   help=f"chain length K of dependent all-reduces for the per-op time (default "
+                   help=f"chain length K of dependent ops for the per-op time: all-reduces, "
+                        "psum_scatters or all_gathers, never a mix (default "
                         f"{SMALL_CHAIN} up to {SMALL_CHAIN_MAX_BYTES >> 20} MiB per device, "
                         f"{LARGE_CHAIN} above)")
     p.add_argument("--chain-step", choices=("auto", "slice", "subtract"), default="auto",
                    help="what runs between the chain's all-reduces: 'slice' (a one-element "
                         "in-place update), 'subtract' (an elementwise pass), or 'auto': slice "
-                        "where its values stay exact, else subtract (default)")
+                        "where its values stay exact, else subtract (default). all_reduce's "
+                        f"only: psum_scatter and all_gather chains always take the "
+                        f"'{RESTORE_STEP}' step (y[0] <- op(y)[0] - corr, which is x[0])")
     p.add_argument("--devices", type=int, default=None,
                    help="use the first N devices (default all)")
     p.add_argument("--one-device", action="store_true",
@@ -173,6 +209,21 @@ def parse_args(argv) -> argparse.Namespace:
         parser.error("-k/--chain must be >= 2: the per-op time is (T_K - T_1) / (K - 1)")
     if args.maxbytes is not None and args.maxbytes < args.minbytes:
         parser.error("-e/--maxbytes is smaller than -b/--minbytes")
+    if ALL_REDUCE not in args.collective:
+        if args.op != ["sum"]:
+            parser.error("-o/--op is all_reduce's: psum_scatter sums and all_gather has no op")
+        if args.chain_step != "auto":
+            parser.error(f"--chain-step is all_reduce's: psum_scatter and all_gather chains "
+                         f"take the {RESTORE_STEP} step")
+    if args.algorithm == ["all"]:
+        wanted = {a for c in args.collective for a in algo_choices(c)}
+        args.algorithm = [a for a in ALGO_CHOICES if a in wanted]
+    else:
+        for c in args.collective:
+            bad = [a for a in args.algorithm if a not in algo_choices(c)]
+            if bad:
+                parser.error(f"-a/--algorithm {','.join(bad)}: {c} takes only "
+                             f"{', '.join(algo_choices(c))}")
     given = [a is not None for a in (args.coordinator, args.num_processes, args.process_id)]
     if any(given) and not all(given):
         parser.error("--coordinator, --num-processes and --process-id go together")
@@ -220,27 +271,53 @@ def x64_scope(dtype: str):
     return jax.enable_x64(True) if jnp.dtype(dtype).itemsize == 8 else contextlib.nullcontext()
 
 
-def run_table(mesh, dtype: str, op: str, sizes: list, args, platform, progress, emit) -> list:
-    """Measure and print one table: every size x algorithm for one dtype and op."""
+def collective_algorithms(args, collective: str) -> list:
+    """The algorithms of -a that `collective` runs (all of them, unless -a was 'all')."""
+    return [a for a in args.algorithm if a in algo_choices(collective)]
+
+
+def collective_ops(args, collective: str) -> list:
+    return args.op if collective == ALL_REDUCE else [COLLECTIVE_OPS[collective]]
+
+
+def size_inputs(collective: str, size: int, nranks: int, dtype: str, op: str, args):
+    """(count, K, chain step, Inputs) of one row's size: `size` rounded down to whole
+    elements, and for psum_scatter and all_gather to N blocks of whole elements."""
+    itemsize = jnp.dtype(dtype).itemsize
+    if collective != ALL_REDUCE:
+        block = max(1, size // (itemsize * nranks))
+        k = chain_length(args, nranks * block * itemsize)
+        return (nranks * block, k, RESTORE_STEP,
+                make_collective_inputs(collective, nranks, block, dtype, seed=nranks * block))
+    count = max(1, size // itemsize)
+    k = chain_length(args, count * itemsize)
+    step = chain_step_for(args.chain_step, nranks, k, dtype, op)
+    scale = f16_scale_exp(nranks, k, op) if step == "slice" and \
+        jnp.dtype(dtype) == jnp.float16 else 0
+    return count, k, step, make_inputs(nranks, count, dtype, op, seed=count, scale_exp=scale)
+
+
+def run_table(mesh, dtype: str, op: str, sizes: list, args, platform, progress, emit,
+              collective: str = ALL_REDUCE) -> list:
+    """Measure and print one table: every size x algorithm for one collective, dtype and op."""
     nranks = mesh.devices.size
     itemsize = jnp.dtype(dtype).itemsize
+    kind = mesh.devices.flat[0].device_kind
     sharding = NamedSharding(mesh, P(AXIS))
     records = []
     emit("#")
+    if args.collective != [ALL_REDUCE]:
+        emit(f"# {collective}")
     emit(table_header())
     for size in sizes:
-        count = max(1, size // itemsize)
-        k = chain_length(args, count * itemsize)
-        step = chain_step_for(args.chain_step, nranks, k, dtype, op)
-        scale = f16_scale_exp(nranks, k, op) if step == "slice" and \
-            jnp.dtype(dtype) == jnp.float16 else 0
-        inputs = make_inputs(nranks, count, dtype, op, seed=count, scale_exp=scale)
+        count, k, step, inputs = size_inputs(collective, size, nranks, dtype, op, args)
         device_args = (put_global(inputs.x.reshape(-1), sharding),
                        put_global(inputs.corr.reshape(-1), sharding))
         at_size = [Record(size=count * itemsize, count=count, dtype=dtype, op=op, algorithm=algo,
-                          nranks=nranks, chain=k, chain_step=step,
-                          auto_choice=auto_choice(algo, count, dtype, nranks, platform))
-                   for algo in args.algorithm]
+                          nranks=nranks, chain=k, chain_step=step, collective=collective,
+                          auto_choice=auto_choice(algo, count, dtype, nranks, platform,
+                                                  collective, kind))
+                   for algo in collective_algorithms(args, collective)]
         measure_size(mesh, inputs, at_size, args, device_args, progress)
         if nranks > 1:  # on one device both sides only copy: the ratio means nothing
             fill_vs_lax(at_size)
@@ -272,8 +349,9 @@ def main(argv=None) -> int:
     mesh = Mesh(np.array(devices), (AXIS,))
     sizes = size_steps(args.minbytes, args.maxbytes, args.stepfactor)
     meta = metadata(args, devices, platform)
-    progress = Progress(len(sizes) * len(args.dtype) * len(args.op) * len(args.algorithm),
-                        enabled=not args.quiet)
+    progress = Progress(len(sizes) * len(args.dtype) * sum(
+        len(collective_ops(args, c)) * len(collective_algorithms(args, c))
+        for c in args.collective), enabled=not args.quiet)
 
     def emit(line: str) -> None:
         if not main_process:
@@ -292,10 +370,12 @@ def main(argv=None) -> int:
         say("# note: one device (--one-device): every all-reduce is a copy; no vs_lax ratios")
     records = []
     try:
-        for dtype in args.dtype:
-            with x64_scope(dtype):
-                for op in args.op:
-                    records += run_table(mesh, dtype, op, sizes, args, platform, progress, emit)
+        for collective in args.collective:
+            for dtype in args.dtype:
+                with x64_scope(dtype):
+                    for op in collective_ops(args, collective):
+                        records += run_table(mesh, dtype, op, sizes, args, platform, progress,
+                                             emit, collective)
     finally:
         progress.clear()
     emit("#")
@@ -303,7 +383,8 @@ def main(argv=None) -> int:
         emit(line)
     for r in records:
         if r.wrong_chain:
-            emit(f"# WARNING: {r.dtype} {r.op} {r.algorithm} size {r.size}: "
+            what = "" if r.collective == ALL_REDUCE else f"{r.collective} "
+            emit(f"# WARNING: {what}{r.dtype} {r.op} {r.algorithm} size {r.size}: "
                  f"{r.wrong_chain} wrong elements at the end of the chain of {r.chain}")
     if args.json:
         write_json(args.json, meta, records)

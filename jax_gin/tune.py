@@ -1,12 +1,15 @@
 """Measure every algorithm on this machine and write a tuning table for `algorithm="auto"`.
 
     python -m jax_gin.tune                       # measure here, write jax_gin/tuning/<gpu>_n<N>.json
+    python -m jax_gin.tune -c psum_scatter       # ... <gpu>_n<N>_psum_scatter.json (also all_gather)
     python -m jax_gin.tune --from-json a.json b.json   # build the table from benchmark results
 
-A table is keyed by device kind and group size, and lists, for growing message sizes, the
-algorithm that was fastest there (median per-op time over the runs given, as
-`python -m jax_gin.bench` measures it), or "xla" where lax.psum's own all-reduce beat every
-jax_gin algorithm by more than 3%. `auto`
+A table is keyed by collective, device kind and group size, and lists, for growing message
+sizes, the algorithm that was fastest there (median per-op time over the runs given, as
+`python -m jax_gin.bench` measures it), or "xla" where lax's own collective (lax.psum,
+lax.psum_scatter, lax.all_gather) beat every jax_gin algorithm by more than 3%. psum, pmax and
+pmin share the all_reduce table (measured with sum); psum_scatter and all_gather have one each,
+whose sizes are nccl-tests' (the larger side per device, N blocks). `auto`
 uses the table of its machine when one ships with jax_gin (or JAX_GIN_TUNING_DIR holds one),
 and falls back to the model-based rule of _select.py otherwise.
 """
@@ -20,33 +23,46 @@ import statistics
 import sys
 import tempfile
 
-from ._ops import ALGORITHMS, XLA_FALLBACK
+from ._ops import XLA_FALLBACK
+from ._scatter_gather import API_NAMES
+from ._select import ALL_REDUCE, algorithms
+
+# What a table can be for, as `python -m jax_gin.bench -c` names them.
+COLLECTIVES = (ALL_REDUCE,) + API_NAMES
 
 TABLE_DIR = os.path.join(os.path.dirname(__file__), "tuning")
 
 
-def table_name(device_kind: str, nranks: int) -> str:
+def table_name(device_kind: str, nranks: int, collective: str = ALL_REDUCE) -> str:
+    """<kind>_n<N>.json for the all-reduce, <kind>_n<N>_<collective>.json for the others."""
     kind = "".join(c if c.isalnum() else "_" for c in device_kind.lower()).strip("_")
-    return f"{kind}_n{nranks}.json"
+    return f"{kind}_n{nranks}" + ("" if collective == ALL_REDUCE else f"_{collective}") + ".json"
 
 
 # `lax` must beat the best jax_gin algorithm by this fraction (of the median per-op times)
-# before a size goes to XLA's own all-reduce: below it, run-to-run noise decides.
+# before a size goes to XLA's own collective: below it, run-to-run noise decides.
 XLA_MARGIN = 0.03
 
 
-def build_table(results: list, meta: dict, dtype: str = "float32", op: str = "sum",
-                xla_margin: float = XLA_MARGIN) -> dict:
-    """Fastest algorithm per size from benchmark records: the median per-op time over every
+def build_table(results: list, meta: dict, dtype: str = "float32", op: str | None = None,
+                xla_margin: float = XLA_MARGIN, collective: str = ALL_REDUCE) -> dict:
+    """Fastest algorithm per size from the benchmark records of `collective` (records without
+    a collective, from older benchmarks, are all-reduces): the median per-op time over every
     run given, per size and algorithm. Where `lax` was measured too and its median beats the
-    best jax_gin algorithm by more than `xla_margin`, the size goes to XLA's own all-reduce
-    ("xla"). Adjacent sizes with the same winner merge into one entry."""
+    best jax_gin algorithm by more than `xla_margin`, the size goes to XLA's own collective
+    ("xla"). Adjacent sizes with the same winner merge into one entry. `op`: the records' op;
+    default "sum" for the all-reduce, and for the others whatever their one op is."""
+    if op is None and collective == ALL_REDUCE:
+        op = "sum"
+    allowed = algorithms(collective) + (XLA_FALLBACK,)
     times: dict = {}
     for r in results:
         algo = r.get("algorithm")
         algo = XLA_FALLBACK if algo == "lax" else algo
-        if r.get("dtype") != dtype or r.get("op") != op or algo not in ALGORITHMS + (XLA_FALLBACK,):
+        if (r.get("collective", ALL_REDUCE) != collective or r.get("dtype") != dtype
+                or (op is not None and r.get("op") != op) or algo not in allowed):
             continue
+        op = op if op is not None else r.get("op")
         if r.get("error") or r.get("wrong") or not r.get("time_us") or r["time_us"] <= 0:
             continue
         times.setdefault(r["size"], {}).setdefault(algo, []).append(r["time_us"])
@@ -67,6 +83,7 @@ def build_table(results: list, meta: dict, dtype: str = "float32", op: str = "su
                             "time_us": {a: round(t, 2) for a, t in med.items()},
                             "runs": max(len(ts) for ts in times[size].values())})
     return {
+        "collective": collective,
         "device_kind": meta.get("device_kind"),
         "nranks": meta.get("nranks", meta.get("ndevices")),
         "platform": meta.get("platform"),
@@ -75,7 +92,7 @@ def build_table(results: list, meta: dict, dtype: str = "float32", op: str = "su
         "measured": meta.get("date"),
         "source": meta.get("source", "python -m jax_gin.tune"),
         # sizes up to max_bytes (inclusive, and between two entries: the later one) use
-        # algorithm; "xla" is XLA's own all-reduce (lax.psum's), where it was faster
+        # algorithm; "xla" is XLA's own collective (lax's), where it was faster
         "entries": entries,
     }
 
@@ -94,7 +111,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jax_gin.tune", description=__doc__.splitlines()[0])
     ap.add_argument("--from-json", nargs="+", metavar="BENCH_JSON",
                     help="build the table from `python -m jax_gin.bench --json` files")
-    ap.add_argument("--out", help="where to write the table (default: jax_gin/tuning/<kind>_n<N>.json)")
+    ap.add_argument("-c", "--collective", choices=COLLECTIVES, default=ALL_REDUCE,
+                    help="the collective to tune: all_reduce (psum, pmax and pmin; the default), "
+                         "psum_scatter or all_gather, between its algorithms and XLA's own; "
+                         "with --from-json, the collective whose records make the table")
+    ap.add_argument("--out", help="where to write the table (default: jax_gin/tuning/"
+                                  "<kind>_n<N>.json, <kind>_n<N>_<collective>.json for "
+                                  "psum_scatter and all_gather)")
     ap.add_argument("-b", "--minbytes", default="4K")
     ap.add_argument("-e", "--maxbytes", default=None)
     ap.add_argument("-n", "--iters", default="30")
@@ -108,8 +131,9 @@ def main(argv=None) -> int:
         from . import bench
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "bench.json")
-            argv_b = ["-b", args.minbytes, "-f", "2", "-n", args.iters, "-d", "float32",
-                      "-a", ",".join(ALGORITHMS + ("lax",)), "--json", path]
+            argv_b = ["-c", args.collective, "-b", args.minbytes, "-f", "2", "-n", args.iters,
+                      "-d", "float32", "-a", ",".join(algorithms(args.collective) + ("lax",)),
+                      "--json", path]
             if args.maxbytes:
                 argv_b += ["-e", args.maxbytes]
             rc = bench.main(argv_b)
@@ -118,12 +142,13 @@ def main(argv=None) -> int:
                 return rc
             results, meta = _load_results([path])
     meta.setdefault("date", datetime.datetime.now(datetime.timezone.utc).isoformat())
-    table = build_table(results, meta)
+    table = build_table(results, meta, collective=args.collective)
     if not table["entries"]:
-        print("jax_gin.tune: no usable measurements", file=sys.stderr)
+        print(f"jax_gin.tune: no usable measurements of {args.collective}", file=sys.stderr)
         return 1
     out = args.out or os.path.join(TABLE_DIR, table_name(table["device_kind"] or "unknown",
-                                                         int(table["nranks"] or 0)))
+                                                         int(table["nranks"] or 0),
+                                                         args.collective))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(table, f, indent=1)

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_gin import _bench_inputs, bench
-from conftest import ndev
+from jax_gin import _bench_inputs, _bench_measure, _select, bench
+from conftest import mesh_1d, ndev
 
 SIZES = [1024, 4096]
 DTYPES = ["float32", "int32"]
@@ -145,10 +145,9 @@ def test_sizes_and_flags():
             bench.parse_args(bad)
 
 
-def test_bench_two_processes(tmp_path):
-    """The benchmark over jax.distributed: 2 processes x 4 CPU devices on 127.0.0.1, one
-    mesh of 8, jax_gin and lax side by side; process 0 prints and writes the JSON."""
-    import json
+def _two_processes(tmp_path, args):
+    """Runs the benchmark with `args` over jax.distributed: 2 processes x 4 CPU devices on
+    127.0.0.1, one mesh of 8; returns both outputs and process 0's JSON records."""
     import subprocess
     import sys
 
@@ -157,9 +156,8 @@ def test_bench_two_processes(tmp_path):
     port = free_port()
     out = tmp_path / "bench.json"
     env = clean_env(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    cmd = [sys.executable, "-m", "jax_gin.bench", "-b", "4K", "-e", "64K", "-f", "16",
-           "-a", "auto,one_shot,ring,lax", "-n", "2", "-w", "1", "-k", "3", "--quiet",
-           "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+    cmd = [sys.executable, "-m", "jax_gin.bench", "-n", "2", "-w", "1", "-k", "3", "--quiet",
+           "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"] + args
     procs = [subprocess.Popen(cmd + ["--process-id", str(i)] + (["--json", str(out)] if i == 0 else []),
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
@@ -171,9 +169,16 @@ def test_bench_two_processes(tmp_path):
     for i, (p, o) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"process {i}:\n{tail(o)}"
     assert "8 x cpu (of 8 devices, 2 processes)" in outs[0], tail(outs[0])
+    return outs, json.loads(out.read_text())["results"]
+
+
+def test_bench_two_processes(tmp_path):
+    """The benchmark over jax.distributed, jax_gin and lax side by side; process 0 prints and
+    writes the JSON."""
+    outs, recs = _two_processes(tmp_path, ["-b", "4K", "-e", "64K", "-f", "16",
+                                           "-a", "auto,one_shot,ring,lax"])
     assert "Avg bus bandwidth" in outs[0]
     assert "all-reduce benchmark" not in outs[1]  # only process 0 prints the table
-    recs = json.loads(out.read_text())["results"]
     assert {r["algorithm"] for r in recs} == {"auto", "one_shot", "ring", "lax"}
     assert {r["size"] for r in recs} == {4 << 10, 64 << 10}
     for r in recs:
@@ -196,3 +201,163 @@ def test_one_device_is_refused(capsys):
     rows = [ln for ln in text.splitlines() if ln.strip() and ln.strip()[0].isdigit()]
     assert len(rows) == 2 and all(ln.split()[-1] == "-" for ln in rows), text
     assert "Geomean" not in text
+
+
+# ---------------------------------------------------------------------------------------
+# psum_scatter and all_gather (-c)
+
+COLLECTIVES = ["psum_scatter", "all_gather"]
+COLL_ALGOS = ["auto"] + list(_select.COLLECTIVE_ALGORITHMS) + ["lax"]
+
+
+def test_collectives_sweep(tmp_path, capsys):
+    """-c psum_scatter,all_gather: every algorithm and lax on exact inputs, results checked,
+    nccl-tests' size (the larger side, N whole blocks; -b 1000 rounds down to blocks that
+    the kernels pad) and busbw = algbw (N-1)/N, the collective in the JSON rows."""
+    n = ndev()
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    rc = bench.main(["-b", "1000", "-e", "4000", "-n", "2", "-w", "1", "-k", "3", "--quiet",
+                     "-c", ",".join(COLLECTIVES), "-a", "all", "-d", "float32,bfloat16,uint32",
+                     "--json", str(out_json), "--plot", str(out_png)])
+    text, err = capsys.readouterr()
+    assert rc == 0, text
+    data = json.loads(out_json.read_text())
+    assert data["meta"]["collectives"] == COLLECTIVES
+    assert data["meta"]["benchmark"] == "psum_scatter, all_gather"
+    rows = data["results"]
+    dtypes = ("float32", "bfloat16", "uint32")
+    got = {(r["collective"], r["dtype"], r["algorithm"], r["op"]) for r in rows}
+    assert got == {(c, d, a, "sum" if c == "psum_scatter" else "none")
+                   for c in COLLECTIVES for d in dtypes for a in COLL_ALGOS}
+    assert len(rows) == len(got) * 2  # two sizes
+    for r in rows:
+        item = jnp.dtype(r["dtype"]).itemsize
+        assert r["error"] is None, r
+        assert r["wrong"] == 0 and r["wrong_chain"] == 0, r
+        assert r["chain_step"] == "restore" and r["nranks"] == n
+        assert r["count"] % n == 0 and r["size"] == r["count"] * item
+        block = r["count"] // n
+        assert block in (1000 // (item * n), 4000 // (item * n)), r
+        assert (r["auto_choice"] is not None) == (r["algorithm"] == "auto")
+        if r["algorithm"] == "auto":
+            assert r["auto_choice"] in _select.COLLECTIVE_ALGORITHMS + (_select.XLA_FALLBACK,)
+        if r["time_us"] > 0:
+            algbw = r["size"] / (r["time_us"] * 1e-6) / 1e9
+            assert r["algbw"] == pytest.approx(algbw)
+            assert r["busbw"] == pytest.approx(algbw * (n - 1) / n)
+
+    # the text: nccl-tests' columns, one labelled table per (collective, dtype)
+    for col in ("size", "count", "type", "redop", "algo", "time(us)", "algbw(GB/s)",
+                "busbw(GB/s)", "#wrong", "wall(us)", "vs_lax"):
+        assert col in text
+    assert "psum_scatter, all_gather benchmark" in text
+    assert "busbw = algbw (N-1)/N" in text and "step restore" in text
+    assert text.count("# psum_scatter\n") == text.count("# all_gather\n") == len(dtypes)
+    assert "# Wrong values        : 0 OK" in text
+    avg = [ln for ln in text.splitlines() if ln.startswith("# Avg bus bandwidth")]
+    assert sorted(ln.split("(")[-1] for ln in avg) == sorted(f"{c} {a})" for c in COLLECTIVES
+                                                             for a in COLL_ALGOS)
+    data_lines = [ln.split() for ln in text.splitlines() if ln and not ln.startswith("#")]
+    assert len(data_lines) == len(rows)
+    # a row as printed: size count type redop algo | time algbw busbw #wrong | wall vs_lax
+    for cells, r in zip(data_lines, rows):
+        assert cells[:5] == [str(r["size"]), str(r["count"]), r["dtype"], r["op"], r["algorithm"]]
+        assert cells[9] == "0"
+        if r["time_us"] > 0:
+            assert cells[7:9] == [f"{r['algbw']:.2f}", f"{r['busbw']:.2f}"]
+    if importlib.util.find_spec("matplotlib"):
+        assert out_png.stat().st_size > 0
+    else:
+        assert "matplotlib is not installed" in err
+
+
+def test_collectives_with_all_reduce(capsys):
+    """-c all: the all-reduce tables keep -o's ops and chain step; psum_scatter sums and
+    all_gather has no op; the footer names the collective of every other row."""
+    rc = bench.main(TINY + ["-e", "1K", "-c", "all", "-o", "sum,max", "-a", "auto,lax"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "all-reduce, psum_scatter, all_gather benchmark" in text
+    assert "step auto, restore" in text
+    rows = [ln.split() for ln in text.splitlines() if ln.strip() and ln.strip()[0].isdigit()]
+    assert [(r[3], r[4]) for r in rows] == [("sum", "auto"), ("sum", "lax"), ("max", "auto"),
+                                            ("max", "lax"), ("sum", "auto"), ("sum", "lax"),
+                                            ("none", "auto"), ("none", "lax")]
+    avg = {ln.split("(")[-1] for ln in text.splitlines() if ln.startswith("# Avg bus bandwidth")}
+    assert avg == {f"{c}{a})" for c in ("", "psum_scatter ", "all_gather ")
+                   for a in ("auto", "lax")}
+    assert "(all_reduce" not in text
+
+
+def test_collective_wrong_results_fail(monkeypatch, capsys):
+    # psum_scatter's reference off by one: every element of every device is reported wrong
+    true_reference = _bench_inputs.reference
+    monkeypatch.setattr(_bench_inputs, "reference", lambda v, op: true_reference(v, op) + 1)
+    rc = bench.main(TINY + ["-e", "1K", "-c", "psum_scatter", "-a", "ring"])
+    text = capsys.readouterr().out
+    assert rc == 1
+    row = next(ln for ln in text.splitlines() if ln.strip().startswith("1024"))
+    assert row.split("|")[1].split()[3] == str(1024 // 4)  # N blocks of 1024 / 4 / N elements
+    assert "FAILED" in text
+
+
+def test_collective_flags(capsys):
+    args = bench.parse_args(["-c", "psum_scatter", "-a", "all"])
+    assert args.collective == ["psum_scatter"]
+    assert args.algorithm == ["auto", "ring", "one_shot", "lax"]
+    args = bench.parse_args(["-c", "all", "-a", "all"])
+    assert args.collective == ["all_reduce", "psum_scatter", "all_gather"]
+    assert args.algorithm == list(bench.ALGO_CHOICES)
+    assert bench.collective_algorithms(args, "all_gather") == ["auto", "ring", "one_shot", "lax"]
+    assert bench.parse_args([]).collective == ["all_reduce"]
+    assert bench.parse_args(["-c", "all_gather", "-a", "one_shot,ring"]).algorithm == \
+        ["one_shot", "ring"]
+    for bad, msg in (
+            (["-c", "psum_scatter", "-a", "auto,tree"],
+             "-a/--algorithm tree: psum_scatter takes only auto, one_shot, ring, lax"),
+            (["-c", "all_reduce,all_gather", "-a", "two_shot"],
+             "-a/--algorithm two_shot: all_gather takes only auto, one_shot, ring, lax"),
+            (["-c", "all_gather", "-a", "butterfly"], "butterfly: expected a comma list"),
+            (["-c", "reduce_scatter"], "reduce_scatter: expected a comma list of all_reduce, "
+                                       "psum_scatter, all_gather"),
+            (["-c", "psum_scatter", "-o", "max"], "-o/--op is all_reduce's"),
+            (["-c", "all_gather", "--chain-step", "slice"], "--chain-step is all_reduce's")):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+        assert msg in capsys.readouterr().err, bad
+
+
+@pytest.mark.parametrize("collective", COLLECTIVES)
+@pytest.mark.parametrize("algorithm", ["lax", "ring"])
+def test_collective_chain_runs_every_op_at_full_size(collective, algorithm):
+    """The chain of K times the op compiles to K ops of the full size, each on the previous
+    one's result (XLA neither drops nor narrows one whose result feeds only element 0)."""
+    n, k, block = ndev(), 4, 256
+    mesh = mesh_1d()
+    chain = _bench_measure.build_chain(
+        mesh, _bench_measure.collective_fn(collective, "sum", algorithm), k, "restore")
+    inp = _bench_inputs.make_collective_inputs(collective, n, block, "float32", seed=1)
+    x, corr = jnp.asarray(inp.x.reshape(-1)), jnp.asarray(inp.corr.reshape(-1))
+    hlo = chain.lower(x, corr).compile().as_text()
+    small = block if collective == "psum_scatter" else n * block
+    if algorithm == "lax":
+        op = "reduce-scatter(" if collective == "psum_scatter" else "all-gather("
+        calls = [ln for ln in hlo.splitlines() if op in ln]
+    else:
+        calls = [ln for ln in hlo.splitlines() if "custom-call(" in ln and "jax_gin" in ln]
+    assert len(calls) == k, hlo
+    assert all(f"f32[{small}]" in ln for ln in calls), calls
+    out = np.asarray(chain(x, corr)).reshape(n, -1)
+    np.testing.assert_array_equal(out, np.broadcast_to(inp.ref, out.shape))
+
+
+def test_collectives_two_processes(tmp_path):
+    """psum_scatter and all_gather over 2 processes: each process checks its own devices'
+    results (device i's block of the sum; every block)."""
+    _, recs = _two_processes(tmp_path, ["-b", "4K", "-e", "4K", "-c", "psum_scatter,all_gather",
+                                        "-a", "auto,ring,lax"])
+    assert {(r["collective"], r["algorithm"]) for r in recs} == {
+        (c, a) for c in COLLECTIVES for a in ("auto", "ring", "lax")}
+    for r in recs:
+        assert r["nranks"] == 8 and r["error"] is None and r["size"] == 4 << 10, r
+        assert r["wrong"] == 0 and r["wrong_chain"] == 0, r

@@ -196,6 +196,22 @@ def test_explain_accepts_its_range():
         jax_gin.explain(x, nranks=8, platform="cuda").replace("platform cuda", "platform gpu")
 
 
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "PSUM", None])
+def test_explain_bad_collective(collective):
+    x = jax.ShapeDtypeStruct((1024,), jnp.float32)
+    with pytest.raises(ValueError, match=rf"unknown collective {re.escape(repr(collective))}; "
+                                         r"expected one of 'psum', 'pmax', 'pmin', "
+                                         r"'psum_scatter', 'all_gather'"):
+        jax_gin.explain(x, nranks=8, platform="cpu", collective=collective)
+
+
+def test_explain_psum_scatter_needs_n_blocks():
+    x = jax.ShapeDtypeStruct((1001,), jnp.float32)
+    with pytest.raises(ValueError, match=r"psum_scatter of 1001 elements over 8 ranks: its input "
+                                         r"holds N equal blocks, so a multiple of 8"):
+        jax_gin.explain(x, nranks=8, platform="cpu", collective="psum_scatter")
+
+
 def test_nested_shard_map_needs_the_concrete_mesh():
     # An inner shard_map given no Mesh lowers over the context's abstract mesh: jax_gin names
     # the fix, and under jax.set_mesh the nested call equals lax's.

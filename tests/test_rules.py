@@ -304,6 +304,195 @@ def test_tune_sends_sizes_where_lax_wins_to_xla():
         (4096, "one_shot"), (1 << 20, "xla"), (1 << 22, "one_shot")]
 
 
+# ---------------------------------------------------------------------------------------
+# psum_scatter and all_gather: explain, tuning tables, and their "xla" entries
+
+
+def test_explain_collectives():
+    S = jax.ShapeDtypeStruct
+    n = ndev()
+    # the size auto decides on: the larger side per device, N blocks padded to 16 bytes
+    s = jax_gin.explain(S((n * 1024,), jnp.float32), nranks=n, platform="cpu",
+                        collective="psum_scatter")
+    assert s.startswith("one_shot:") and f"psum_scatter of {n * 4096} bytes per device" in s
+    s = jax_gin.explain(S((1001,), jnp.float32), nranks=n, platform="cpu", collective="all_gather")
+    assert f"all_gather of {n * 1004 * 4} bytes per device on the larger side" in s
+    s = jax_gin.explain(S((3, 4), jnp.complex64), nranks=n, platform="cpu", collective="all_gather")
+    assert f"all_gather of {n * 24 * 4} bytes" in s  # (real, imaginary) float32 pairs
+    s = jax_gin.explain(S((5,), jnp.bool_), nranks=n, platform="cpu", collective="all_gather")
+    assert f"all_gather of {n * 8 * 4} bytes" in s  # bool moves as int32
+    # the model: one step within a node; ring for large groups and large messages
+    assert jax_gin.explain(S((1 << 20,), jnp.float32), nranks=32, platform="cuda",
+                           collective="all_gather").startswith("ring:")
+    assert jax_gin.explain(S((1 << 20,), jnp.float32), nranks=8, platform="cuda",
+                           collective="psum_scatter").startswith("one_shot:")
+    # psum (the default), pmax and pmin choose alike
+    x = S((1 << 22,), jnp.float32)
+    assert jax_gin.explain(x, nranks=8, platform="cpu", collective="pmax") == \
+        jax_gin.explain(x, nranks=8, platform="cpu")
+    # inside shard_map, with the axis name
+    mesh = mesh_1d()
+    seen = []
+
+    def body(v):
+        seen.append(jax_gin.explain(v, "i", platform="cpu", collective="all_gather"))
+        return v
+
+    smap(body, mesh, P("i"))(jnp.zeros((ndev() * 8,), jnp.float32))
+    assert f"{n} ranks, all_gather of {n * 32} bytes" in seen[0]
+
+
+def test_tune_table_names():
+    from jax_gin import tune
+    assert tune.table_name("NVIDIA H200", 2) == "nvidia_h200_n2.json"  # tables already shipped
+    assert tune.table_name("NVIDIA H200", 2, "all_reduce") == "nvidia_h200_n2.json"
+    assert tune.table_name("cpu", 8, "psum_scatter") == "cpu_n8_psum_scatter.json"
+    assert tune.table_name("cpu", 8, "all_gather") == "cpu_n8_all_gather.json"
+    assert tune.COLLECTIVES == ("all_reduce", "psum_scatter", "all_gather")
+
+
+def test_tune_builds_collective_tables():
+    from jax_gin import tune
+    meta = {"device_kind": "Fake GPU", "nranks": 8}
+    rows = [  # an old all-reduce record (no collective) and one of psum_scatter's own
+        {"dtype": "float32", "op": "sum", "algorithm": "tree", "size": 4096, "time_us": 1.0},
+        {"collective": "all_gather", "dtype": "float32", "op": "none", "algorithm": "one_shot",
+         "size": 4096, "time_us": 1.0}]
+    for size, t in ((4096, {"one_shot": 8, "ring": 9, "lax": 16}),
+                    (1 << 20, {"one_shot": 30, "ring": 22, "lax": 25}),
+                    (1 << 22, {"one_shot": 40, "ring": 45, "lax": 30})):
+        for algo, us in t.items():
+            rows.append({"collective": "psum_scatter", "dtype": "float32", "op": "sum",
+                         "algorithm": algo, "size": size, "time_us": us})
+    t = tune.build_table(rows, meta, collective="psum_scatter")
+    assert t["collective"] == "psum_scatter" and t["op"] == "sum"
+    assert [(e["max_bytes"], e["algorithm"]) for e in t["entries"]] == [
+        (4096, "one_shot"), (1 << 20, "ring"), (1 << 22, "xla")]
+    g = tune.build_table(rows, meta, collective="all_gather")
+    assert g["op"] == "none" and [e["algorithm"] for e in g["entries"]] == ["one_shot"]
+    a = tune.build_table(rows, meta)  # the all-reduce's: only the record without a collective
+    assert a["collective"] == "all_reduce" and [e["algorithm"] for e in a["entries"]] == ["tree"]
+
+
+def test_tune_from_collective_benchmark_json(tmp_path):
+    import json
+    from jax_gin import bench, tune
+
+    path = tmp_path / "b.json"
+    assert bench.main(["-b", "1K", "-e", "4K", "-n", "2", "-w", "1", "-k", "3", "-c", "all",
+                       "-a", "all", "--json", str(path), "--quiet"]) == 0
+    for collective in tune.COLLECTIVES:
+        out = tmp_path / tune.table_name("x", ndev(), collective)
+        assert tune.main(["--from-json", str(path), "-c", collective, "--out", str(out)]) == 0
+        t = json.loads(out.read_text())
+        assert t["collective"] == collective and t["nranks"] == ndev()
+        assert {e["max_bytes"] for e in t["entries"]} <= {1024, 4096} and t["entries"]
+        allowed = jax_gin.ALGORITHMS if collective == "all_reduce" else ("one_shot", "ring")
+        assert all(e["algorithm"] in allowed + ("xla",) for e in t["entries"])
+        # (a row whose T_K - T_1 came out <= 0 on a busy machine is left out)
+        assert set(t["entries"][0]["time_us"]) <= set(allowed) | {"xla"}
+
+
+@pytest.fixture
+def cpu_collective_tables(tmp_path, monkeypatch):
+    """psum_scatter and all_gather tables for this CPU mesh: ring up to 1 KiB (the larger
+    side), XLA's own collective above; an all-reduce table sends everything to one_shot."""
+    import json
+    from jax_gin import _select, tune
+
+    kind = jax.devices()[0].device_kind
+    for n in (2, 4, 8):
+        for collective in ("psum_scatter", "all_gather"):
+            table = {"collective": collective, "device_kind": kind, "nranks": n,
+                     "measured": "2026-12-01", "entries": [
+                         {"max_bytes": 1024, "algorithm": "ring"},
+                         {"max_bytes": 1 << 40, "algorithm": "xla"}]}
+            (tmp_path / tune.table_name(kind, n, collective)).write_text(json.dumps(table))
+        table = {"device_kind": kind, "nranks": n, "entries": [
+            {"max_bytes": 1 << 40, "algorithm": "one_shot"}]}
+        (tmp_path / tune.table_name(kind, n)).write_text(json.dumps(table))
+    monkeypatch.setattr(jax_gin.runtime.settings, "tuning_dir", str(tmp_path))
+    _select.load_table.cache_clear()
+    yield kind
+    _select.load_table.cache_clear()
+
+
+def test_collective_table_is_consulted(cpu_collective_tables):
+    from jax_gin import _select
+    kind, n = cpu_collective_tables, ndev()
+    for api in ("psum_scatter", "all_gather"):
+        assert _select.choose_collective("cpu", 1024, n, kind, api=api)[0] == "ring"
+        algo, why = _select.choose_collective("cpu", 4096, n, kind, api=api)
+        assert algo == _select.XLA_FALLBACK and f"lax.{api}" in why and "tuning table" in why
+        # no table for this group size, or no device kind: the model
+        assert _select.choose_collective("cpu", 1024, 3, kind, api=api)[0] == "one_shot"
+        assert _select.choose_collective("cpu", 4096, n, api=api)[0] == "one_shot"
+    assert _select.choose("cpu", 1 << 30, n, kind)[0] == "one_shot"  # the all-reduce's own table
+    s = jax_gin.explain(jax.ShapeDtypeStruct((n * 1024,), jnp.float32), nranks=n, platform="cpu",
+                        device_kind=kind, collective="psum_scatter")
+    assert s.startswith("xla:") and "XLA's own psum_scatter (what lax.psum_scatter runs)" in s
+
+
+def test_collective_table_with_a_wrong_algorithm_is_ignored(tmp_path, monkeypatch):
+    import json
+    from jax_gin import _select, tune
+
+    table = {"device_kind": "Fake GPU", "nranks": 8, "entries": [
+        {"max_bytes": 1 << 40, "algorithm": "two_shot"}]}  # an all-reduce algorithm
+    (tmp_path / tune.table_name("Fake GPU", 8, "all_gather")).write_text(json.dumps(table))
+    monkeypatch.setattr(jax_gin.runtime.settings, "tuning_dir", str(tmp_path))
+    _select.load_table.cache_clear()
+    try:
+        assert _select.load_table("Fake GPU", 8, "all_gather") is None
+        assert _select.choose_collective("cuda", 4096, 8, "Fake GPU", api="all_gather")[0] == \
+            "one_shot"
+    finally:
+        _select.load_table.cache_clear()
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32"])
+def test_collective_xla_fallback_lowers_to_xla(cpu_collective_tables, check_vma, dtype):
+    """Where the table says "xla", auto lowers psum_scatter / all_gather to XLA's own
+    reduce-scatter / all-gather (no jax_gin custom call) and keeps lax's bits; below it,
+    jax_gin's ring runs."""
+    mesh, n = mesh_1d(), ndev()
+    cases = (  # (api, per-device elements: over 1 KiB on the larger side, then under)
+        ("psum_scatter", 128 * n, 4 * n, "reduce_scatter", "reduce-scatter("),
+        ("all_gather", 128, 4, "all_gather", "all-gather("))
+    for api, big, small, stablehlo, hlo_op in cases:
+        ours = smap(lambda v: getattr(jax_gin, api)(v, "i", tiled=True), mesh, P("i"),
+                    check_vma=check_vma)
+        ref = smap(lambda v: getattr(lax, api)(v, "i", tiled=True), mesh, P("i"),
+                   check_vma=check_vma)
+        for per in (big, small):
+            x = exact_input((per,), n, dtype, seed=per)
+            assert_bitwise(ours(x), ref(x))
+        xb, xs = exact_input((big,), n, dtype), exact_input((small,), n, dtype)
+        text = ours.lower(xb).as_text()
+        assert f"stablehlo.{stablehlo}" in text and "custom_call" not in text, text
+        compiled = ours.lower(xb).compile().as_text()
+        assert hlo_op in compiled and "custom-call(" not in compiled
+        text = ours.lower(xs).as_text()
+        assert "custom_call" in text and f"stablehlo.{stablehlo}" not in text
+        assert "[ring " in ours.lower(xs).compile().as_text()
+
+
+def test_collective_xla_fallback_grad(cpu_collective_tables):
+    """The transposes (all_gather of psum_scatter's cotangent and the other way round) ask
+    the table too: XLA's collectives all the way, lax's gradients."""
+    mesh, n = mesh_1d(), ndev()
+    x = exact_input((64 * n,), n, "float32", seed=2)
+
+    def loss(rs, ag):
+        return lambda v: jax.grad(lambda a: jnp.sum(ag(rs(a * a, "i", tiled=True), "i",
+                                                       tiled=True) * 0.5))(v)
+
+    ours = smap(loss(jax_gin.psum_scatter, jax_gin.all_gather), mesh, P("i"))
+    assert_bitwise(ours(x), smap(loss(lax.psum_scatter, lax.all_gather), mesh, P("i"))(x))
+    assert "custom_call" not in ours.lower(x).as_text()
+
+
 def test_profiler_names():
     """The custom calls carry readable names (op, algorithm, bytes, dtype) in the compiled HLO:
     its instruction names and op_name metadata, which jax.profiler timelines show."""
