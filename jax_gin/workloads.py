@@ -1,6 +1,6 @@
 """Whole steps of real workloads, timed with lax.psum, with jax_gin.psum and with no all-reduce.
 
-    python -m jax_gin.bench --workload dp-train     # or tp-train, tp-decode, overlap; --help
+    python -m jax_gin.bench --workload dp-train     # or fsdp, tp-train, tp-decode, overlap; --help
 
 docs/performance.md: an op that wins in a chain can lose in a step. Each step here is written
 once, as a function of `reduce`, and built three ways:
@@ -8,12 +8,19 @@ once, as a function of `reduce`, and built three ways:
   jax_gin   jax_gin.psum (with `algorithm=`)
   none      the identity: the compute-only baseline. Its numbers are wrong; its time is what
             the compute costs, so step - compute-only is the communication a step exposes.
+fsdp's collectives are all-gathers and their transposes, reduce-scatters: lax.all_gather,
+jax_gin.all_gather, or for none local copies and slices of the same shapes (`gatherer`).
 
 The workloads (jax.jit of jax.shard_map, bfloat16 by default):
   dp-train   GPT-style training step, data-parallel over the mesh axis "data": embeddings,
              L pre-norm (RMSNorm) blocks of attention and MLP, tied output head,
              cross-entropy; the per-device gradients (9 leaves per block + 3) are
              all-reduced by ONE pytree call, psum(grads, "data"), then SGD.
+  fsdp       dp-train's model, step and sizes, fully sharded over "data": each device
+             holds 1/n of one flat vector per block (and of one for the embeddings and final
+             norm). The loss all-gathers (tiled) each block's vector before the block, and
+             jax.grad transposes each all-gather into a reduce-scatter of the gradients; SGD
+             updates the local 1/n.
   tp-train   Megatron tensor-parallel training step over the axis "tensor": column-parallel
              QKV and MLP-up, row-parallel attention-out and MLP-down, a psum after each
              row-parallel matmul: 2 psums per block forward, 2 backward (their transposes).
@@ -54,6 +61,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_gin
+from ._select import COLLECTIVE_ALGORITHMS
 
 DATA, TENSOR = "data", "tensor"
 REDUCES = ("none", "lax", "jax_gin")   # the order of every turn
@@ -188,20 +196,36 @@ def gpt_layout(cfg: Config) -> dict:
             "layers": [block() for _ in range(cfg.layers)]}
 
 
-def gpt_loss(params, tokens, heads: int):
-    """Mean next-token cross-entropy of a GPT on tokens (batch, seq)."""
-    b, s = tokens.shape
-    x = params["emb"][tokens] + params["pos"][:s]
-    for p in params["layers"]:
-        h = _norm(x, p["ln1"])
-        q, k, v = (t.reshape(b, s, heads, -1) for t in jnp.split(h @ p["qkv"] + p["bqkv"], 3, -1))
-        a = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, s, -1)
-        x = x + a @ p["o"] + p["bo"]
-        h = _norm(x, p["ln2"])
-        x = x + jax.nn.gelu(h @ p["fc1"] + p["b1"]) @ p["fc2"]
-    logits = (_norm(x, params["lnf"]) @ params["emb"].T).astype(jnp.float32)
+def gpt_embed(top, tokens):
+    """The input of the first block: token and position embeddings of tokens (batch, seq).
+    top: the parameters outside the blocks (emb, pos, lnf)."""
+    return top["emb"][tokens] + top["pos"][:tokens.shape[1]]
+
+
+def gpt_block(x, p, heads: int):
+    """One pre-norm block (attention, then MLP) on x (batch, seq, d)."""
+    b, s, _ = x.shape
+    h = _norm(x, p["ln1"])
+    q, k, v = (t.reshape(b, s, heads, -1) for t in jnp.split(h @ p["qkv"] + p["bqkv"], 3, -1))
+    a = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, s, -1)
+    x = x + a @ p["o"] + p["bo"]
+    h = _norm(x, p["ln2"])
+    return x + jax.nn.gelu(h @ p["fc1"] + p["b1"]) @ p["fc2"]
+
+
+def gpt_head(x, top, tokens):
+    """Mean next-token cross-entropy of the last block's output x; the head is tied to emb."""
+    logits = (_norm(x, top["lnf"]) @ top["emb"].T).astype(jnp.float32)
     logp = jax.nn.log_softmax(logits[:, :-1])
     return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
+
+
+def gpt_loss(params, tokens, heads: int):
+    """Mean next-token cross-entropy of a GPT on tokens (batch, seq)."""
+    x = gpt_embed(params, tokens)
+    for p in params["layers"]:
+        x = gpt_block(x, p, heads)
+    return gpt_head(x, params, tokens)
 
 
 def dp_train_inputs(mesh: Mesh, cfg: Config, seed: int = 0) -> tuple:
@@ -229,6 +253,137 @@ def dp_train_psums(cfg: Config, n: int) -> dict:
     nbytes = sum(math.prod(leaf.shape) for leaf in leaves) * jnp.dtype(cfg.dtype).itemsize
     return {"calls": 1, "bytes": nbytes, "leaves": len(leaves),
             "text": f"1 psum of the gradient pytree ({len(leaves)} leaves, {_mib(nbytes)})"}
+
+
+# ---------------------------------------------------------------------------------------
+# fsdp: fully sharded data-parallel training step
+
+
+def gatherer(reduce: str, algorithm: str = "auto") -> Callable:
+    """(x, axis_name) -> the tiled all-gather of x along dim 0, the one collective an fsdp
+    step writes; jax.grad transposes it into the tiled psum_scatter of the cotangent. none:
+    n copies of x, transposed into this device's block of the cotangent: the shapes and the
+    compute of both collectives without their communication."""
+    if reduce == "lax":
+        return functools.partial(jax.lax.all_gather, axis=0, tiled=True)
+    if reduce == "jax_gin":
+        return functools.partial(jax_gin.all_gather, axis=0, tiled=True, algorithm=algorithm)
+    if reduce == "none":
+        return _local_gather
+    raise ValueError(f"reduce must be one of {', '.join(REDUCES)}, got {reduce!r}")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _local_gather(x, axis_name):
+    return jnp.tile(x, (jax.lax.axis_size(axis_name),) + (1,) * (x.ndim - 1))
+
+
+def _local_gather_fwd(x, axis_name):
+    return _local_gather(x, axis_name), None
+
+
+def _local_gather_bwd(axis_name, _, ct):
+    # the block at axis_index, not a fixed one: XLA could otherwise skip computing the
+    # gradients that fall in the other blocks
+    m = ct.shape[0] // jax.lax.axis_size(axis_name)
+    return (jax.lax.dynamic_slice_in_dim(ct, jax.lax.axis_index(axis_name) * m, m),)
+
+
+_local_gather.defvjp(_local_gather_fwd, _local_gather_bwd)
+
+
+def fsdp_groups(cfg: Config) -> tuple:
+    """(top, block): the GPT parameters (gpt_layout) that an fsdp step gathers at once: those
+    outside the blocks (emb, pos, lnf), and those of one block (every block alike)."""
+    layout = gpt_layout(cfg)
+    return {k: v for k, v in layout.items() if k != "layers"}, layout["layers"][0]
+
+
+def fsdp_size(group, n: int) -> int:
+    """Elements of a group's flat vector: its parameters, padded to a multiple of 16 n. Each
+    device's 1/n is then whole 16-byte vectors (jax_gin's kernels move 16-byte vectors; no
+    padding around the call) for any dtype."""
+    size = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(group))
+    return -(-size // (16 * n)) * 16 * n
+
+
+def fsdp_pack(arrays, size: int):
+    """A group's arrays, raveled in pytree order and concatenated, padded with zeros to size."""
+    flat = jnp.concatenate([jnp.ravel(a) for a in jax.tree.leaves(arrays)])
+    return jnp.pad(flat, (0, size - flat.shape[0]))
+
+
+def fsdp_unpack(flat, group):
+    """The arrays of a group (a pytree of Leaf: their shapes) from its flat vector."""
+    leaves, treedef = jax.tree.flatten(group)
+    out, offset = [], 0
+    for leaf in leaves:
+        k = math.prod(leaf.shape)
+        out.append(flat[offset:offset + k].reshape(leaf.shape))
+        offset += k
+    return treedef.unflatten(out)
+
+
+def fsdp_params(shards, cfg: Config) -> dict:
+    """The GPT parameters (as gpt_layout) of fsdp's global flat vectors: the inverse of the
+    packing in fsdp_inputs."""
+    top, block = fsdp_groups(cfg)
+    return {**fsdp_unpack(shards["top"], top),
+            "layers": [fsdp_unpack(s, block) for s in shards["layers"]]}
+
+
+def fsdp_inputs(mesh: Mesh, cfg: Config, seed: int = 0) -> tuple:
+    """(shards, tokens): dp-train's parameters and tokens, the parameters packed into one flat
+    vector per group, {"top": ..., "layers": [one per block]}, split over "data": each device
+    holds 1/n of every group."""
+    n = mesh.shape[DATA]
+    params, tokens = dp_train_inputs(mesh, cfg, seed)
+    top, block = fsdp_groups(cfg)
+    pack = jax.jit(fsdp_pack, static_argnums=1, out_shardings=NamedSharding(mesh, P(DATA)))
+    shards = {"top": pack({k: params[k] for k in top}, fsdp_size(top, n)),
+              "layers": [pack(p, fsdp_size(block, n)) for p in params["layers"]]}
+    return shards, tokens
+
+
+def fsdp_train_step(mesh: Mesh, cfg: Config, reduce: str = "jax_gin", algorithm: str = "auto"):
+    """jit(step)(shards, tokens) -> (shards, per-device loss): dp-train's model and update,
+    with every parameter sharded.
+
+    The loss gathers each group where it is used: the top group once (for the embeddings,
+    and the tied head at the end), each block's right before the block. jax.grad, taken with
+    respect to the shards, transposes each all-gather into a reduce-scatter: each device
+    receives the sum over the devices of the gradient of its own 1/n, and updates only that.
+    Per step: layers + 1 all-gathers and layers + 1 reduce-scatters. The backward pass uses
+    the blocks' parameters as gathered in the forward pass (XLA keeps them); it does not
+    gather them again. (A jax.checkpoint around each block would, but jax_gin calls in a
+    checkpoint's backward pass are not ordered with those outside it.)
+    """
+    gather, n = gatherer(reduce, algorithm), mesh.shape[DATA]
+    top, block = fsdp_groups(cfg)
+
+    def loss_fn(shards, tokens):
+        t = fsdp_unpack(gather(shards["top"], DATA), top)
+        x = gpt_embed(t, tokens)
+        for shard in shards["layers"]:
+            x = gpt_block(x, fsdp_unpack(gather(shard, DATA), block), cfg.heads)
+        return gpt_head(x, t, tokens)
+
+    def step(shards, tokens):
+        loss, grads = jax.value_and_grad(loss_fn)(shards, tokens)   # grads: reduce-scattered
+        return _sgd(shards, grads, cfg.lr / n), loss[None]
+
+    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(DATA), P(DATA)),
+                                 out_specs=(P(DATA), P(DATA)), check_vma=False))
+
+
+def fsdp_train_psums(cfg: Config, n: int) -> dict:
+    top, block = fsdp_groups(cfg)
+    itemsize = jnp.dtype(cfg.dtype).itemsize
+    nbytes, top_bytes = fsdp_size(block, n) * itemsize, fsdp_size(top, n) * itemsize
+    calls = cfg.layers + 1
+    return {"calls": 2 * calls, "bytes": nbytes,
+            "text": f"{calls} all-gathers and {calls} reduce-scatters (tiled): {_mib(nbytes)} "
+                    f"per block, {_mib(top_bytes)} for the embeddings and final norm"}
 
 
 # ---------------------------------------------------------------------------------------
@@ -455,6 +610,8 @@ class Workload:
     variants: tuple = REDUCES   # the `reduce` values of `step`, in the order of every turn
     baseline: str = "none"      # the compute-only variant: exposed = step - its step
     checked: Callable = lambda out: out   # the part of a step's output lax and jax_gin share
+    xla_ops: tuple = ("all_reduce",)     # the XLA collectives of lax's step (count_collectives)
+    algorithms: tuple = jax_gin.ALGORITHMS   # the algorithms its jax_gin collectives take
 
 
 WORKLOADS = {
@@ -463,6 +620,12 @@ WORKLOADS = {
         gpu=Config(layers=12, d_model=1024, heads=16, ffn=4096, seq=1024, batch=8, vocab=50304),
         cpu=Config(layers=2, d_model=64, heads=4, ffn=256, seq=16, batch=2, vocab=128),
         tensor_parallel=False),
+    "fsdp": Workload(
+        "fsdp", DATA, fsdp_train_step, fsdp_inputs, fsdp_train_psums,
+        gpu=Config(layers=12, d_model=1024, heads=16, ffn=4096, seq=1024, batch=8, vocab=50304),
+        cpu=Config(layers=2, d_model=64, heads=4, ffn=256, seq=16, batch=2, vocab=128),
+        tensor_parallel=False, xla_ops=("all_gather", "reduce_scatter"),
+        algorithms=COLLECTIVE_ALGORITHMS),
     "tp-train": Workload(
         "tp-train", TENSOR, tp_train_step, tp_train_inputs, tp_train_psums,
         gpu=Config(layers=16, d_model=4096, heads=32, ffn=16384, seq=1024, batch=1),
@@ -503,8 +666,8 @@ def check_config(workload: str, cfg: Config, n: int) -> None:
     if WORKLOADS[workload].tensor_parallel and (cfg.heads % n or cfg.ffn % n):
         raise ValueError(f"{workload} splits heads ({cfg.heads}) and ffn ({cfg.ffn}) over "
                          f"{n} devices: both must be multiples of {n}")
-    if workload == "dp-train" and cfg.vocab < 1:
-        raise ValueError("dp-train needs vocab >= 1")
+    if workload in ("dp-train", "fsdp") and cfg.vocab < 1:
+        raise ValueError(f"{workload} needs vocab >= 1")
     if workload == "overlap" and (cfg.rows < 1 or cfg.layers < 1 or overlap_elements(cfg) < 1):
         raise ValueError("overlap needs rows >= 1, layers >= 1 and mib >= one element")
 
@@ -519,14 +682,15 @@ def make_mesh(workload: str, devices=None) -> Mesh:
 # Measuring
 
 
-_ALL_REDUCE = re.compile(r"\ball-reduce(?:-start)?\(")
+_XLA_OPS = {op: re.compile(rf"\b{op.replace('_', '-')}(?:-start)?\(")
+            for op in ("all_reduce", "all_gather", "reduce_scatter")}
 _GIN_CALL = re.compile(r'custom_call_target="[^"]*jax_gin[^"]*"')
 
 
 def count_collectives(hlo_text: str) -> dict:
-    """All-reduce ops (all-reduce, or all-reduce-start when async) and jax_gin custom calls
-    in compiled HLO text."""
-    return {"all_reduce": len(_ALL_REDUCE.findall(hlo_text)),
+    """XLA's all-reduce, all-gather and reduce-scatter ops (or their -start when async) and
+    jax_gin custom calls in compiled HLO text."""
+    return {**{op: len(pattern.findall(hlo_text)) for op, pattern in _XLA_OPS.items()},
             "jax_gin_calls": len(_GIN_CALL.findall(hlo_text))}
 
 
@@ -560,7 +724,7 @@ def measure(workload: str, mesh: Mesh, cfg: Config, *, algorithm: str = "auto",
     """Build, compile and time the variants of one step on the same inputs.
 
     `reduces` defaults to the workload's variants (REDUCES; overlap: OVERLAP_VARIANTS). Each
-    variant is compiled (its HLO's all-reduce ops and jax_gin custom calls counted) and
+    variant is compiled (its HLO's XLA collectives and jax_gin custom calls counted) and
     called once untimed, then all are warmed up and timed in turns: every round calls each
     variant once, in the order of `reduces`, so that drifts of the machine hit all medians
     alike. Exposed communication of lax and jax_gin = their median step - the median step of
@@ -654,6 +818,13 @@ COLUMNS = (("reduce", 13), ("algorithm", 9), ("|", 1), ("step(ms)", 10), ("expos
            ("vs_lax", 7), ("|", 1), ("all-reduce", 10), ("jax_gin_calls", 13), ("compile(s)", 10))
 
 
+def columns(xla_ops=("all_reduce",)) -> tuple:
+    """COLUMNS with one column per XLA collective counted (a workload's xla_ops)."""
+    i = [name for name, _ in COLUMNS].index("all-reduce")
+    ops = tuple((op.replace("_", "-"), max(10, len(op))) for op in xla_ops)
+    return COLUMNS[:i] + ops + COLUMNS[i + 1:]
+
+
 def format_report(result: dict, meta: dict | None = None) -> list:
     """nccl-tests-like text: '#' header lines, one row per variant, '#' footer lines."""
     cfg = result["config"]
@@ -677,7 +848,8 @@ def format_report(result: dict, meta: dict | None = None) -> list:
         sizes = f"layers {cfg['layers']}  d_model {cfg['d_model']}  heads {cfg['heads']}  " \
                 f"ffn {cfg['ffn']}  seq {cfg['seq']}  batch {cfg['batch']}" \
                 + (f"  vocab {cfg['vocab']}" if cfg["vocab"] else "")
-    baseline = WORKLOADS[result["workload"]].baseline
+    w = WORKLOADS[result["workload"]]
+    baseline, cols = w.baseline, columns(w.xla_ops)
     lines += [
         f"# {result['workload']} on mesh axis '{result['axis']}' of {result['nranks']}: "
         f"{sizes}  {cfg['dtype']}",
@@ -685,14 +857,17 @@ def format_report(result: dict, meta: dict | None = None) -> list:
         f"# {result['rounds']} rounds of the variants in turns after {result['warmup']} warm-up; "
         "step = median wall time of one jit call",
         "#",
-        "#" + " ".join(name.rjust(w) for name, w in COLUMNS)[1:]]
+        "#" + " ".join(name.rjust(width) for name, width in cols)[1:]]
     for r, v in result["variants"].items():
         cells = [r, v["algorithm"] or "-", "|", _f(v["step_ms"]), _f(v["exposed_ms"]),
-                 _f(v["vs_lax"], ".2f"), "|", str(v["all_reduce"]), str(v["jax_gin_calls"]),
-                 _f(v["compile_s"], ".1f")]
-        lines.append(" ".join(c.rjust(w) for c, (_, w) in zip(cells, COLUMNS)))
+                 _f(v["vs_lax"], ".2f"), "|", *(str(v[op]) for op in w.xla_ops),
+                 str(v["jax_gin_calls"]), _f(v["compile_s"], ".1f")]
+        lines.append(" ".join(c.rjust(width) for c, (_, width) in zip(cells, cols)))
     lines.append("#")
-    if baseline == "none":
+    if result["workload"] == "fsdp":
+        lines.append("# exposed = step - compute-only ('none': local copies for the all-gathers, "
+                     "a local slice for the reduce-scatters); vs_lax = lax step / this step")
+    elif baseline == "none":
         lines.append("# exposed = step - compute-only ('none', the all-reduce replaced by the "
                      "identity); vs_lax = lax step / this step")
     else:
@@ -735,9 +910,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jax_gin.bench",
         description="Time a whole step with lax.psum, jax_gin.psum and no all-reduce "
-                    "(compute only), in turns; overlap: matmuls alone, all-reduce alone, and "
-                    "both in one step. Sizes default to the GPU sizes on GPUs and to tiny ones "
-                    "on CPU devices.")
+                    "(compute only), in turns; fsdp: lax's or jax_gin's all_gather and "
+                    "psum_scatter, or local copies; overlap: matmuls alone, all-reduce alone, "
+                    "and both in one step. Sizes default to the GPU sizes on GPUs and to tiny "
+                    "ones on CPU devices.")
     p.add_argument("--workload", choices=NAMES, required=True)
     p.add_argument("--layers", type=int, help="blocks; overlap: matmuls in the chain")
     p.add_argument("--d-model", type=int, help="overlap: the matmuls' inner and outer size")
@@ -745,15 +921,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ffn", type=int, help="MLP hidden size (default: the defaults' ratio)")
     p.add_argument("--seq", type=int, help="sequence length; tp-decode: cached context length")
     p.add_argument("--batch", "--tokens", type=int, dest="batch",
-                   help="sequences (dp-train: per device); tp-decode: tokens decoded")
-    p.add_argument("--vocab", type=int, help="dp-train's vocabulary")
+                   help="sequences (dp-train, fsdp: per device); tp-decode: tokens decoded")
+    p.add_argument("--vocab", type=int, help="dp-train's and fsdp's vocabulary")
     p.add_argument("--rows", type=int, help="overlap: rows of the matmuls per device "
                    "(default 4096 on GPU)")
     p.add_argument("--mib", type=float, help="overlap: MiB all-reduced per device "
                    "(default 256 on GPU)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--algorithm", default="auto", choices=("auto",) + tuple(jax_gin.ALGORITHMS),
-                   help="jax_gin's algorithm (default auto)")
+                   help="jax_gin's algorithm (default auto; fsdp: auto, "
+                        f"{', '.join(COLLECTIVE_ALGORITHMS)})")
     p.add_argument("--overlap", action="store_true",
                    help="the jax_gin variants call psum(..., overlap=True): asynchronous, few "
                         "lanes; in the overlap workload, jax_gin runs psum_overlapping beside "
@@ -793,6 +970,9 @@ def main(argv=None) -> int:
         check_config(args.workload, cfg, len(devices))
     except ValueError as e:
         raise SystemExit(f"{args.workload}: {e}")
+    if args.algorithm not in ("auto",) + WORKLOADS[args.workload].algorithms:
+        raise SystemExit(f"{args.workload}: --algorithm {args.algorithm}: its collectives take "
+                         f"auto, {', '.join(WORKLOADS[args.workload].algorithms)}")
     result = measure(args.workload, mesh, cfg, algorithm=args.algorithm, rounds=rounds,
                      warmup=args.warmup, profile_dir=args.profile)
     meta = metadata(devices, sizes)

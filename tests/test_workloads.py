@@ -1,23 +1,36 @@
 """Whole steps (jax_gin.workloads) and `python -m jax_gin.bench --workload`, at tiny sizes.
 
-float32 steps: on 2 devices each all-reduce sums 2 values, and a + b == b + a, so lax and
-jax_gin give the same bits. On 8 devices the order of the sums may differ, so they are only
-close. bfloat16 steps are only close even on 2 CPU devices: XLA's CPU backend computes lax's
-bfloat16 all-reduce and the ops around it in float32 and drops roundings to bfloat16 that the
-jax_gin program keeps. overlap all-reduces small integers: exact, so bitwise equal on any mesh.
+float32 steps: on 2 devices each all-reduce (fsdp: reduce-scatter) sums 2 values, and
+a + b == b + a, so lax and jax_gin give the same bits. On 8 devices the order of the sums may
+differ, so they are only close. bfloat16 steps are only close even on 2 CPU devices: XLA's CPU
+backend computes lax's bfloat16 all-reduce and the ops around it in float32 and drops roundings
+to bfloat16 that the jax_gin program keeps. overlap all-reduces small integers: exact, so
+bitwise equal on any mesh.
 """
 import dataclasses
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
-from jax_gin import bench, workloads
+from jax_gin import _native, bench, workloads
 from conftest import ndev
 
 NAMES = workloads.NAMES
 STEPS = tuple(name for name in NAMES if workloads.WORKLOADS[name].variants == workloads.REDUCES)
+
+
+def algorithm(workload):
+    """An explicit algorithm: `auto` may hand an all-reduce's size to XLA (a tuning table).
+    fsdp's all_gather and psum_scatter take one_shot or ring."""
+    return "one_shot" if workload == "fsdp" else "two_shot"
+
+
+def xla_collectives(variant):
+    return variant["all_reduce"] + variant["all_gather"] + variant["reduce_scatter"]
 
 
 def tiny(workload, **overrides):
@@ -34,16 +47,15 @@ def mesh_of(workload, n):
 @pytest.mark.parametrize("workload", STEPS)
 def test_variants_compile_run_and_agree(workload, n):
     cfg = tiny(workload, dtype="float32")
-    # an explicit algorithm: `auto` may hand a size to XLA's all-reduce (a tuning table)
-    r = workloads.measure(workload, mesh_of(workload, n), cfg, algorithm="two_shot", rounds=1,
-                          warmup=0)
+    r = workloads.measure(workload, mesh_of(workload, n), cfg, algorithm=algorithm(workload),
+                          rounds=1, warmup=0)
     v = r["variants"]
     assert list(v) == ["none", "lax", "jax_gin"]
-    # lax: XLA all-reduces only; jax_gin: jax_gin custom calls only; none: neither
-    assert v["lax"]["all_reduce"] >= 1 and v["lax"]["jax_gin_calls"] == 0
-    assert v["jax_gin"]["jax_gin_calls"] >= 1 and v["jax_gin"]["all_reduce"] == 0
-    assert v["none"]["all_reduce"] == 0 and v["none"]["jax_gin_calls"] == 0
-    if workload != "dp-train":  # one custom call per psum; dp-train's pytree is bucketed
+    # lax: XLA collectives only; jax_gin: jax_gin custom calls only; none: neither
+    assert xla_collectives(v["lax"]) >= 1 and v["lax"]["jax_gin_calls"] == 0
+    assert v["jax_gin"]["jax_gin_calls"] >= 1 and xla_collectives(v["jax_gin"]) == 0
+    assert xla_collectives(v["none"]) == 0 and v["none"]["jax_gin_calls"] == 0
+    if workload != "dp-train":  # one custom call per collective; dp-train's pytree is bucketed
         assert v["jax_gin"]["jax_gin_calls"] == r["psums"]["calls"]
     for x in v.values():
         assert x["step_ms"] > 0 and len(x["times_ms"]) == 1
@@ -88,9 +100,9 @@ CLI_SIZES = ["--layers", "1", "--d-model", "64", "--heads", "8", "--ffn", "256",
 @pytest.mark.parametrize("workload", STEPS)
 def test_cli(workload, tmp_path, capsys):
     path = tmp_path / "w.json"
-    extra = ["--vocab", "128"] if workload == "dp-train" else []
+    extra = ["--vocab", "128"] if workload in ("dp-train", "fsdp") else []
     rc = bench.main(["--workload", workload, "--rounds", "2", "--warmup", "1", "--json", str(path),
-                     "--algorithm", "two_shot"]
+                     "--algorithm", algorithm(workload)]
                     + CLI_SIZES + extra)
     text = capsys.readouterr().out
     assert rc == 0, text
@@ -104,7 +116,7 @@ def test_cli(workload, tmp_path, capsys):
     assert set(v) == {"none", "lax", "jax_gin"}
     for x in v.values():
         assert len(x["times_ms"]) == 2 and x["step_ms"] > 0
-    assert v["jax_gin"]["jax_gin_calls"] >= 1 and v["jax_gin"]["all_reduce"] == 0
+    assert v["jax_gin"]["jax_gin_calls"] >= 1 and xla_collectives(v["jax_gin"]) == 0
     assert data["lax_vs_jax_gin"]["max_abs_diff"] <= 0.0625  # a few bfloat16 ulps of values < 4
     assert data["ratio_lax_over_jax_gin"]["step"] > 0
     for key in ("# XLA_FLAGS", "# date", "# platform", "step(ms)", "exposed(ms)",
@@ -112,6 +124,86 @@ def test_cli(workload, tmp_path, capsys):
         assert key in text
     rows = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
     assert [row.split()[0] for row in rows] == ["none", "lax", "jax_gin"]
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_fsdp_lowers_to_the_collectives(n):
+    # lax: XLA all-gathers and reduce-scatters; jax_gin: its collective custom calls; one of
+    # each per block and one for the embeddings, the reduce-scatters from grad's transposes
+    mesh, cfg = mesh_of("fsdp", n), tiny("fsdp")
+    args = workloads.fsdp_inputs(mesh, cfg)
+    calls = cfg.layers + 1
+    want = {"lax": {"all_reduce": 0, "all_gather": calls, "reduce_scatter": calls,
+                    "jax_gin_calls": 0},
+            "jax_gin": {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0,
+                        "jax_gin_calls": 2 * calls},
+            "none": {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0, "jax_gin_calls": 0}}
+    for reduce, counts in want.items():
+        step = workloads.fsdp_train_step(mesh, cfg, reduce, "one_shot")
+        text = step.lower(*args).compile().as_text()
+        assert workloads.count_collectives(text) == counts, reduce
+        target = _native.COLLECTIVE_TARGETS["cpu" if jax.default_backend() == "cpu" else "cuda"]
+        assert text.count(f'custom_call_target="{target}"') == counts["jax_gin_calls"], reduce
+    assert workloads.fsdp_train_psums(cfg, n)["calls"] == 2 * calls
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_fsdp_updates_like_dp_train(n):
+    # The same model, inputs and update: only where the parameters live and how the
+    # gradients are summed differ (all-reduce vs all-gather's transpose, a reduce-scatter).
+    mesh = mesh_of("fsdp", n)
+    # d_model 40: the flat vectors are padded (to a multiple of 16 n elements)
+    cfg = dataclasses.replace(tiny("fsdp", d_model=40, dtype="float32"), lr=1.0)
+    params, tokens = workloads.dp_train_inputs(mesh, cfg)
+    shards, _ = workloads.fsdp_inputs(mesh, cfg)   # the same tokens
+    before = jax.device_get(params)
+    assert jax.tree.all(jax.tree.map(np.array_equal, jax.device_get(
+        workloads.fsdp_params(shards, cfg)), before))
+    size = workloads.fsdp_size(workloads.fsdp_groups(cfg)[1], n)
+    assert shards["layers"][0].shape == (size,) and size % (16 * n) == 0
+    assert shards["layers"][0].sharding.spec == P("data")
+    ref, ref_loss = workloads.dp_train_step(mesh, cfg, "lax")(params, tokens)
+    new, loss = workloads.fsdp_train_step(mesh, cfg, "jax_gin", "one_shot")(shards, tokens)
+    np.testing.assert_allclose(np.asarray(loss), np.asarray(ref_loss), rtol=1e-6)
+    ref, got = jax.device_get(ref), jax.device_get(workloads.fsdp_params(new, cfg))
+    update = max(float(np.max(np.abs(a - b))) for a, b in
+                 zip(jax.tree.leaves(ref), jax.tree.leaves(before)))
+    error = max(float(np.max(np.abs(a - b))) for a, b in
+                zip(jax.tree.leaves(got), jax.tree.leaves(ref)))
+    assert update > 1e-3
+    assert error <= 1e-5 * update, (error, update)
+    # the padding of each flat vector has no gradient: it stays zero
+    used = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(workloads.fsdp_groups(cfg)[1]))
+    assert used < size and not np.any(np.asarray(new["layers"][0])[used:])
+
+
+def test_fsdp_none_gathers_locally():
+    # The compute-only stand-in: n copies forward; backward, the cotangent's block at this
+    # device's index (what a reduce-scatter leaves there, without the sum).
+    n = min(ndev(), 4)
+    mesh = mesh_of("fsdp", n)
+    gather = workloads.gatherer("none")
+    x = jnp.arange(2.0 * n).reshape(n, 2)
+    w = jnp.arange(2.0 * n * n).reshape(n, 2 * n) + 1
+
+    def f(x, w):
+        y, g = jax.value_and_grad(lambda x: jnp.sum(gather(x, "data") * w[0]))(x[0])
+        return y[None], g[None]
+
+    y, g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("data"), P()),
+                                 out_specs=(P("data"), P("data")), check_vma=False))(x, w)
+    for i in range(n):
+        assert float(y[i]) == float(jnp.sum(jnp.tile(x[i], n) * w[0]))
+        np.testing.assert_array_equal(np.asarray(g[i]), np.asarray(w[0, 2 * i:2 * i + 2]))
+    with pytest.raises(ValueError, match="reduce must be"):
+        workloads.gatherer("nccl")
+
+
+def test_fsdp_errors():
+    with pytest.raises(ValueError, match="fsdp needs vocab"):
+        workloads.check_config("fsdp", tiny("fsdp", vocab=0), 2)
+    with pytest.raises(SystemExit, match="auto, one_shot, ring"):
+        bench.main(["--workload", "fsdp", "--algorithm", "two_shot"] + CLI_SIZES)
 
 
 def test_overlap_sum_is_exact():
