@@ -11,6 +11,8 @@
 //                             and untouched until then. The start reduces in place (its results
 //                             alias its inputs; the kernels read every input element before
 //                             they write its result), so the inputs live until the done too.
+//   JaxGinCudaCollective      psum_scatter or all_gather (collectives.h): one kernel launch on
+//                             XLA's stream; command-buffer compatible.
 // Start and done are not command-buffer compatible: a captured start would leave work on the
 // side stream unjoined at the end of its capture.
 #include "ffi_cuda.h"
@@ -25,21 +27,13 @@ namespace ffi = xla::ffi;
 namespace jax_gin {
 namespace {
 
-// Checks shared by the launching handlers; fills *st.
-ffi::Error rank_state(int64_t comm, int32_t device, int32_t algorithm, const gpu::RankState** st) {
-  // kHierarchical (internal) is the one algorithm of groups that span nodes; _primitive.py
-  // passes it for those only (comm_ranks_per_node).
-  const bool hier = algorithm == int32_t(Algorithm::kHierarchical);
+// The rank of communicator `comm` on `device`, refused if one of its kernels timed out
+// earlier; fills *st.
+ffi::Error live_rank(int64_t comm, int32_t device, const gpu::RankState** st) {
   *st = gpu::find_rank(comm, device);
   if (*st == nullptr) {
     return ffi::Error::Internal("jax_gin: no communicator " + std::to_string(comm) +
                                 " state for CUDA device " + std::to_string(device));
-  }
-  if (hier != ((*st)->cfg.ranks_per_node > 0)) {
-    return ffi::Error::InvalidArgument(
-        hier ? std::string("jax_gin: the hierarchical algorithm runs only for groups that span nodes")
-             : "jax_gin: group " + std::to_string((*st)->group) + " spans nodes and runs only the "
-               "hierarchical algorithm (algorithm='auto'), not " + algorithm_name(Algorithm(algorithm)));
   }
   // A kernel of this rank timed out earlier (and trapped): say so instead of launching again.
   if ((*st)->diag_host->valid) {
@@ -48,6 +42,21 @@ ffi::Error rank_state(int64_t comm, int32_t device, int32_t algorithm, const gpu
         "jax_gin: an earlier call failed: " + gpu::describe(d, (*st)->nranks) +
         " A kernel that timed out aborted this GPU's CUDA context: restart the process (CUDA "
         "cannot recover a context after a device-side trap)");
+  }
+  return ffi::Error::Success();
+}
+
+// Checks shared by the launching all-reduce handlers; fills *st.
+ffi::Error rank_state(int64_t comm, int32_t device, int32_t algorithm, const gpu::RankState** st) {
+  // kHierarchical (internal) is the one algorithm of groups that span nodes; _primitive.py
+  // passes it for those only (comm_ranks_per_node).
+  const bool hier = algorithm == int32_t(Algorithm::kHierarchical);
+  if (ffi::Error err = live_rank(comm, device, st); err.failure()) return err;
+  if (hier != ((*st)->cfg.ranks_per_node > 0)) {
+    return ffi::Error::InvalidArgument(
+        hier ? std::string("jax_gin: the hierarchical algorithm runs only for groups that span nodes")
+             : "jax_gin: group " + std::to_string((*st)->group) + " spans nodes and runs only the "
+               "hierarchical algorithm (algorithm='auto'), not " + algorithm_name(Algorithm(algorithm)));
   }
   return ffi::Error::Success();
 }
@@ -115,6 +124,41 @@ ffi::Error CudaAllReduceImpl(cudaStream_t stream, int32_t device,
   (void)order_in;
   (void)order_out;
   return launch(stream, device, xs, outs, comm, op, algorithm, 0);
+}
+
+// psum_scatter and all_gather (collectives.h): one buffer in, one out, one kernel on XLA's
+// stream. Groups that span nodes are refused (_scatter_gather.py lowers those to XLA's own).
+ffi::Error CudaCollectiveImpl(cudaStream_t stream, int32_t device,
+                              ffi::Buffer<ffi::U32> partition_id, ffi::Buffer<ffi::U32> order_in,
+                              ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U32>> order_out,
+                              ffi::Result<ffi::AnyBuffer> y, int64_t comm, int32_t op,
+                              int32_t algorithm) {
+  (void)partition_id;  // the rank comes from the device ordinal's cached state
+  (void)order_in;      // order tokens: as in CudaAllReduceImpl
+  (void)order_out;
+  const gpu::RankState* st = nullptr;
+  if (ffi::Error err = live_rank(comm, device, &st); err.failure()) return err;
+  DType dtype;
+  size_t block = 0;
+  if (ffi::Error err = check_collective(x, *y, op, algorithm, st->nranks, &dtype, &block);
+      err.failure())
+    return err;
+  if (st->cfg.ranks_per_node > 0)
+    return ffi::Error::InvalidArgument(
+        std::string("jax_gin: ") + call_op_name(op) + " needs load/store access to every peer, but group " +
+        std::to_string(st->group) + " spans nodes");
+  // _scatter_gather.py checks this at trace time, against the settings' workspace
+  if (st->nranks > 1 && schedule::coll_slot_elems(Algorithm(algorithm), st->nranks,
+                                                  st->cfg.lane_bytes, dtype_size(dtype)) == 0)
+    return ffi::Error::InvalidArgument(
+        std::string("jax_gin: ") + call_op_name(op) + ": the workspace's " +
+        std::to_string(st->cfg.lane_bytes) + "-byte lanes cannot hold one round of " +
+        algorithm_name(Algorithm(algorithm)) + " over " + std::to_string(st->nranks) + " ranks");
+  const gpu::PeerAccess peers{st->win, nullptr, nullptr};
+  if (cudaError_t e = gpu::launch_collective(peers, st->cfg, dtype, op, Algorithm(algorithm),
+                                             x.untyped_data(), y->untyped_data(), block, stream))
+    return cuda_error("kernel launch failed", e);
+  return ffi::Error::Success();
 }
 
 // The rank state of an asynchronous start or done, with its event slot checked.
@@ -253,6 +297,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCudaAllReduceDone, jax_gin::CudaAllReduceDon
                                   .RemainingRets()                // the same buffers (aliased)
                                   .Attr<int64_t>("comm")          // communicator id (runtime)
                                   .Attr<int32_t>("slot"));        // event slot of its start
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCudaCollective, jax_gin::CudaCollectiveImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
+                                  .Ctx<ffi::DeviceOrdinal>()      // local CUDA ordinal
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // partition id (unused on GPU)
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // order token of the previous call
+                                  .Arg<ffi::AnyBuffer>()          // x
+                                  .Ret<ffi::Buffer<ffi::U32>>()   // order token for the next call
+                                  .Ret<ffi::AnyBuffer>()          // y
+                                  .Attr<int64_t>("comm")          // communicator id (runtime)
+                                  .Attr<int32_t>("op")            // CallOp: psum_scatter, all_gather
+                                  .Attr<int32_t>("algorithm"),    // Algorithm: one_shot or ring
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCudaAddRmsNorm, jax_gin::CudaAddRmsNormImpl,
                               ffi::Ffi::Bind()

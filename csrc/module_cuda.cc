@@ -1,4 +1,4 @@
-// The CUDA nanobind module: exports the CUDA FFI handler and the GPU runtime's calls. Built
+// The CUDA nanobind module: exports the CUDA FFI handlers and the GPU runtime's calls. Built
 // only where nvcc and NCCL's headers exist; jax_gin works without it on CPU.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
@@ -66,6 +66,7 @@ NB_MODULE(_jax_gin_cuda, m) {
     d["jax_gin_all_reduce_start_cuda"] = nb::capsule(reinterpret_cast<void*>(JaxGinCudaAllReduceStart));
     d["jax_gin_all_reduce_done_cuda"] = nb::capsule(reinterpret_cast<void*>(JaxGinCudaAllReduceDone));
     d["jax_gin_add_rmsnorm_cuda"] = nb::capsule(reinterpret_cast<void*>(JaxGinCudaAddRmsNorm));
+    d["jax_gin_collective_cuda"] = nb::capsule(reinterpret_cast<void*>(JaxGinCudaCollective));
     return d;
   });
   m.def("comm_create",

@@ -209,7 +209,7 @@ const RankState* find_rank(int64_t id, int device) {
 
 std::string describe(const Diagnostic& d, int nranks) {
   Text os;
-  os << "jax_gin " << redop_name(RedOp(d.op)) << " (" << algorithm_name(Algorithm(d.algorithm))
+  os << "jax_gin " << call_op_name(d.op) << " (" << algorithm_name(Algorithm(d.algorithm))
      << ") on GPU: rank " << d.rank << " of group " << d.group << " (" << nranks
      << " ranks) timed out waiting for peer " << d.peer;
   if (d.step < 0) os << " to release its window (credit) before round " << d.round;

@@ -36,7 +36,7 @@
 namespace jax_gin {
 namespace gpu {
 
-LaneParams lane_params(const LaunchConfig& cfg, RedOp op, Algorithm algo, DType dtype,
+LaneParams lane_params(const LaunchConfig& cfg, int32_t op, Algorithm algo, DType dtype,
                        size_t count);  // kernels.cu
 template <class T>
 cudaError_t launch_ce_reduce(RedOp op, const void* slot0, size_t slot_stride, int self, int nranks,
@@ -104,7 +104,7 @@ cudaError_t run(const Peers& peers, char* const* bases, const LaunchConfig& cfg,
   const size_t P = copy_engine_slot_elems(cfg, es);
   if (P == 0 || N < 2) return cudaErrorInvalidValue;
   if (count == 0) return cudaSuccess;
-  const LaneParams p = lane_params(cfg, op, Algorithm::kTwoShot, dtype, count);
+  const LaneParams p = lane_params(cfg, int32_t(op), Algorithm::kTwoShot, dtype, count);
   auto sync = [&](int step, bool begin = false) {
     ce_sync_kernel<Peers><<<1, 32, 0, s>>>(peers, p, step, int(begin));
     return cudaGetLastError();

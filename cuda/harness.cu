@@ -8,6 +8,7 @@
 //                        [--dtypes f32,bf16,...] [--ops sum,max,min] [--iters K]
 //                        [--lane-bytes B] [--chunk-bytes B] [--timeout-s T] [--fault-rank R]
 //                        [--ranks-per-node L,...] [--max-lanes K]
+//                        [--collectives 0|1|only] [--block-bytes B,...]
 // --ranks-per-node runs the hierarchical kernel of groups that span nodes (algorithm
 // "hierarchical", the default algos then) for every L that divides N and is smaller: ranks
 // node*L .. node*L+L-1 play a node, reached by load/store, and the rail between nodes goes
@@ -19,6 +20,11 @@
 // whose reduction uses at most --max-lanes CTAs (--ce-serial 1: all on one stream); its rounds share lane 0's flags with the
 // other algorithms', which the default list interleaves.
 // --add-rmsnorm 1 checks psum_add_rmsnorm's one-kernel LL path against its two-kernel form.
+// --collectives 1 checks reduce-scatter and all-gather (launch_collective) after each rank
+// count's all-reduces, --collectives only instead of them: every --dtypes type, one_shot and
+// ring (those of --algos, if given), blocks of each of --block-bytes (multiples of 16; default
+// 16,48,1008,65584,1048592: 1, 3, 63, 4099 and 65537 vectors). With --time-iters it also
+// prints each call's time and nccl-tests' algbw and busbw.
 // --record 1 turns each rank's flight recorder on and checks its entries after each rank count.
 // --dtypes takes the short names of JAX_GIN_DTYPES (common.h): f32, f64, bf16, f16, i32, i64,
 // u32 (unsigned types get inputs 0..14, the others -7..7).
@@ -151,6 +157,76 @@ long check_recorder(const Rank& R, int r) {
   return bad;
 }
 
+// Microseconds per call of launch_all() (one launch of every rank), kernel-level latency
+// without XLA: time_iters calls back to back after a synchronized start, timed on the host
+// around the whole batch; with `graph`, as CUDA-graph replays (see --time-graph).
+template <class F>
+cudaError_t time_calls(std::vector<Rank>& rk, int N, int time_iters, bool graph, F&& launch_all,
+                       double* us_per_call) {
+#define CE(call) do { cudaError_t e_ = (call); if (e_ != cudaSuccess) return e_; } while (0)
+  auto sync_all = [&]() -> cudaError_t {
+    for (int r = 0; r < N; ++r) {
+      CE(cudaSetDevice(rk[r].dev));
+      CE(cudaStreamSynchronize(rk[r].stream));
+    }
+    return cudaSuccess;
+  };
+  CE(sync_all());
+  if (!graph) {
+    auto t0 = std::chrono::steady_clock::now();
+    for (int it = 0; it < time_iters; ++it) CE(launch_all());
+    CE(sync_all());
+    *us_per_call = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / time_iters;
+    return cudaSuccess;
+  }
+  // Capture every rank's stream at once (relaxed mode: cudaSetDevice between launches is
+  // allowed), then replay one graph per rank, all in flight together.
+  std::vector<cudaGraphExec_t> execs(N);
+  for (int r = 0; r < N; ++r) {
+    CE(cudaSetDevice(rk[r].dev));
+    CE(cudaStreamBeginCapture(rk[r].stream, cudaStreamCaptureModeRelaxed));
+  }
+  for (int it = 0; it < time_iters; ++it) CE(launch_all());
+  for (int r = 0; r < N; ++r) {
+    cudaGraph_t g;
+    CE(cudaSetDevice(rk[r].dev));
+    CE(cudaStreamEndCapture(rk[r].stream, &g));
+    CE(cudaGraphInstantiate(&execs[r], g, 0));
+    CE(cudaGraphDestroy(g));
+  }
+  auto replay = [&]() -> cudaError_t {
+    for (int r = 0; r < N; ++r) {
+      CE(cudaSetDevice(rk[r].dev));
+      CE(cudaGraphLaunch(execs[r], rk[r].stream));
+    }
+    return sync_all();
+  };
+  CE(replay());  // warm-up (uploads the graphs)
+  auto t0 = std::chrono::steady_clock::now();
+  CE(replay());
+  *us_per_call = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / time_iters;
+  for (int r = 0; r < N; ++r) {
+    CE(cudaSetDevice(rk[r].dev));
+    CE(cudaGraphExecDestroy(execs[r]));
+  }
+  return cudaSuccess;
+#undef CE
+}
+
+// Waits for every rank's stream. False if one failed: a wait timed out (the kernel trapped),
+// whose diagnostics are printed.
+bool wait_all(std::vector<Rank>& rk, int N) {
+  bool failed = false;
+  for (int r = 0; r < N; ++r)
+    if (cudaSetDevice(rk[r].dev) != cudaSuccess || cudaStreamSynchronize(rk[r].stream) != cudaSuccess)
+      failed = true;
+  if (!failed) return true;
+  for (int r = 0; r < N; ++r)
+    if (rk[r].diag_host->valid) std::printf("%s\n", gpu::describe(*rk[r].diag_host, N).c_str());
+  std::printf("launch failed (a wait timed out)\n");
+  return false;
+}
+
 // A run of cases with one window layout: ranks_per_node 0 for the one-node algorithms, L for
 // hierarchical with nodes of L ranks.
 struct Layout {
@@ -238,6 +314,141 @@ long check_add_rmsnorm(std::vector<Rank>& rk, int N, size_t lane_bytes, double t
   return failures;
 }
 
+// What --collectives takes from the command line.
+struct CollectiveArgs {
+  std::vector<std::string> dtypes, algos;  // algos: those of --algos that are one_shot or ring
+  std::vector<size_t> block_bytes;
+  size_t lane_bytes, chunk_bytes, one_shot_chunk_bytes, lane_grain;
+  double timeout_s;
+  int iters, fault_rank, max_lanes, time_iters, time_graph;
+};
+
+// --collectives: reduce-scatter (psum_scatter) and all-gather (launch_collective,
+// collectives.h) of every --dtypes type with one_shot and ring, for blocks of each of
+// --block-bytes, each call made --iters times, bit for bit on every rank against a host
+// reference on exact inputs: block q of a reduce-scatter is the sum of every rank's block q
+// (exact in any order) and lands on rank q; every rank's all-gather output is the ranks'
+// inputs in rank order. With --time-iters, also the time per call and nccl-tests' bandwidths:
+// algbw = the large side's bytes (N blocks) / time, busbw = algbw * (N - 1) / N. Returns the
+// failures (printed), or -1 if a wait timed out; adds the cases it ran to *cases.
+long check_collectives(std::vector<Rank>& rk, int N, const CollectiveArgs& a, long* cases) {
+  int ngpu = 0;
+  for (const Rank& R : rk) ngpu = std::max(ngpu, R.dev + 1);
+  std::vector<int> ranks_on(ngpu, 0);
+  for (const Rank& R : rk) ranks_on[R.dev]++;
+  long failures = 0;
+  for (const auto& ds : a.dtypes) {
+    const DT* dt = nullptr;
+    for (const auto& x : kDTypes) if (ds == x.name) dt = &x;
+    if (!dt) continue;  // main() refused unknown names
+    // every rank the same lane cap, so that all ranks' CTAs on the most loaded GPU fit at once
+    int max_lanes = a.max_lanes > 0 ? std::min(a.max_lanes, int(kMaxLanes)) : gpu::default_max_lanes(0);
+    for (int g = 0; g < ngpu; ++g) {
+      if (ranks_on[g] == 0) continue;
+      int ctas = 0;
+      CK(cudaSetDevice(g));
+      CK(gpu::resident_collective_ctas(dt->dt, 512, &ctas));
+      max_lanes = std::min(max_lanes, ctas / ranks_on[g]);
+    }
+    for (size_t bb : a.block_bytes) {
+      const size_t block = bb / dt->size, large = block * size_t(N), lbytes = large * dt->size;
+      // rank r's large-side input is v[r * large ..]; an all-gather's input is its first block
+      std::mt19937 gen(unsigned(block * 131 + N * 7 + int(dt->dt)));
+      std::vector<int8_t> v(size_t(N) * large);
+      for (auto& x : v) x = int8_t(int(gen() % 15) - (dt->is_unsigned ? 0 : 7));
+      std::vector<void*> in(N), out(N);
+      std::vector<char> host(lbytes), got(lbytes);
+      for (int r = 0; r < N; ++r) {
+        for (size_t i = 0; i < large; ++i) encode(dt->dt, v[size_t(r) * large + i], host.data() + i * dt->size);
+        CK(cudaSetDevice(rk[r].dev));
+        CK(cudaMalloc(&in[r], lbytes + 16));
+        CK(cudaMalloc(&out[r], lbytes + 16));
+        CK(cudaMemcpy(in[r], host.data(), lbytes, cudaMemcpyHostToDevice));
+      }
+      for (int call_op : {int(kOpReduceScatter), int(kOpAllGather)}) {
+        const bool rs = call_op == kOpReduceScatter;
+        const size_t out_bytes = rs ? block * dt->size : lbytes;
+        // want[r]: rank r's expected output (an all-gather's is every rank's: want[0])
+        std::vector<std::vector<char>> want(rs ? N : 1, std::vector<char>(out_bytes));
+        for (int r = 0; r < N; ++r) {
+          if (rs) {
+            for (size_t i = 0; i < block; ++i) {
+              int sum = 0;
+              for (int q = 0; q < N; ++q) sum += v[size_t(q) * large + size_t(r) * block + i];
+              encode(dt->dt, sum, want[r].data() + i * dt->size);
+            }
+          } else if (r == 0) {
+            for (int q = 0; q < N; ++q)
+              for (size_t i = 0; i < block; ++i)
+                encode(dt->dt, v[size_t(q) * large + i], want[0].data() + (size_t(q) * block + i) * dt->size);
+          }
+        }
+        for (const auto& as : a.algos) {
+          const Algorithm algo = as == "ring" ? Algorithm::kRing : Algorithm::kOneShot;
+          for (int r = 0; r < N; ++r) {
+            CK(cudaSetDevice(rk[r].dev));
+            CK(cudaMemset(out[r], 0xff, out_bytes));  // poison
+          }
+          auto launch_all = [&]() -> cudaError_t {
+            for (int r = 0; r < N; ++r) {
+              Rank& R = rk[r];
+              cudaError_t e = cudaSetDevice(R.dev);
+              if (e != cudaSuccess) return e;
+              gpu::LaunchConfig cfg = rank_config(R, r, N, a.lane_bytes, 0, a.timeout_s);
+              cfg.max_lanes = max_lanes;
+              cfg.chunk_bytes = a.chunk_bytes;
+              cfg.one_shot_chunk_bytes = a.one_shot_chunk_bytes;
+              cfg.lane_grain_bytes = a.lane_grain;
+              cfg.fault_rank = a.fault_rank;
+              cfg.rec_ring = R.rec_ring;
+              cfg.rec_ctl = R.rec_ctl;
+              cfg.rec_entries = kHarnessRecEntries;
+              if (block > 0) ++R.calls;  // a call of no elements launches nothing
+              e = gpu::launch_collective(gpu::PeerAccess{nullptr, R.table}, cfg, dt->dt, call_op, algo,
+                                         in[r], out[r], block, R.stream);
+              if (e != cudaSuccess) return e;
+            }
+            return cudaSuccess;
+          };
+          for (int it = 0; it < a.iters; ++it) CK(launch_all());
+          if (a.time_iters > 0) {
+            double us = 0;
+            CK(time_calls(rk, N, a.time_iters, a.time_graph, launch_all, &us));
+            const double algbw = double(lbytes) / us * 1e-3;  // GB/s
+            std::printf("time%s ranks=%d dtype=%s op=%s algo=%s bytes=%zu lanes=%d: %.2f us/call, "
+                        "algbw %.2f GB/s, busbw %.2f GB/s\n",
+                        a.time_graph ? "(graph)" : "", N, dt->name, call_op_name(call_op), as.c_str(),
+                        lbytes, gpu::collective_lanes(algo, block * dt->size, N, max_lanes, a.lane_grain), us,
+                        algbw, algbw * (N - 1) / N);
+          }
+          if (!wait_all(rk, N)) return -1;
+          long bad = 0;
+          for (int r = 0; r < N; ++r) {
+            CK(cudaSetDevice(rk[r].dev));
+            CK(cudaMemcpy(got.data(), out[r], out_bytes, cudaMemcpyDeviceToHost));
+            const char* w = want[rs ? r : 0].data();
+            if (std::memcmp(got.data(), w, out_bytes) == 0) continue;
+            for (size_t i = 0; i < out_bytes / dt->size; ++i)
+              bad += std::memcmp(got.data() + i * dt->size, w + i * dt->size, dt->size) != 0;
+          }
+          ++*cases;
+          if (bad) {
+            ++failures;
+            std::printf("FAIL ranks=%d dtype=%s op=%s algo=%s block_bytes=%zu wrong=%ld\n", N, dt->name,
+                        call_op_name(call_op), as.c_str(), bb, bad);
+          }
+        }
+      }
+      for (int r = 0; r < N; ++r) {
+        CK(cudaSetDevice(rk[r].dev));
+        CK(cudaFree(in[r]));
+        CK(cudaFree(out[r]));
+      }
+    }
+  }
+  return failures;
+}
+
 int main(int argc, char** argv) {
   // Ranks that share a GPU spin on each other's work: with more streams than the device's
   // hardware queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default), one rank's work can queue
@@ -257,6 +468,8 @@ int main(int argc, char** argv) {
   int ce_serial = 0;  // --ce-serial 1: copy_engine without its second stream
   int record = 0;     // --record 1: the flight recorder on, checked after each rank count
   int add_rmsnorm = 0;  // --add-rmsnorm 1: psum_add_rmsnorm's one-kernel path, after each rank count
+  std::string collectives = "0";  // --collectives 1 | only
+  std::vector<std::string> block_bytes_s = {"16", "48", "1008", "65584", "1048592"};
   size_t lane_bytes = 256 << 10;
   size_t ll_max_bytes = gpu::LaunchConfig().ll_max_bytes;
   size_t chunk_bytes = gpu::LaunchConfig().chunk_bytes;
@@ -284,6 +497,8 @@ int main(int argc, char** argv) {
     else if (k == "--ce-serial") ce_serial = std::atoi(v.c_str());
     else if (k == "--record") record = std::atoi(v.c_str());
     else if (k == "--add-rmsnorm") add_rmsnorm = std::atoi(v.c_str());
+    else if (k == "--collectives") collectives = v;
+    else if (k == "--block-bytes") block_bytes_s = split(v);
     else if (k == "--lane-grain") lane_grain = std::strtoull(v.c_str(), nullptr, 10);
     else if (k == "--one-shot-chunk-bytes") one_shot_chunk = std::strtoull(v.c_str(), nullptr, 10), one_shot_chunk_set = true;
     else { std::fprintf(stderr, "unknown flag %s\n", k.c_str()); return 2; }
@@ -296,6 +511,36 @@ int main(int argc, char** argv) {
     if (as == "hierarchical" && rpn_s.empty()) {
       std::fprintf(stderr, "hierarchical needs --ranks-per-node L,...\n");
       return 2;
+    }
+  }
+  if (collectives != "0" && collectives != "1" && collectives != "only") {
+    std::fprintf(stderr, "--collectives takes 0, 1 or only\n");
+    return 2;
+  }
+  const bool coll_only = collectives == "only";
+  // --chunk-bytes alone (tiny-chunk runs) sets one_shot's chunk too, as for the all-reduces
+  CollectiveArgs coll{dtypes_s, {}, {}, lane_bytes, chunk_bytes,
+                      one_shot_chunk_set ? one_shot_chunk : std::min(one_shot_chunk, chunk_bytes),
+                      lane_grain, timeout_s, iters, fault_rank, max_lanes_arg, time_iters, time_graph};
+  if (collectives != "0") {
+    for (const auto& as : algos_s)
+      if (as == "one_shot" || as == "ring") coll.algos.push_back(as);
+    if (coll.algos.empty() && !algos_given) coll.algos = {"one_shot", "ring"};
+    if (coll.algos.empty()) {
+      std::fprintf(stderr, "--collectives runs one_shot and ring; --algos names neither\n");
+      return 2;
+    }
+    for (const auto& ds : dtypes_s) {
+      bool known = false;
+      for (const auto& d : kDTypes) known |= ds == d.name;
+      if (!known) { std::fprintf(stderr, "unknown dtype %s\n", ds.c_str()); return 2; }
+    }
+    for (const auto& b : block_bytes_s) {
+      coll.block_bytes.push_back(std::strtoull(b.c_str(), nullptr, 10));
+      if (coll.block_bytes.back() % kAlignBytes != 0) {
+        std::fprintf(stderr, "--block-bytes %s: blocks are multiples of %zu bytes\n", b.c_str(), kAlignBytes);
+        return 2;
+      }
     }
   }
   int ngpu = 0;
@@ -320,8 +565,8 @@ int main(int argc, char** argv) {
     std::vector<Layout> layouts;
     Layout flat{0, {}}, hier_algos{0, {}};
     for (const auto& as : algos_s) (as == "hierarchical" ? hier_algos : flat).algos.push_back(as);
-    if (!flat.algos.empty()) layouts.push_back(flat);
-    if (!hier_algos.algos.empty()) {
+    if (!flat.algos.empty() && !coll_only) layouts.push_back(flat);
+    if (!hier_algos.algos.empty() && !coll_only) {
       for (const auto& ls : rpn_s) {
         const int L = std::atoi(ls.c_str());
         if (gpu::spans_nodes(N, L)) layouts.push_back(Layout{L, hier_algos.algos});
@@ -334,6 +579,7 @@ int main(int argc, char** argv) {
     size_t wbytes = 0;
     for (const Layout& lay : layouts)
       wbytes = std::max(wbytes, gpu::window_bytes(N, lane_bytes, lay.ranks_per_node));
+    if (collectives != "0") wbytes = std::max(wbytes, gpu::window_bytes(N, lane_bytes, 0));
     std::vector<int> ranks_on(ngpu, 0);
     for (int r = 0; r < N; ++r) ranks_on[r % ngpu]++;
     std::vector<char*> bases(N);
@@ -462,68 +708,15 @@ int main(int argc, char** argv) {
                 return cudaSuccess;
               };
               for (int it = 0; it < iters; ++it) CK(launch_all());
-              double us_per_iter = 0;
               if (time_iters > 0) {
-                // Kernel-level latency without XLA: back-to-back launches on every rank, timed
-                // on the host around the whole batch after a synchronized start.
-                for (int r = 0; r < N; ++r) { CK(cudaSetDevice(rk[r].dev)); CK(cudaStreamSynchronize(rk[r].stream)); }
-                if (time_graph) {
-                  // Capture every rank's stream at once (relaxed mode: cudaSetDevice between
-                  // launches is allowed), then replay one graph per rank, all in flight together.
-                  std::vector<cudaGraphExec_t> execs(N);
-                  for (int r = 0; r < N; ++r) {
-                    CK(cudaSetDevice(rk[r].dev));
-                    CK(cudaStreamBeginCapture(rk[r].stream, cudaStreamCaptureModeRelaxed));
-                  }
-                  for (int it = 0; it < time_iters; ++it) CK(launch_all());
-                  for (int r = 0; r < N; ++r) {
-                    cudaGraph_t g;
-                    CK(cudaSetDevice(rk[r].dev));
-                    CK(cudaStreamEndCapture(rk[r].stream, &g));
-                    CK(cudaGraphInstantiate(&execs[r], g, 0));
-                    CK(cudaGraphDestroy(g));
-                  }
-                  auto replay = [&]() -> cudaError_t {
-                    for (int r = 0; r < N; ++r) {
-                      cudaError_t e = cudaSetDevice(rk[r].dev);
-                      if (e == cudaSuccess) e = cudaGraphLaunch(execs[r], rk[r].stream);
-                      if (e != cudaSuccess) return e;
-                    }
-                    for (int r = 0; r < N; ++r) {
-                      cudaError_t e = cudaSetDevice(rk[r].dev);
-                      if (e == cudaSuccess) e = cudaStreamSynchronize(rk[r].stream);
-                      if (e != cudaSuccess) return e;
-                    }
-                    return cudaSuccess;
-                  };
-                  CK(replay());  // warm-up (uploads the graphs)
-                  auto t0 = std::chrono::steady_clock::now();
-                  CK(replay());
-                  us_per_iter = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / time_iters;
-                  for (int r = 0; r < N; ++r) { CK(cudaSetDevice(rk[r].dev)); CK(cudaGraphExecDestroy(execs[r])); }
-                } else {
-                  auto t0 = std::chrono::steady_clock::now();
-                  for (int it = 0; it < time_iters; ++it) CK(launch_all());
-                  for (int r = 0; r < N; ++r) { CK(cudaSetDevice(rk[r].dev)); CK(cudaStreamSynchronize(rk[r].stream)); }
-                  us_per_iter = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / time_iters;
-                }
+                double us_per_iter = 0;
+                CK(time_calls(rk, N, time_iters, time_graph, launch_all, &us_per_iter));
                 std::printf("time%s ranks=%d%s dtype=%s op=%s algo=%s bytes=%zu: %.2f us/call\n",
                             time_graph ? "(graph)" : "", N,
                             rpn ? (" ranks_per_node=" + std::to_string(rpn)).c_str() : "", dt->name,
                             os_.c_str(), as.c_str(), count * dt->size, us_per_iter);
               }
-              bool timed_out = false;
-              for (int r = 0; r < N; ++r) {
-                CK(cudaSetDevice(rk[r].dev));
-                cudaError_t e = cudaStreamSynchronize(rk[r].stream);
-                if (e != cudaSuccess) timed_out = true;
-              }
-              if (timed_out) {
-                for (int r = 0; r < N; ++r)
-                  if (rk[r].diag_host->valid) std::printf("%s\n", gpu::describe(*rk[r].diag_host, N).c_str());
-                std::printf("launch failed (a wait timed out)\n");
-                return 3;
-              }
+              if (!wait_all(rk, N)) return 3;
               long bad = 0;
               for (int r = 0; r < N; ++r) {
                 CK(cudaSetDevice(rk[r].dev));
@@ -544,6 +737,26 @@ int main(int argc, char** argv) {
         }
       }
       if (rpn) std::printf("ranks=%d ranks_per_node=%d (%d nodes, GIN emulated): done\n", N, rpn, N / rpn);
+    }
+    if (collectives != "0") {
+      // After the one-node all-reduces their windows and round counters carry on (calls of
+      // every kind share them); after hierarchical, which gives credits to fewer peers, a fresh
+      // start.
+      if (!layouts.empty() && layouts.back().ranks_per_node > 0) {
+        for (int r = 0; r < N; ++r) {
+          CK(cudaSetDevice(rk[r].dev));
+          CK(cudaDeviceSynchronize());
+          CK(cudaMemset(rk[r].window, 0, wbytes));
+          CK(cudaMemset(rk[r].rounds, 0, gpu::kRoundCountersBytes));
+          CK(cudaDeviceSynchronize());
+        }
+      }
+      long n = 0;
+      const long bad = check_collectives(rk, N, coll, &n);
+      if (bad < 0) return 3;
+      failures += bad;
+      cases += n;
+      std::printf("ranks=%d: collectives %ld passed, %ld failed\n", N, n - bad, bad);
     }
     if (record) {
       for (int r = 0; r < N; ++r) {

@@ -9,9 +9,14 @@
 // latency). Synchronization: per-(lane, sender) monotonic flags in the receiver's window,
 // release/acquire at system scope; rounds never reset. A wait that exceeds the timeout writes
 // a Diagnostic to host-mapped memory and traps.
+//
+// launch_collective runs reduce-scatter and all-gather (include/jax_gin/collectives.h) the
+// same way: one CTA per lane, over the same windows, flags and round counters
+// (collectives_impl.cuh).
 #include "kernels.h"
 #include "transport.cuh"
 
+#include "jax_gin/collectives.h"
 #include "jax_gin/schedule.h"
 
 #include <algorithm>
@@ -47,8 +52,16 @@ cudaError_t launch_ll_add_rmsnorm(const Peers& peers, const LaneParams& p, int l
                                   void* out, size_t rows, size_t d, size_t rows_per_lane,
                                   float eps, cudaStream_t s);
 cudaError_t preload_copy_engine();  // copy_engine.cu
+// Defined in the generated collectives_<short_name>.cu (collectives_impl.cuh).
+template <class T, class Peers>
+cudaError_t launch_collective_typed(const Peers& peers, const LaneParams& p, int lanes, int threads,
+                                    const void* in, void* out, size_t block, cudaStream_t s);
+template <class T, class Peers>
+cudaError_t preload_collective_type();
+template <class T>
+cudaError_t collective_occupancy(int threads, int* per_sm);
 
-LaneParams lane_params(const LaunchConfig& cfg, RedOp op, Algorithm algo, DType dtype,
+LaneParams lane_params(const LaunchConfig& cfg, int32_t op, Algorithm algo, DType dtype,
                        size_t count);
 
 namespace {
@@ -102,7 +115,7 @@ cudaError_t launch_hierarchical(const PeerAccess& peers, const LaunchConfig& cfg
   const Algorithm algo = Algorithm::kHierarchical;
   const int L = cfg.ranks_per_node;
   if (!spans_nodes(cfg.nranks, L) || cfg.outbox_lane_bytes == 0) return cudaErrorInvalidValue;
-  const LaneParams p = lane_params(cfg, op, algo, dtype, count);
+  const LaneParams p = lane_params(cfg, int32_t(op), algo, dtype, count);
   const int lanes = choose_lanes(algo, p.bytes, cfg.nranks, cfg.max_lanes, cfg.lane_grain_bytes);
   if (count == 0) return cudaSuccess;  // nothing to reduce
   if (peers.table != nullptr) {
@@ -132,8 +145,9 @@ int lanes_for(const LaunchConfig& cfg, Algorithm algo, size_t bytes, bool ll) {
 }  // namespace
 
 // A launch's kernel parameters from the rank's configuration, for a call of `count` elements
-// of `dtype` (also copy_engine.cu).
-LaneParams lane_params(const LaunchConfig& cfg, RedOp op, Algorithm algo, DType dtype,
+// of `dtype` (also copy_engine.cu). `op` is what the recorder and hang reports name the call
+// by (call_op_name): a RedOp's code, or kOpReduceScatter / kOpAllGather.
+LaneParams lane_params(const LaunchConfig& cfg, int32_t op, Algorithm algo, DType dtype,
                        size_t count) {
   LaneParams p;
   p.rank = cfg.rank;
@@ -146,7 +160,7 @@ LaneParams lane_params(const LaunchConfig& cfg, RedOp op, Algorithm algo, DType 
   p.diag = cfg.diag;
   p.timeout_ns = cfg.timeout_ns;
   p.fault_rank = cfg.fault_rank;
-  p.op = int32_t(op);
+  p.op = op;
   p.algorithm = int32_t(algo);
   p.ll_offset = cfg.ll_offset;
   p.ll = 0;
@@ -186,7 +200,7 @@ cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, D
   if (algo == Algorithm::kHierarchical)
     return launch_hierarchical(peers, cfg, dtype, op, in, out, count, stream);
   if (int(algo) < 0 || int(algo) >= kNumAlgorithms) return cudaErrorInvalidValue;
-  LaneParams p = lane_params(cfg, op, algo, dtype, count);
+  LaneParams p = lane_params(cfg, int32_t(op), algo, dtype, count);
   const size_t bytes = p.bytes;
   // Small one_shot messages take the LL protocol: no separate signal, fence or credit.
   p.ll = use_ll(cfg, algo, bytes);
@@ -215,7 +229,7 @@ cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, D
   for (int s = 0; s < nseg; ++s) table.seg[s] = seg[s];
   table.n = nseg;
   const size_t count = lay_out_segments(table.seg, nseg, dtype_size(dtype));
-  LaneParams p = lane_params(cfg, op, algo, dtype, count);
+  LaneParams p = lane_params(cfg, int32_t(op), algo, dtype, count);
   const size_t bytes = p.bytes;
   p.ll = use_ll(cfg, algo, bytes);
   const int lanes = lanes_for(cfg, algo, bytes, p.ll);
@@ -223,6 +237,38 @@ cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, D
   return with_type(dtype, [&](auto t) {
     return launch_multi_op<typename decltype(t)::type>(op, NcclPeers{peers.win}, p, lanes, cfg.threads,
                                                        algo, table, count, stream);
+  });
+}
+
+int collective_lanes(Algorithm algo, size_t block_bytes, int nranks, int max_lanes, size_t grain) {
+  const size_t lanes = size_t(choose_lanes(algo, block_bytes * size_t(nranks), nranks, max_lanes, grain));
+  return int(std::max<size_t>(1, std::min(lanes, block_bytes / kAlignBytes)));
+}
+
+cudaError_t launch_collective(const PeerAccess& peers, const LaunchConfig& cfg, DType dtype,
+                              int call_op, Algorithm algo, const void* in, void* out, size_t block,
+                              cudaStream_t stream) {
+  // Both schedules store into every peer's window: groups that span nodes (no load/store
+  // access to the other nodes) run only the hierarchical all-reduce.
+  if (cfg.ranks_per_node > 0) return cudaErrorNotSupported;
+  if (call_op != kOpReduceScatter && call_op != kOpAllGather) return cudaErrorInvalidValue;
+  if (int(algo) < 0 || int(algo) >= kNumAlgorithms || !schedule::coll_supported(algo))
+    return cudaErrorInvalidValue;
+  const size_t esize = dtype_size(dtype);
+  if (esize == 0 || (block * esize) % kAlignBytes != 0) return cudaErrorInvalidValue;
+  // A round moves at least one vector per block: every window slot must hold one.
+  if (cfg.nranks > 1 && schedule::coll_slot_elems(algo, cfg.nranks, cfg.lane_bytes, esize) == 0)
+    return cudaErrorInvalidValue;
+  if (block == 0) return cudaSuccess;  // nothing to move
+  // the recorder's size: the large side, as nccl-tests reports these collectives
+  const LaneParams p = lane_params(cfg, call_op, algo, dtype, block * size_t(cfg.nranks));
+  const int lanes = collective_lanes(algo, block * esize, cfg.nranks, cfg.max_lanes, cfg.lane_grain_bytes);
+  return with_type(dtype, [&](auto t) {
+    using T = typename decltype(t)::type;
+    if (peers.table != nullptr)
+      return launch_collective_typed<T>(TablePeers{peers.table}, p, lanes, cfg.threads, in, out, block, stream);
+    if (peers.win == nullptr) return cudaErrorInvalidValue;
+    return launch_collective_typed<T>(NcclPeers{peers.win}, p, lanes, cfg.threads, in, out, block, stream);
   });
 }
 
@@ -236,7 +282,7 @@ cudaError_t launch_add_rmsnorm_ll(const PeerAccess& peers, const LaunchConfig& c
   const size_t rows_per_lane = kLLLanePayload / row_bytes;
   const size_t lanes = (rows + rows_per_lane - 1) / rows_per_lane;
   if (lanes > size_t(kLLMaxLanes)) return cudaErrorNotSupported;
-  LaneParams p = lane_params(cfg, RedOp::kSum, Algorithm::kOneShot, dtype, rows * d);
+  LaneParams p = lane_params(cfg, int32_t(RedOp::kSum), Algorithm::kOneShot, dtype, rows * d);
   p.ll = 1;
   return with_type(dtype, [&](auto t) {
     using T = typename decltype(t)::type;
@@ -259,7 +305,12 @@ cudaError_t preload_kernels() {
   if (e != cudaSuccess) return e;
   if ((e = preload_peers<TablePeers>()) != cudaSuccess) return e;
   if ((e = preload_hier<NcclNodePeers, GinRail>()) != cudaSuccess) return e;
-  return preload_hier<TablePeers, EmulatedGinRail>();
+  if ((e = preload_hier<TablePeers, EmulatedGinRail>()) != cudaSuccess) return e;
+  return for_each_type([](auto t) {
+    using T = typename decltype(t)::type;
+    const cudaError_t c = preload_collective_type<T, NcclPeers>();
+    return c != cudaSuccess ? c : preload_collective_type<T, TablePeers>();
+  });
 }
 
 size_t window_flags_bytes(int nranks) {
@@ -336,16 +387,31 @@ int default_max_lanes(int device) {
   return std::min(sms, int(kMaxLanes));
 }
 
+namespace {
+// CTAs of `per_sm` per SM on the whole current device.
+cudaError_t on_every_sm(int per_sm, int* ctas) {
+  int dev = 0, sms = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (e == cudaSuccess) *ctas = per_sm * sms;
+  return e;
+}
+}  // namespace
+
 cudaError_t resident_ctas(Algorithm algo, DType dtype, int threads, int* ctas) {
-  int per_sm = 0, dev = 0, sms = 0;
+  int per_sm = 0;
   cudaError_t e = with_type(dtype, [&](auto t) {
     return table_occupancy<typename decltype(t)::type>(algo, threads, &per_sm);
   });
-  if (e != cudaSuccess) return e;
-  if ((e = cudaGetDevice(&dev)) != cudaSuccess) return e;
-  if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) return e;
-  *ctas = per_sm * sms;
-  return cudaSuccess;
+  return e != cudaSuccess ? e : on_every_sm(per_sm, ctas);
+}
+
+cudaError_t resident_collective_ctas(DType dtype, int threads, int* ctas) {
+  int per_sm = 0;
+  cudaError_t e = with_type(dtype, [&](auto t) {
+    return collective_occupancy<typename decltype(t)::type>(threads, &per_sm);
+  });
+  return e != cudaSuccess ? e : on_every_sm(per_sm, ctas);
 }
 
 }  // namespace gpu

@@ -93,6 +93,23 @@ cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, D
                              RedOp op, Algorithm algo, Segment* seg, int nseg,
                              cudaStream_t stream);
 
+// Launches one rank's part of a reduce-scatter (call_op kOpReduceScatter: `in` holds nranks
+// blocks of `block` elements, block q summed over the group into rank q's `out`) or an
+// all-gather (kOpAllGather: `in` is one block, which lands as block `rank` of every rank's
+// `out`), with algo one_shot or ring (collectives.h); block * dtype size must be a multiple
+// of 16 bytes. Its lanes share the all-reduces' round counters and windows. Groups within
+// one node only: cudaErrorNotSupported where cfg.ranks_per_node is set (groups that span
+// nodes run only the hierarchical all-reduce); cudaErrorInvalidValue for another op or
+// algorithm, a misaligned block, or lanes too small for one 16-byte vector per window slot.
+cudaError_t launch_collective(const PeerAccess& peers, const LaunchConfig& cfg, DType dtype,
+                              int call_op, Algorithm algo, const void* in, void* out, size_t block,
+                              cudaStream_t stream);
+// Lanes (CTAs) of a reduce-scatter or all-gather with `algo` of blocks of `block_bytes` over
+// nranks: choose_lanes of its large side (nranks blocks), at most one per 16-byte vector of a
+// block. Depends only on its arguments, so every rank of a group makes the same choice.
+int collective_lanes(Algorithm algo, size_t block_bytes, int nranks, int max_lanes,
+                     size_t grain = 16u << 10);
+
 // The copy-engine path of asynchronous calls (copy_engine.cu): two_shot's schedule with the
 // data moved by cudaMemcpyAsync into and out of the peers' windows, the SMs only reducing (a
 // local kernel of at most `reduce_ctas` CTAs) and synchronizing (one-warp kernels on lane 0's
@@ -138,6 +155,8 @@ int gin_signal_count(int nranks, int ranks_per_node);
 // pointer table (GIN emulated for kHierarchical) fit on the current device at once. Ranks
 // that share a GPU spin on each other, so all their lanes must be resident together.
 cudaError_t resident_ctas(Algorithm algo, DType dtype, int threads, int* ctas);
+// The same for the reduce-scatter / all-gather kernel (launch_collective).
+cudaError_t resident_collective_ctas(DType dtype, int threads, int* ctas);
 // The lanes an all-reduce uses at most by default on `device`: one per SM, up to kMaxLanes, so
 // that all of them are resident at once (a lane may spin until its peers' same lane runs).
 int default_max_lanes(int device);

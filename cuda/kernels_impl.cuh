@@ -23,16 +23,9 @@ __device__ __forceinline__ void allreduce_lane(const Peers& peers, const LanePar
   const schedule::Range mine = schedule::piece(count, gridDim.x, lane, schedule::align_elems(sizeof(T)));
   const size_t slot_bytes = schedule::slot_elems(algo, p.nranks, p.lane_bytes, sizeof(T)) * sizeof(T);
   GpuTransport<Peers> tp(peers, p, lane, slot_bytes);
-  // Every thread keeps its own copy of the lane's round counter; all threads follow the
-  // same control flow, so the copies agree, and thread 0 writes it back.
-  uint64_t round = p.rounds[lane];
-  const uint64_t round0 = round + 1;
-  __shared__ RecEntry s_rec;  // lane 0's recorder entry while the call runs
-  RecEntry* rec = lane == 0 && threadIdx.x == 0 ? rec_begin(p, round0, &s_rec) : nullptr;
-  tp.record_into(rec, round0);
-  run_lane<T, Op>(tp, algo, io.at(mine.offset), mine.count, p.lane_bytes, round);
-  if (threadIdx.x == 0) p.rounds[lane] = round;
-  rec_end(p, rec, round + 1 - round0);
+  run_recorded_lane(p, lane, tp, [&](uint64_t& round) {
+    run_lane<T, Op>(tp, algo, io.at(mine.offset), mine.count, p.lane_bytes, round);
+  });
 }
 
 template <class T, class Op, class Peers>

@@ -45,7 +45,7 @@ struct LaneParams {
   Diagnostic* diag;      // host-mapped: written before a trap
   uint64_t timeout_ns;
   int fault_rank;        // testing only: this rank's signals are dropped
-  int32_t op, algorithm;
+  int32_t op, algorithm;  // op: the call's code for the recorder and hang reports (call_op_name)
   size_t ll_offset;      // byte offset of the LL (low-latency) area inside each window
   int ll;                // 1: this launch uses the LL one-shot kernel
   size_t chunk_bytes;    // pipelining granularity within a lane (schedule::chunks_for)
@@ -143,6 +143,22 @@ __device__ inline void rec_end(const LaneParams& p, RecEntry* e, uint64_t rounds
   const uint64_t* src = reinterpret_cast<const uint64_t*>(e);
   uint64_t* dst = reinterpret_cast<uint64_t*>(g);
   for (size_t i = 0; i < words; ++i) dst[i] = src[i];
+}
+
+// One call's rounds in lane `lane`: body(round) runs them from the lane's persistent round
+// counter, of which every thread keeps a copy (all threads follow the same control flow, so
+// the copies agree) and thread 0 writes it back; lane 0's thread 0 records the call (rec_begin
+// .. rec_end) and, through `tp` (GpuTransport::record_into), its signals and waits.
+template <class Tp, class Body>
+__device__ __forceinline__ void run_recorded_lane(const LaneParams& p, int lane, Tp& tp, Body&& body) {
+  uint64_t round = p.rounds[lane];
+  const uint64_t round0 = round + 1;
+  __shared__ RecEntry s_rec;  // lane 0's recorder entry while the call runs
+  RecEntry* rec = lane == 0 && threadIdx.x == 0 ? rec_begin(p, round0, &s_rec) : nullptr;
+  tp.record_into(rec, round0);
+  body(round);
+  if (threadIdx.x == 0) p.rounds[lane] = round;
+  rec_end(p, rec, round + 1 - round0);
 }
 
 __device__ inline void record_timeout(const LaneParams& p, int lane, int peer, int step,

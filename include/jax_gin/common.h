@@ -195,7 +195,7 @@ JG_HD size_t flag_words(int nranks) { return size_t(kMaxLanes) * size_t(nranks) 
 // GPU: written into host-mapped memory before the kernel traps).
 struct Diagnostic {
   int32_t valid;      // 1 once a wait timed out
-  int32_t op;         // RedOp
+  int32_t op;         // CallOp (call_op_name): a RedOp, psum_scatter or all_gather
   int32_t algorithm;  // Algorithm
   int32_t rank;       // rank that waited
   int32_t peer;       // rank it waited for
