@@ -17,11 +17,9 @@ namespace ffi = xla::ffi;
 namespace jax_gin {
 namespace {
 
-ffi::Error CpuAllReduceImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Buffer<ffi::U32> order_in,
-                            ffi::RemainingArgs xs, ffi::Result<ffi::Buffer<ffi::U32>> order_out,
-                            ffi::RemainingRets outs, int64_t comm, int32_t op, int32_t algorithm) {
-  (void)order_in;
-  order_out->typed_data()[0] = 0;
+// This device's rank of the all-reduce of xs into outs.
+ffi::Error AllReduce(ffi::Buffer<ffi::U32> partition_id, ffi::RemainingArgs& xs,
+                     ffi::RemainingRets& outs, int64_t comm, int32_t op, int32_t algorithm) {
   DType dtype;
   Segment seg[kMaxSegments];
   int nseg = 0;
@@ -40,24 +38,47 @@ ffi::Error CpuAllReduceImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Buffer<ffi:
   return ffi::Error::Success();
 }
 
-ffi::Error CpuAllReduceStartImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Buffer<ffi::U32> order_in,
-                                 ffi::RemainingArgs xs, ffi::Result<ffi::Buffer<ffi::U32>> order_out,
+// The order token (an HLO token: _primitive.py's chain) orders the calls; it holds nothing.
+ffi::Error CpuAllReduceImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token order_in,
+                            ffi::RemainingArgs xs, ffi::Result<ffi::Token> order_out,
+                            ffi::RemainingRets outs, int64_t comm, int32_t op, int32_t algorithm) {
+  (void)order_in;
+  (void)order_out;
+  return AllReduce(partition_id, xs, outs, comm, op, algorithm);
+}
+
+// The synchronous all-reduce with a uint32 order token: what a partially-manual shard_map
+// lowers to (XLA's batch partitioner takes no HLO token operands). The token's value is unused.
+ffi::Error CpuAllReducePartitionedImpl(ffi::Buffer<ffi::U32> partition_id,
+                                       ffi::Buffer<ffi::U32> order_in, ffi::RemainingArgs xs,
+                                       ffi::Result<ffi::Buffer<ffi::U32>> order_out,
+                                       ffi::RemainingRets outs, int64_t comm, int32_t op,
+                                       int32_t algorithm) {
+  (void)order_in;
+  order_out->typed_data()[0] = 0;
+  return AllReduce(partition_id, xs, outs, comm, op, algorithm);
+}
+
+ffi::Error CpuAllReduceStartImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token order_in,
+                                 ffi::RemainingArgs xs, ffi::Result<ffi::Token> order_out,
                                  ffi::RemainingRets outs, int64_t comm, int32_t op,
                                  int32_t algorithm, int32_t max_lanes, int32_t slot,
                                  int32_t copy_engine) {
   (void)max_lanes;  // one lane per rank on the CPU
   (void)slot;
   (void)copy_engine;  // a GPU transport; the CPU runs the algorithm's schedule (same results)
-  return CpuAllReduceImpl(partition_id, order_in, xs, order_out, outs, comm, op, algorithm);
+  (void)order_in;
+  (void)order_out;
+  return AllReduce(partition_id, xs, outs, comm, op, algorithm);
 }
 
-ffi::Error CpuAllReduceDoneImpl(ffi::Buffer<ffi::U32> order_in, ffi::RemainingArgs operands,
-                                ffi::Result<ffi::Buffer<ffi::U32>> order_out,
+ffi::Error CpuAllReduceDoneImpl(ffi::Token order_in, ffi::RemainingArgs operands,
+                                ffi::Result<ffi::Token> order_out,
                                 ffi::RemainingRets outs, int64_t comm, int32_t slot) {
   (void)order_in;
   (void)comm;
   (void)slot;
-  order_out->typed_data()[0] = 0;
+  (void)order_out;
   // outs alias the first operands (the start's results); copy only if XLA did not alias them
   for (size_t i = 0; i < outs.size(); ++i) {
     auto src = operands.get<ffi::AnyBuffer>(i);
@@ -74,14 +95,14 @@ ffi::Error CpuAllReduceDoneImpl(ffi::Buffer<ffi::U32> order_in, ffi::RemainingAr
 // psum_add_rmsnorm: x is reduced into new_residual by the all-reduce, then each row becomes
 // residual + sum (rounded to the element type) and its RMSNorm (norm.h), in the same order on
 // every rank, so that every rank's results are bitwise the same.
-ffi::Error CpuAddRmsNormImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Buffer<ffi::U32> order_in,
+ffi::Error CpuAddRmsNormImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token order_in,
                              ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer weight,
-                             ffi::Result<ffi::Buffer<ffi::U32>> order_out,
+                             ffi::Result<ffi::Token> order_out,
                              ffi::Result<ffi::AnyBuffer> normed,
                              ffi::Result<ffi::AnyBuffer> new_residual, int64_t comm,
                              int32_t algorithm, float eps) {
   (void)order_in;
-  order_out->typed_data()[0] = 0;
+  (void)order_out;
   size_t rows = 0, d = 0;
   DType dtype;
   if (ffi::Error err = check_norm_buffers(x, residual, weight, *normed, *new_residual, &dtype,
@@ -118,12 +139,12 @@ ffi::Error CpuAddRmsNormImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Buffer<ffi
 }
 
 // psum_scatter and all_gather (collectives.h): one buffer in, one out.
-ffi::Error CpuCollectiveImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Buffer<ffi::U32> order_in,
-                             ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U32>> order_out,
+ffi::Error CpuCollectiveImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token order_in,
+                             ffi::AnyBuffer x, ffi::Result<ffi::Token> order_out,
                              ffi::Result<ffi::AnyBuffer> y, int64_t comm, int32_t op,
                              int32_t algorithm) {
   (void)order_in;
-  order_out->typed_data()[0] = 0;
+  (void)order_out;
   auto c = cpu::find_comm(comm);
   if (!c) {
     return ffi::Error::Internal("jax_gin: communicator " + std::to_string(comm) +
@@ -148,7 +169,18 @@ ffi::Error CpuCollectiveImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Buffer<ffi
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAllReduce, jax_gin::CpuAllReduceImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::U32>>()   // partition id (logical id)
-                                  .Arg<ffi::Buffer<ffi::U32>>()   // order token of the previous call
+                                  .Arg<ffi::Token>()              // order token of the previous call
+                                  .RemainingArgs()                // x_0..x_k: buffers of one dtype
+                                  .Ret<ffi::Token>()              // order token for the next call
+                                  .RemainingRets()                // their reductions, in order
+                                  .Attr<int64_t>("comm")          // communicator id (runtime)
+                                  .Attr<int32_t>("op")            // RedOp
+                                  .Attr<int32_t>("algorithm"));   // Algorithm
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAllReducePartitioned, jax_gin::CpuAllReducePartitionedImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // partition id (logical id)
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // order token (uint32, unused)
                                   .RemainingArgs()                // x_0..x_k: buffers of one dtype
                                   .Ret<ffi::Buffer<ffi::U32>>()   // order token for the next call
                                   .RemainingRets()                // their reductions, in order
@@ -159,9 +191,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAllReduce, jax_gin::CpuAllReduceImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAllReduceStart, jax_gin::CpuAllReduceStartImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::U32>>()   // partition id (logical id)
-                                  .Arg<ffi::Buffer<ffi::U32>>()   // order token of the previous call
+                                  .Arg<ffi::Token>()              // order token of the previous call
                                   .RemainingArgs()                // x_0..x_k: buffers of one dtype
-                                  .Ret<ffi::Buffer<ffi::U32>>()   // order token for the next call
+                                  .Ret<ffi::Token>()              // order token for the next call
                                   .RemainingRets()                // their reductions
                                   .Attr<int64_t>("comm")          // communicator id (runtime)
                                   .Attr<int32_t>("op")            // RedOp
@@ -172,9 +204,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAllReduceStart, jax_gin::CpuAllReduceStar
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAllReduceDone, jax_gin::CpuAllReduceDoneImpl,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::U32>>()   // order token of the start
+                                  .Arg<ffi::Token>()              // order token of the start
                                   .RemainingArgs()                // the start's results
-                                  .Ret<ffi::Buffer<ffi::U32>>()   // order token for the next call
+                                  .Ret<ffi::Token>()              // order token for the next call
                                   .RemainingRets()                // the reductions (aliased)
                                   .Attr<int64_t>("comm")          // communicator id (runtime)
                                   .Attr<int32_t>("slot"));        // GPU event slot (unused here)
@@ -182,11 +214,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAllReduceDone, jax_gin::CpuAllReduceDoneI
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAddRmsNorm, jax_gin::CpuAddRmsNormImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::U32>>()   // partition id (logical id)
-                                  .Arg<ffi::Buffer<ffi::U32>>()   // order token of the previous call
+                                  .Arg<ffi::Token>()              // order token of the previous call
                                   .Arg<ffi::AnyBuffer>()          // x (..., d): summed over the group
                                   .Arg<ffi::AnyBuffer>()          // residual (..., d)
                                   .Arg<ffi::AnyBuffer>()          // weight (d,)
-                                  .Ret<ffi::Buffer<ffi::U32>>()   // order token for the next call
+                                  .Ret<ffi::Token>()              // order token for the next call
                                   .Ret<ffi::AnyBuffer>()          // normed (..., d)
                                   .Ret<ffi::AnyBuffer>()          // new residual (..., d)
                                   .Attr<int64_t>("comm")          // communicator id (runtime)
@@ -196,9 +228,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAddRmsNorm, jax_gin::CpuAddRmsNormImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuCollective, jax_gin::CpuCollectiveImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::U32>>()   // partition id (logical id)
-                                  .Arg<ffi::Buffer<ffi::U32>>()   // order token of the previous call
+                                  .Arg<ffi::Token>()              // order token of the previous call
                                   .Arg<ffi::AnyBuffer>()          // x
-                                  .Ret<ffi::Buffer<ffi::U32>>()   // order token for the next call
+                                  .Ret<ffi::Token>()              // order token for the next call
                                   .Ret<ffi::AnyBuffer>()          // y
                                   .Attr<int64_t>("comm")          // communicator id (runtime)
                                   .Attr<int32_t>("op")            // CallOp: psum_scatter, all_gather

@@ -171,6 +171,7 @@ NB_MODULE(_jax_gin, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["jax_gin_all_reduce_cpu"] = encapsulate_ffi_handler(JaxGinCpuAllReduce);
+    d["jax_gin_all_reduce_cpu_partitioned"] = encapsulate_ffi_handler(JaxGinCpuAllReducePartitioned);
     d["jax_gin_all_reduce_start_cpu"] = encapsulate_ffi_handler(JaxGinCpuAllReduceStart);
     d["jax_gin_all_reduce_done_cpu"] = encapsulate_ffi_handler(JaxGinCpuAllReduceDone);
     d["jax_gin_add_rmsnorm_cpu"] = encapsulate_ffi_handler(JaxGinCpuAddRmsNorm);

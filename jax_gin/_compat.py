@@ -38,6 +38,15 @@ NamedAxisEffect = _core.NamedAxisEffect
 batching = _batching
 
 
+TOKEN_AVAL = _core.abstract_token
+
+
+def create_token():
+    """A fresh HLO token (after_all of nothing)."""
+    from jax._src.lib.mlir.dialects import hlo
+    return hlo.create_token()
+
+
 def check_vma_enabled() -> bool:
     """Is shard_map tracing with check_vma=True (JAX's varying-manual-axes typing)?"""
     return bool(_config._check_vma.value)

@@ -31,7 +31,7 @@ from jax.interpreters import ad, mlir
 
 from . import _compat, _select
 from ._primitive import (TOKEN, _chain_token, _normalize_axes, _set_chain_token, allreduce_p,
-                         check_no_open_start, resolve_call)
+                         check_no_open_start, order_aval, resolve_call)
 
 API = "psum_add_rmsnorm"
 # The element types of the epilogue: those that accumulate in float32 (norm.h).
@@ -214,12 +214,13 @@ def _lowering(ctx, x, residual, weight, *, axes, algorithm, eps, invariant, plat
                               multiple_results=True)(ctx, x, residual, weight)
     check_no_open_start(ctx, API)
     target = CPU_TARGET if platform == "cpu" else CUDA_TARGET
+    order = order_aval(platform)
     with call.named(API, platform, 1, False):
         tok, normed, new_res = jax.ffi.ffi_lowering(target)(
-            ctx.replace(avals_in=[TOKEN, TOKEN, *ctx.avals_in], avals_out=[TOKEN, *ctx.avals_out]),
-            _compat.partition_id(), _chain_token(ctx), x, residual, weight,
+            ctx.replace(avals_in=[TOKEN, order, *ctx.avals_in], avals_out=[order, *ctx.avals_out]),
+            _compat.partition_id(), _chain_token(ctx, platform), x, residual, weight,
             comm=call.attrs["comm"], algorithm=call.attrs["algorithm"], eps=np.float32(eps))
-    _set_chain_token(ctx, tok)
+    _set_chain_token(ctx, tok, platform)
     return [normed, new_res]
 
 
@@ -232,9 +233,8 @@ psum_add_rmsnorm_p.def_effectful_abstract_eval(_abstract_eval)
 ad.primitive_jvps[psum_add_rmsnorm_p] = _jvp
 _compat.batching.fancy_primitive_batchers[psum_add_rmsnorm_p] = _batch
 # Not cacheable, for the order token chain (as allreduce_p).
-mlir.register_lowering(psum_add_rmsnorm_p,
-                       lambda ctx, *a, **p: _lowering(ctx, *a, platform="cpu", **p),
-                       platform="cpu", cacheable=False)
-mlir.register_lowering(psum_add_rmsnorm_p,
-                       lambda ctx, *a, **p: _lowering(ctx, *a, platform="cuda", **p),
-                       platform="cuda", cacheable=False)
+for _platform in ("cpu", "cuda"):
+    mlir.register_lowering(
+        psum_add_rmsnorm_p,
+        lambda ctx, *a, _p=_platform, **kw: _lowering(ctx, *a, platform=_p, **kw),
+        platform=_platform, cacheable=False)

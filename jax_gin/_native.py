@@ -31,7 +31,10 @@ ASYNC_SLOTS = int(cpu.ASYNC_SLOTS)
 def _register(registrations: dict, platform: str, sync_target: str, partitioned: str) -> None:
     for name, capsule in registrations.items():
         jax.ffi.register_ffi_target(name, capsule, platform=platform)
-    jax.ffi.register_ffi_target(partitioned, registrations[sync_target], platform=platform)
+    # The CPU module has a handler of its own for it (a uint32 order token, where the
+    # synchronous target takes an HLO token); the CUDA target is the synchronous one.
+    if partitioned not in registrations:
+        jax.ffi.register_ffi_target(partitioned, registrations[sync_target], platform=platform)
     jax.ffi.register_ffi_target_as_batch_partitionable(partitioned)
 
 

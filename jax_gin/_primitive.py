@@ -334,10 +334,11 @@ def _lower_call(ctx, call, xs, op, overlap, platform):
         return _lower_partial(ctx, xs, platform, call.attrs)
     if not overlap:
         target = _native.CPU_TARGET if platform == "cpu" else _native.CUDA_TARGET
+        order = order_aval(platform)
         tok, *outs = jax.ffi.ffi_lowering(target)(
-            ctx.replace(avals_in=[TOKEN, TOKEN, *ctx.avals_in], avals_out=[TOKEN, *ctx.avals_out]),
-            _compat.partition_id(), _chain_token(ctx), *xs, **call.attrs)
-        _set_chain_token(ctx, tok)
+            ctx.replace(avals_in=[TOKEN, order, *ctx.avals_in], avals_out=[order, *ctx.avals_out]),
+            _compat.partition_id(), _chain_token(ctx, platform), *xs, **call.attrs)
+        _set_chain_token(ctx, tok, platform)
         return outs
     # Asynchronous pair. The start launches and returns; the done joins. The next jax_gin call
     # chains on the done's token: calls of one communicator never run concurrently.
@@ -470,13 +471,14 @@ def lower_start(ctx, xs, avals_in, avals_out, call: Call, platform: str, slot: i
     before the start.) The order chain moves on to the start's token."""
     start_target, _ = _native.ASYNC_TARGETS[platform]
     k = len(xs)
+    order = order_aval(platform)
     tok, *outs = jax.ffi.ffi_lowering(start_target,
                                       operand_output_aliases={2 + i: 1 + i for i in range(k)})(
-        ctx.replace(avals_in=[TOKEN, TOKEN, *avals_in], avals_out=[TOKEN, *avals_out]),
-        _compat.partition_id(), _chain_token(ctx), *xs,
+        ctx.replace(avals_in=[TOKEN, order, *avals_in], avals_out=[order, *avals_out]),
+        _compat.partition_id(), _chain_token(ctx, platform), *xs,
         max_lanes=np.int32(lanes), slot=np.int32(slot),
         copy_engine=np.int32(call.copy_engine(platform, k)), **call.attrs)
-    _set_chain_token(ctx, tok)
+    _set_chain_token(ctx, tok, platform)
     return tok, outs
 
 
@@ -485,14 +487,19 @@ def lower_done(ctx, tok, bufs, avals, call: Call, platform: str, slot: int,
     """The done of an asynchronous pair: XLA's stream waits for the start's kernel. `bufs`
     are the start's results followed by any values the done must come after (they pass
     through, aliased). has_side_effect keeps XLA from removing a done whose results are
-    unused while its start stays. The order chain moves on to the done's token."""
+    unused while its start stays. `tok` is the start's order token (GPU); on CPU devices the
+    done takes the order chain's, which the start moved on. The order chain moves on to the
+    done's token."""
     _, done_target = _native.ASYNC_TARGETS[platform]
     k = len(bufs)
+    order = order_aval(platform)
+    if platform == "cpu":
+        tok = _chain_token(ctx, platform)
     tok, *res = jax.ffi.ffi_lowering(done_target, has_side_effect=has_side_effect,
                                      operand_output_aliases={1 + i: 1 + i for i in range(k)})(
-        ctx.replace(avals_in=[TOKEN, *avals], avals_out=[TOKEN, *avals]),
+        ctx.replace(avals_in=[order, *avals], avals_out=[order, *avals]),
         tok, *bufs, comm=np.int64(call.comm), slot=np.int32(slot))
-    _set_chain_token(ctx, tok)
+    _set_chain_token(ctx, tok, platform)
     return res
 
 
@@ -534,14 +541,16 @@ def _lower_partial(ctx, xs, platform: str, attrs: dict) -> list:
     operand-output aliases, and a start/done pair needs them.
     """
     target = _native.PARTITIONED_TARGETS[platform]
-    tok_aval = TOKEN
+    # uint32 order tokens on every platform: the batch partitioner takes no HLO tokens. These
+    # calls chain per block (a partially-manual shard_map lowers all of its calls here).
+    order = TOKEN
     pid = _partition_id(ctx)
-    tok = _chain_token(ctx)
+    tok = _block_token(ctx, "u32")
     outs = []
     for x, a_in, a_out in zip(xs, ctx.avals_in, ctx.avals_out):
         rank = len(a_in.shape)
         b_in, b_out = a_in.update(shape=a_in.shape + (1,)), a_out.update(shape=a_out.shape + (1,))
-        avals_in, avals_out = [tok_aval, tok_aval, b_in], [tok_aval, b_out]
+        avals_in, avals_out = [TOKEN, order, b_in], [order, b_out]
         extra = {"mhlo.frontend_attributes": mlir.ir_attribute({"num_batch_dims": str(rank)})}
         if _compat.use_shardy():
             extra["sdy.sharding_rule"] = _compat.elementwise_sharding_rule(
@@ -550,7 +559,7 @@ def _lower_partial(ctx, xs, platform: str, attrs: dict) -> list:
             ctx.replace(avals_in=avals_in, avals_out=avals_out),
             pid, tok, _compat.reshape(ctx, x, b_in), **attrs)
         outs.append(_compat.reshape(ctx, out, a_out))
-    _set_chain_token(ctx, tok)
+    _set_block_token(ctx, tok, "u32")
     return outs
 
 
@@ -574,30 +583,55 @@ _async_slots = itertools.count()
 
 
 # Ordering. All jax_gin calls of one communicator must run in the same order on every rank,
-# but XLA orders a custom call only by the buffers it reads and writes: the CPU runtime runs
-# independent operations concurrently (and has_side_effect does not serialize them). So each
-# call takes the previous call's (dummy) token result in the same block as an operand, which
-# chains the calls of a block in program order. Calls in different blocks are ordered by their
-# enclosing control-flow ops only; the CPU backend reports any overlap as an error.
-def _chain(ctx) -> list:
-    """The (block, token) pairs of the module being lowered. They are kept in a dict of its
-    ModuleContext (which has __slots__), under a key of ours, so that they die with it."""
-    return ctx.module_context.cached_primitive_lowerings.setdefault(("jax_gin", "order_chain"), [])
+# but XLA orders a custom call only by the values it takes. So every call takes an order token
+# and returns the next one, which the next call in the same block takes.
+# - On CPU devices the token is an HLO token. XLA's CPU runtime runs independent operations
+#   concurrently, ordered by their buffers and by resources; an operation that takes or returns
+#   a token uses a resource of the token's buffer, which orders the calls of different blocks
+#   and functions too (jax.checkpoint's recomputation, a nested jit: JAX lowers them as
+#   functions of their own), where uint32 tokens let them run concurrently (jax 0.11.2;
+#   tests/test_order.py). Were two calls ever to overlap, the second fails with "two
+#   collectives ran concurrently" rather than giving wrong numbers.
+# - On GPUs it is a uint32 scalar: XLA runs the calls on one stream in program order, and the
+#   chain keeps a start/done pair and its neighbours in order within a block.
+# - A partially-manual shard_map's calls (_lower_partial) chain uint32 tokens on every
+#   platform: XLA's batch partitioner takes no HLO token operands.
+def order_aval(platform: str):
+    """The aval of a call's order token operand and result."""
+    return _compat.TOKEN_AVAL if platform == "cpu" else TOKEN
 
 
-def _chain_token(ctx):
+def _chain(ctx, kind: str) -> list:
+    """The (block, token) pairs of the module being lowered, for tokens of `kind` ("hlo" or
+    "u32"). They are kept in a dict of its ModuleContext (which has __slots__), under a key of
+    ours, so that they die with it."""
+    return ctx.module_context.cached_primitive_lowerings.setdefault(
+        ("jax_gin", "order_chain", kind), [])
+
+
+def _block_token(ctx, kind: str):
     block = _compat.current_block()
-    for b, tok in _chain(ctx):
+    for b, tok in _chain(ctx, kind):
         if b == block:
             return tok
-    return mlir.ir_constant(np.uint32(0))
+    return _compat.create_token() if kind == "hlo" else mlir.ir_constant(np.uint32(0))
 
 
-def _set_chain_token(ctx, tok):
+def _set_block_token(ctx, tok, kind: str):
     block = _compat.current_block()
-    chain = _chain(ctx)
+    chain = _chain(ctx, kind)
     chain[:] = [(b, t) for b, t in chain if b != block]
     chain.append((block, tok))
+
+
+def _chain_token(ctx, platform: str):
+    """The order token the next call in this block takes (order_aval(platform))."""
+    return _block_token(ctx, "hlo" if platform == "cpu" else "u32")
+
+
+def _set_chain_token(ctx, tok, platform: str):
+    """`tok`, a call's order result, is what the next call in this block takes."""
+    _set_block_token(ctx, tok, "hlo" if platform == "cpu" else "u32")
 
 
 # ---------------------------------------------------------------------------------------
@@ -616,7 +650,8 @@ ad.primitive_transposes[allreduce_p] = _transpose
 _compat.batching.fancy_primitive_batchers[allreduce_p] = _batch
 # Not cacheable: JAX would lower the first of several identical calls once and re-emit it for
 # the others, with the first call's order token, which breaks the chain above.
-mlir.register_lowering(allreduce_p, lambda ctx, *xs, **p: _lowering(ctx, *xs, platform="cpu", **p),
-                       platform="cpu", cacheable=False)
-mlir.register_lowering(allreduce_p, lambda ctx, *xs, **p: _lowering(ctx, *xs, platform="cuda", **p),
-                       platform="cuda", cacheable=False)
+for _platform in ("cpu", "cuda"):
+    mlir.register_lowering(
+        allreduce_p,
+        lambda ctx, *xs, _p=_platform, **kw: _lowering(ctx, *xs, platform=_p, **kw),
+        platform=_platform, cacheable=False)

@@ -259,13 +259,12 @@ def _lowering(api, ctx, x, *, axes, nranks, algorithm, platform):
     attrs = dict(comm=np.int64(comm), op=np.int32(_native.COLLECTIVE_OPS[api]),
                  algorithm=np.int32(ALGORITHM_CODES[algorithm]))
     call = _primitive.Call(comm, attrs, False, nranks, nbytes, np.dtype(aval.dtype).name)
-    tok_aval = _primitive.TOKEN
+    order = _primitive.order_aval(platform)
     with call.named(api, platform, 1, False):
         tok, y = jax.ffi.ffi_lowering(_native.COLLECTIVE_TARGETS[platform])(
-            ctx.replace(avals_in=[tok_aval, tok_aval, aval],
-                        avals_out=[tok_aval, ctx.avals_out[0]]),
-            _compat.partition_id(), _primitive._chain_token(ctx), x, **attrs)
-    _primitive._set_chain_token(ctx, tok)
+            ctx.replace(avals_in=[_primitive.TOKEN, order, aval], avals_out=[order, ctx.avals_out[0]]),
+            _compat.partition_id(), _primitive._chain_token(ctx, platform), x, **attrs)
+    _primitive._set_chain_token(ctx, tok, platform)
     return [y]
 
 
@@ -306,6 +305,7 @@ for _api, _prim in _PRIMS.items():
     # Not cacheable: each call must take the previous call's order token (_primitive._chain).
     for _platform in ("cpu", "cuda"):
         mlir.register_lowering(
-            _prim, lambda ctx, x, _api=_api, _platform=_platform, **p:
+            _prim,
+            lambda ctx, x, _api=_api, _platform=_platform, **p:
             _lowering(_api, ctx, x, platform=_platform, **p),
             platform=_platform, cacheable=False)

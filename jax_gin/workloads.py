@@ -355,8 +355,8 @@ def fsdp_train_step(mesh: Mesh, cfg: Config, reduce: str = "jax_gin", algorithm:
     receives the sum over the devices of the gradient of its own 1/n, and updates only that.
     Per step: layers + 1 all-gathers and layers + 1 reduce-scatters. The backward pass uses
     the blocks' parameters as gathered in the forward pass (XLA keeps them); it does not
-    gather them again. (A jax.checkpoint around each block would, but jax_gin calls in a
-    checkpoint's backward pass are not ordered with those outside it.)
+    gather them again, as a jax.checkpoint around each block would (tests/test_order.py runs
+    that form).
     """
     gather, n = gatherer(reduce, algorithm), mesh.shape[DATA]
     top, block = fsdp_groups(cfg)

@@ -5,12 +5,12 @@
 #
 #   bash scripts/gpu_run.sh test       native harness (N = 2, 3, 4, 8; GIN emulated; copy
 #                                      engines; flight recorder; psum_add_rmsnorm in one
-#                                      kernel; fault injection),
+#                                      kernel; psum_scatter and all_gather; fault injection),
 #                                      compute-sanitizer, the GPU pytest suite and the
 #                                      2-process GPU tests
 #   bash scripts/gpu_run.sh record     the results of record: the op sweep (auto and lax, float32,
 #                                      4 KiB - 1 GiB) and the whole-step workloads
-#                                      (dp-train, tp-train, tp-decode, overlap at 256 and
+#                                      (dp-train, fsdp, tp-train, tp-decode, overlap at 256 and
 #                                      64 MiB); copy $OUT into
 #                                      benchmarks/results/<machine>/
 #   bash scripts/gpu_run.sh workloads  the workloads alone
@@ -63,9 +63,18 @@ harness() {
   $H --ranks 2,3,4,8 --lane-bytes 4096 --algos copy_engine,two_shot,copy_engine,ring \
     --counts 1,1001,300001,1000003 --dtypes f32,bf16 --ops sum,max --iters 2 >> "$OUT/harness.log" 2>&1
   log "harness, copy engines over several rounds rc=$? $(tail -1 "$OUT/harness.log")"
+  $H --collectives only --ranks 1,2,3,4,8 --dtypes f32,f64,bf16,f16,i32,i64,u32 \
+    >> "$OUT/harness.log" 2>&1
+  log "harness, psum_scatter and all_gather rc=$? $(tail -1 "$OUT/harness.log")"
+  $H --collectives only --ranks 2,3,8 --dtypes f32,bf16,f64 --lane-bytes 4096 --chunk-bytes 256 \
+    --block-bytes 16,48,1008,65584,262160 >> "$OUT/harness.log" 2>&1
+  log "harness, psum_scatter and all_gather over several rounds rc=$? $(tail -1 "$OUT/harness.log")"
   $H --ranks 2 --counts 1000 --algos one_shot --dtypes f32 --ops sum --iters 1 --timeout-s 1 \
     --fault-rank 1 >> "$OUT/harness.log" 2>&1
   log "fault injection rc=$? (3 expected): $(grep -m1 'timed out' "$OUT/harness.log")"
+  $H --collectives only --ranks 2 --dtypes f32 --algos ring --block-bytes 4096 --timeout-s 1 \
+    --fault-rank 1 >> "$OUT/harness.log" 2>&1
+  log "fault injection, psum_scatter rc=$? (3 expected): $(grep 'timed out' "$OUT/harness.log" | tail -1)"
   grep FAIL "$OUT/harness.log" | head -5
 }
 
@@ -96,7 +105,7 @@ sweep() {
 
 workloads() {
   # the overlap workload with --overlap: jax_gin as psum_overlapping beside the matmuls
-  for spec in "dp-train dp-train" "tp-train tp-train" "tp-decode tp-decode" \
+  for spec in "dp-train dp-train" "fsdp fsdp" "tp-train tp-train" "tp-decode tp-decode" \
               "overlap overlap --overlap" "overlap_64mib overlap --overlap --mib 64"; do
     set -- $spec; name=$1; shift
     JAX_PLATFORMS=cuda timeout 240 $PY -m jax_gin.bench --workload "$@" --json "$OUT/$name.json" \

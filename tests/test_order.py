@@ -1,0 +1,139 @@
+"""jax_gin's calls run in one order on every device, wherever JAX puts them: in jax.checkpoint's
+recomputation, a nested jit, a scan, beside independent calls (the order tokens of
+_primitive.py)."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jax_gin
+from conftest import mesh_1d, ndev
+from helpers import assert_bitwise, exact_input
+
+POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+
+def _run_both(make, x, repeats=3, check_vma=False):
+    """make(psum, all_gather) -> body; jax_gin's and lax's, bit for bit, `repeats` times (a
+    race shows up as an error or a difference on some run, not necessarily the first)."""
+    mesh = mesh_1d()
+    ours = jax.jit(jax.shard_map(make(jax_gin.psum, jax_gin.all_gather), mesh=mesh,
+                                 in_specs=P("i"), out_specs=P("i"), check_vma=check_vma))
+    ref = jax.jit(jax.shard_map(make(lax.psum, lax.all_gather), mesh=mesh, in_specs=P("i"),
+                                out_specs=P("i"), check_vma=check_vma))
+    want = ref(x)
+    for _ in range(repeats):
+        jax.tree.map(assert_bitwise, jax.block_until_ready(ours(x)), want)
+
+
+def _fsdp_like(psum, all_gather):
+    """Layers under jax.checkpoint whose weights are all-gathered inside: under grad, JAX lowers
+    the recomputation as a function of its own, beside the backward's psum_scatters."""
+    @functools.partial(jax.checkpoint, policy=POLICY)
+    def layer(h, shard):
+        w = all_gather(shard, "i", tiled=True)
+        return jnp.tanh(h * w[: h.shape[0]]) + psum(h, "i") * 0.5
+
+    def loss(shards, h):
+        for s in shards:
+            h = layer(h, s)
+        return jnp.sum(h * h)
+
+    def body(v):
+        shards = [v * (k + 1) for k in range(4)]
+        return jax.grad(loss)(shards, v[: v.shape[0]])[1]
+    return body
+
+
+def test_checkpointed_layers_under_grad():
+    # buffers of 4 KiB: XLA's CPU runtime runs independent operations concurrently once a
+    # program has more than a few of them and a buffer exceeds 512 bytes
+    n = ndev()
+    x = exact_input((1024,), n, "float32", seed=1) / 8
+    _run_both(_fsdp_like, x)
+
+
+def test_checkpointed_fsdp_blocks():
+    """The fsdp workload's step with each block under jax.checkpoint (what FSDP users write to
+    gather the weights again in the backward pass), against lax's."""
+    from jax_gin import workloads as w
+    mesh = w.make_mesh("fsdp")
+    cfg = w.default_config("fsdp", "cpu", dtype="float32")
+    top, block = w.fsdp_groups(cfg)
+
+    def grads(gather):
+        @functools.partial(jax.checkpoint, policy=POLICY)
+        def layer(x, s):
+            return w.gpt_block(x, w.fsdp_unpack(gather(s, "data"), block), cfg.heads)
+
+        def loss(sh, tok):
+            t = w.fsdp_unpack(gather(sh["top"], "data"), top)
+            x = w.gpt_embed(t, tok)
+            for s in sh["layers"]:
+                x = layer(x, s)
+            return w.gpt_head(x, t, tok)
+        return jax.jit(jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=(P("data"), P("data")),
+                                     out_specs=P("data"), check_vma=False))
+
+    args = w.fsdp_inputs(mesh, cfg)
+    want = grads(w.gatherer("lax"))(*args)
+    ours = grads(w.gatherer("jax_gin", "one_shot"))
+    for _ in range(3):
+        jax.tree.map(assert_bitwise, jax.block_until_ready(ours(*args)), want)
+
+
+def test_nested_jit_beside_independent_calls():
+    n = ndev()
+    x = exact_input((1024,), n, "float32", seed=2)
+
+    def make(psum, all_gather):
+        @jax.jit
+        def inner(a):
+            return psum(a * 2, "i"), all_gather(a, "i", tiled=True)
+
+        def body(v):
+            s1, g1 = inner(v)
+            s2 = psum(v + 1, "i")            # independent of inner's calls
+            s3, g2 = inner(v - 1)
+            return s1 + s2 + s3 + g1[: v.shape[0]] + g2[-v.shape[0]:]
+        return body
+
+    _run_both(make, x)
+
+
+def test_scan_and_cond():
+    n = ndev()
+    x = exact_input((1024,), n, "int32", seed=3)
+
+    def make(psum, all_gather):
+        def body(v):
+            def step(c, k):
+                c = lax.cond(k % 2 == 0, lambda t: psum(t, "i") % 97, lambda t: t + 1, c)
+                return c, all_gather(c[:4], "i", tiled=True)
+            c, gs = lax.scan(step, v, jnp.arange(4))
+            return c + psum(gs.sum(), "i")
+        return body
+
+    _run_both(make, x)
+
+
+def test_hlo_order_tokens_on_cpu():
+    """On CPU devices every call takes and returns an HLO token, which XLA's CPU runtime orders
+    across functions (uint32 tokens let the recomputation's calls run concurrently)."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("HLO order tokens are the CPU backend's (GPUs run calls in stream order)")
+    n = ndev()
+    x = exact_input((16,), n, "float32", seed=1) / 8
+    f = jax.jit(jax.shard_map(_fsdp_like(jax_gin.psum, jax_gin.all_gather), mesh=mesh_1d(),
+                              in_specs=P("i"), out_specs=P("i"), check_vma=False))
+    calls = [line for line in f.lower(x).as_text().splitlines()
+             if "stablehlo.custom_call @jax_gin" in line]
+    assert len(calls) >= 6, calls
+    for line in calls:
+        operand_types, result_types = line.rsplit(": (", 1)[1].split(") -> (")
+        assert operand_types.split(", ")[1] == "!stablehlo.token", line
+        assert result_types.startswith("!stablehlo.token"), line
