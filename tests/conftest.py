@@ -23,6 +23,12 @@ def mesh_1d():
     return Mesh(np.array(jax.devices()), ("i",))
 
 
+def needs_devices(n: int):
+    """Skips the calling test where fewer than `n` devices are present."""
+    if ndev() < n:
+        pytest.skip(f"needs {n} or more devices, have {ndev()}")
+
+
 def mesh_2d():
     n = ndev()
     if n < 4 or n % 2:
@@ -38,6 +44,8 @@ def platform():
 @pytest.fixture
 def cpu_table_with_xla(tmp_path, monkeypatch):
     """A tuning table for this CPU mesh: one_shot up to 1 KiB, XLA's all-reduce above."""
+    if ndev() < 2:
+        pytest.skip("a tuning table decides only for groups of 2 or more devices")
     import json
     import jax_gin
     from jax_gin import _select, tune

@@ -82,8 +82,13 @@ def test_checkpointed_fsdp_blocks():
     args = w.fsdp_inputs(mesh, cfg)
     want = grads(w.gatherer("lax"))(*args)
     ours = grads(w.gatherer("jax_gin", "one_shot"))
+    # The model's arithmetic is not exact: on GPUs XLA may fuse the two programs differently
+    # around the collectives, so there they agree to float32 rounding, on CPU bit for bit.
+    same = assert_bitwise if jax.default_backend() == "cpu" else (
+        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
+                                                atol=1e-7))
     for _ in range(3):
-        jax.tree.map(assert_bitwise, jax.block_until_ready(ours(*args)), want)
+        jax.tree.map(same, jax.block_until_ready(ours(*args)), want)
 
 
 def test_nested_jit_beside_independent_calls():
