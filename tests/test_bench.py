@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jax_gin import _bench_inputs, _bench_measure, _select, bench
-from conftest import mesh_1d, ndev
+from conftest import mesh_1d, ndev, needs_devices
 
 SIZES = [1024, 4096]
 DTYPES = ["float32", "int32"]
@@ -17,6 +17,7 @@ TINY = ["-b", "1K", "-e", "4K", "-n", "2", "-w", "1", "-k", "3", "--quiet"]
 
 
 def test_tiny_sweep(tmp_path, capsys):
+    needs_devices(2)  # the sweep refuses a group of one device
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     rc = bench.main(TINY + ["-a", ",".join(ALGOS), "-d", ",".join(DTYPES), "-o", ",".join(OPS),
                             "--json", str(out_json), "--plot", str(out_png)])
@@ -56,6 +57,7 @@ def test_tiny_sweep(tmp_path, capsys):
 
 
 def test_wrong_results_fail(monkeypatch, capsys):
+    needs_devices(2)  # the sweep refuses a group of one device
     # A reference off by one: every element is reported wrong and main() fails.
     true_reference = _bench_inputs.reference
     monkeypatch.setattr(_bench_inputs, "reference", lambda v, op: true_reference(v, op) + 1)
@@ -112,6 +114,7 @@ def test_slice_chain_is_exact_where_chosen(dtype, op, nranks):
 def test_bench_chain_steps_agree(capsys):
     """Both chain steps run and check clean on the CPU devices; rows that fell back to the
     subtract step are marked."""
+    needs_devices(2)  # the sweep refuses a group of one device
     for step in ("slice", "subtract"):
         rc = bench.main(TINY + ["-e", "1K", "-a", "ring,lax", "-d", "float32,float16",
                                 "--chain-step", step])
@@ -214,6 +217,7 @@ def test_collectives_sweep(tmp_path, capsys):
     """-c psum_scatter,all_gather: every algorithm and lax on exact inputs, results checked,
     nccl-tests' size (the larger side, N whole blocks; -b 1000 rounds down to blocks that
     the kernels pad) and busbw = algbw (N-1)/N, the collective in the JSON rows."""
+    needs_devices(2)  # the sweep refuses a group of one device
     n = ndev()
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     rc = bench.main(["-b", "1000", "-e", "4000", "-n", "2", "-w", "1", "-k", "3", "--quiet",
@@ -274,6 +278,7 @@ def test_collectives_sweep(tmp_path, capsys):
 def test_collectives_with_all_reduce(capsys):
     """-c all: the all-reduce tables keep -o's ops and chain step; psum_scatter sums and
     all_gather has no op; the footer names the collective of every other row."""
+    needs_devices(2)  # the sweep refuses a group of one device
     rc = bench.main(TINY + ["-e", "1K", "-c", "all", "-o", "sum,max", "-a", "auto,lax"])
     text = capsys.readouterr().out
     assert rc == 0, text
@@ -290,6 +295,7 @@ def test_collectives_with_all_reduce(capsys):
 
 
 def test_collective_wrong_results_fail(monkeypatch, capsys):
+    needs_devices(2)  # the sweep refuses a group of one device
     # psum_scatter's reference off by one: every element of every device is reported wrong
     true_reference = _bench_inputs.reference
     monkeypatch.setattr(_bench_inputs, "reference", lambda v, op: true_reference(v, op) + 1)
