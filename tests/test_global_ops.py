@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_gin
-from conftest import ndev
+from conftest import ndev, needs_devices
 from helpers import assert_bitwise as _assert_bitwise
 
 AUTO, EXPLICIT = AxisType.Auto, AxisType.Explicit
@@ -361,6 +361,7 @@ def test_example_tp_mlp():
 def test_matmul_with_auto_xla_fallback(tmp_path, monkeypatch):
     """A tuning table that sends every size to XLA's all-reduce ("xla"): the global-view ops
     lower to it (no jax_gin custom call) and keep jnp's bits."""
+    needs_devices(2)  # a tuning table decides for groups of 2 or more
     import json
     from jax_gin import _select, tune
 

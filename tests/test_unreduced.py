@@ -6,9 +6,11 @@ import numpy as np
 from jax.sharding import PartitionSpec as P, AxisType
 
 import jax_gin
+from conftest import needs_devices
 
 
 def test_unreduced_psum_fwd_and_grad():
+    needs_devices(2)  # a mesh of 2 devices
     # An einsum whose contraction is sharded over "x" leaves an unreduced partial sum; psum
     # of it behaves as lax's unreduced psum: same types, numbers and gradients, jax_gin's call.
     mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2])

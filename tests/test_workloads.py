@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jax_gin import _native, bench, workloads
-from conftest import ndev
+from conftest import ndev, needs_devices
 
 NAMES = workloads.NAMES
 STEPS = tuple(name for name in NAMES if workloads.WORKLOADS[name].variants == workloads.REDUCES)
@@ -222,6 +222,7 @@ def test_overlap_sum_is_exact():
 
 
 def test_cli_overlap(tmp_path, capsys):
+    needs_devices(2)  # the workloads refuse a group of one device
     path = tmp_path / "o.json"
     rc = bench.main(["--workload", "overlap", "--algorithm", "two_shot", "--rounds", "2",
                      "--warmup", "1", "--layers", "2",
