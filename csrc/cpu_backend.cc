@@ -25,7 +25,7 @@
 
 #include "host_types.h"
 #include "jax_gin/text.h"
-#include "laggard.h"
+#include "jax_gin/laggard.h"
 #include "jax_gin/algorithms.h"
 #include "jax_gin/collectives.h"
 #include "jax_gin/schedule.h"

@@ -19,6 +19,7 @@
 #include "ffi_cpu.h"
 #include "host_types.h"
 #include "jax_gin/collectives.h"
+#include "jax_gin/laggard.h"
 #include "jax_gin/schedule.h"
 #include "recorder_dict.h"
 
@@ -262,6 +263,18 @@ NB_MODULE(_jax_gin, m) {
           return cpu::laggard_report(*comm->groups[group]->ws, group, rank);
         }, nb::arg("comm"), nb::arg("group"), nb::arg("rank"));
   m.attr("RECORD_EVENTS") = kRecEvents;
+  // The hang report's diagnosis from the ranks' states (include/jax_gin/laggard.h), as the
+  // CPU backend and the GPU's reports write it; each state is (seq, done, wait_seq,
+  // wait_round, wait_peer, wait_step, op, algorithm, failed).
+  m.def("laggard_text", [](const std::vector<std::vector<int64_t>>& states, int group, int self) {
+          std::vector<Seen> s;
+          for (const auto& v : states) {
+            if (v.size() != 9) throw nb::value_error("laggard_text: 9 fields per rank");
+            s.push_back(Seen{uint64_t(v[0]), uint64_t(v[1]), uint64_t(v[2]), uint64_t(v[3]),
+                             int(v[4]), int(v[5]), int(v[6]), int(v[7]), v[8] != 0});
+          }
+          return laggard_text(s, group, self);
+        }, nb::arg("states"), nb::arg("group"), nb::arg("self"));
 
   // Workspaces: one group's windows, flags and round counters, in private memory or in a
   // POSIX shared-memory segment that several processes map (see jax_gin/_distributed.py).

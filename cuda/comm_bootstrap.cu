@@ -116,15 +116,15 @@ void quiesce_device(int device) {
 }  // namespace
 
 // A rank's own buffers: its window (ncclMemAlloc, zeroed: flags start at 0), its per-lane round
-// counters, and the host-mapped diagnostic slot.
+// counters, and the host-mapped hang report.
 void alloc_rank(RankState& s, size_t wbytes) {
   JG_CUDA(cudaSetDevice(s.device));
   JG_NCCL(ncclMemAlloc(&s.window_ptr, wbytes));
   JG_CUDA(cudaMemset(s.window_ptr, 0, wbytes));
   JG_CUDA(cudaMalloc(&s.rounds, kRoundCountersBytes));
   JG_CUDA(cudaMemset(s.rounds, 0, kRoundCountersBytes));
-  JG_CUDA(cudaHostAlloc(&s.diag_host, sizeof(Diagnostic), cudaHostAllocMapped | cudaHostAllocPortable));
-  std::memset(s.diag_host, 0, sizeof(Diagnostic));
+  JG_CUDA(cudaHostAlloc(&s.diag_host, sizeof(HangReport), cudaHostAllocMapped | cudaHostAllocPortable));
+  std::memset(s.diag_host, 0, sizeof(HangReport));
   // The side stream of asynchronous calls: the highest priority, so that its CTAs are placed
   // before those of the compute kernels queued beside it.
   int least = 0, greatest = 0;
@@ -182,13 +182,15 @@ void finish_rank(Comm& comm, size_t i, int g, int n, size_t lane_bytes, int rank
   if (s.device < 0 || s.device >= 256 || comm.by_device[s.device] >= 0)
     throw std::runtime_error("jax_gin: a device appears twice in one communicator");
   comm.by_device[s.device] = int(i);
-  Diagnostic* diag_dev = nullptr;
+  HangReport* diag_dev = nullptr;
   JG_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&diag_dev), s.diag_host, 0));
   LaunchConfig& c = s.cfg;
   c.rank = s.rank;
   c.nranks = n;
   c.group = g;
   set_window_layout(c, n, lane_bytes, ranks_per_node);  // ranks_per_node > 0: hierarchical
+  c.state = c.state_offset ? reinterpret_cast<RecState*>(static_cast<char*>(s.window_ptr) + c.state_offset)
+                           : nullptr;
   c.rounds = s.rounds;
   c.diag = diag_dev;
   c.timeout_ns = uint64_t(timeout_s * 1e9);

@@ -2,6 +2,7 @@
 // ranks up in, teardown, diagnostics, and the NCCL version check.
 #include "comm_internal.h"
 
+#include "jax_gin/laggard.h"
 #include "jax_gin/text.h"
 
 #include <cuda_runtime.h>
@@ -93,9 +94,9 @@ std::unique_ptr<Comm> new_comm() {
   return comm;
 }
 
-// The watchdog: a kernel whose wait timed out writes its Diagnostic into host-mapped memory and
+// The watchdog: a kernel whose wait timed out writes its HangReport into host-mapped memory and
 // traps, and XLA then reports only an opaque CUDA error ("unspecified launch failure"), at the
-// process's next CUDA call. This thread polls every rank's Diagnostic and prints jax_gin's
+// process's next CUDA call. This thread polls every rank's report and prints jax_gin's
 // report to stderr the moment a kernel records it, with what state the process is in.
 namespace {
 std::atomic<bool> g_watch_stop{false};
@@ -108,10 +109,11 @@ void watchdog_loop() {
     std::shared_lock<std::shared_mutex> lock(g_mu);
     for (auto& [cid, c] : g_comms)
       for (auto& s : c->ranks) {
-        if (s.diag_host == nullptr || !s.diag_host->valid || reported.count({cid, s.device})) continue;
+        if (s.diag_host == nullptr || !s.diag_host->diag.valid || reported.count({cid, s.device}))
+          continue;
         reported.insert({cid, s.device});
-        Diagnostic d;
-        std::memcpy(&d, const_cast<const Diagnostic*>(s.diag_host), sizeof d);
+        HangReport d;
+        std::memcpy(&d, const_cast<const HangReport*>(s.diag_host), sizeof d);
         std::fprintf(stderr,
                      "jax_gin watchdog: %s\njax_gin watchdog: the kernel trapped, so the CUDA "
                      "context of device %d is lost: this process's next CUDA call fails with "
@@ -207,7 +209,8 @@ const RankState* find_rank(int64_t id, int device) {
   return i < 0 ? nullptr : &it->second->ranks[i];
 }
 
-std::string describe(const Diagnostic& d, int nranks) {
+std::string describe(const HangReport& r, int nranks) {
+  const Diagnostic& d = r.diag;
   Text os;
   os << "jax_gin " << call_op_name(d.op) << " (" << algorithm_name(Algorithm(d.algorithm))
      << ") on GPU: rank " << d.rank << " of group " << d.group << " (" << nranks
@@ -216,6 +219,16 @@ std::string describe(const Diagnostic& d, int nranks) {
   else os << " at step " << d.step << " of round " << d.round;
   os << " (lane " << d.lane << ", flag " << d.seen << ", expected " << d.expected
      << "). Set JAX_GIN_TIMEOUT_S to wait longer.";
+  // Who is behind, from every rank's state block as this rank read it through the windows.
+  if (r.nstates == nranks) {
+    std::vector<Seen> seen(static_cast<size_t>(nranks));
+    for (int q = 0; q < nranks; ++q) {
+      const RecState& st = r.states[q];
+      seen[size_t(q)] = Seen{st.seq, st.done, st.wait_seq, st.wait_round, st.wait_peer,
+                             st.wait_step, st.op, st.algorithm, st.failed != 0};
+    }
+    os << "\n" << laggard_text(seen, d.group, d.rank);
+  }
   return os.str();
 }
 
@@ -225,9 +238,9 @@ std::vector<std::string> diagnostics(int64_t id) {
   for (auto& [cid, c] : g_comms) {
     if (id >= 0 && cid != id) continue;
     for (auto& s : c->ranks) {
-      Diagnostic d;
-      std::memcpy(&d, const_cast<const Diagnostic*>(s.diag_host), sizeof d);
-      if (d.valid) out.push_back(describe(d, s.nranks));
+      HangReport d;
+      std::memcpy(&d, const_cast<const HangReport*>(s.diag_host), sizeof d);
+      if (d.diag.valid) out.push_back(describe(d, s.nranks));
     }
   }
   return out;

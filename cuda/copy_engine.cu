@@ -77,7 +77,7 @@ __global__ void ce_sync_kernel(Peers peers, LaneParams p, int step, int begin) {
     while (seen < tag) {
       seen = ld_acquire_sys(f);
       if ((++spins & 1023u) == 0 && globaltimer_ns() - start > p.timeout_ns) {
-        record_timeout(p, 0, q, step, round, tag, seen);
+        report_timeout(peers, p, 0, q, step, round, tag, seen);
         __trap();
       }
     }
@@ -89,7 +89,7 @@ __global__ void ce_sync_kernel(Peers peers, LaneParams p, int step, int begin) {
       st_release_sys(reinterpret_cast<uint64_t*>(peers.base(q) + p.flags_offset) +
                          flag_index(0, r, kCredit, N), round);
     }
-  if (step == kCeDone && rec) rec_end(p, rec, round + 1 - rec->round0);
+  if (step == kCeDone) rec_end(p, rec, rec ? round + 1 - rec->round0 : 0);  // (and the state)
 }
 
 // Segment q of a round of m elements (schedule::piece, as two_shot cuts its rounds).

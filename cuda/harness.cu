@@ -99,8 +99,8 @@ struct Rank {
   int dev;
   char* window = nullptr;
   uint64_t* rounds = nullptr;
-  Diagnostic* diag_host = nullptr;
-  Diagnostic* diag_dev = nullptr;
+  HangReport* diag_host = nullptr;
+  HangReport* diag_dev = nullptr;
   char** table = nullptr;  // device copy of all ranks' window bases
   void* in = nullptr;
   void* out = nullptr;
@@ -121,6 +121,7 @@ gpu::LaunchConfig rank_config(const Rank& R, int r, int N, size_t lane_bytes, in
   c.rank = r;
   c.nranks = N;
   gpu::set_window_layout(c, N, lane_bytes, rpn);
+  c.state = c.state_offset ? reinterpret_cast<RecState*>(R.window + c.state_offset) : nullptr;
   c.rounds = R.rounds;
   c.diag = R.diag_dev;
   c.timeout_ns = uint64_t(timeout_s * 1e9);
@@ -222,7 +223,7 @@ bool wait_all(std::vector<Rank>& rk, int N) {
       failed = true;
   if (!failed) return true;
   for (int r = 0; r < N; ++r)
-    if (rk[r].diag_host->valid) std::printf("%s\n", gpu::describe(*rk[r].diag_host, N).c_str());
+    if (rk[r].diag_host->diag.valid) std::printf("%s\n", gpu::describe(*rk[r].diag_host, N).c_str());
   std::printf("launch failed (a wait timed out)\n");
   return false;
 }
@@ -591,8 +592,8 @@ int main(int argc, char** argv) {
       CK(cudaMemset(R.window, 0, wbytes));
       CK(cudaMalloc(&R.rounds, gpu::kRoundCountersBytes));
       CK(cudaMemset(R.rounds, 0, gpu::kRoundCountersBytes));
-      CK(cudaHostAlloc(&R.diag_host, sizeof(Diagnostic), cudaHostAllocMapped | cudaHostAllocPortable));
-      std::memset(R.diag_host, 0, sizeof(Diagnostic));
+      CK(cudaHostAlloc(&R.diag_host, sizeof(HangReport), cudaHostAllocMapped | cudaHostAllocPortable));
+      std::memset(R.diag_host, 0, sizeof(HangReport));
       CK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&R.diag_dev), R.diag_host, 0));
       CK(cudaMalloc(&R.in, max_count * 8 + 16));
       CK(cudaMalloc(&R.out, max_count * 8 + 16));

@@ -158,6 +158,8 @@ LaneParams lane_params(const LaunchConfig& cfg, int32_t op, Algorithm algo, DTyp
   p.lane_bytes = cfg.lane_bytes;
   p.rounds = cfg.rounds;
   p.diag = cfg.diag;
+  p.state_offset = cfg.state_offset;
+  p.state = cfg.state;
   p.timeout_ns = cfg.timeout_ns;
   p.fault_rank = cfg.fault_rank;
   p.op = op;
@@ -351,10 +353,14 @@ int gin_signal_count(int nranks, int ranks_per_node) {
   return spans_nodes(nranks, ranks_per_node) ? int(rail_words(nranks / ranks_per_node)) : 0;
 }
 
+// The state blocks' page (within one node): one RecState, this rank's, at its start.
+constexpr size_t kStateAreaBytes = 4096;
+static_assert(sizeof(RecState) <= kStateAreaBytes, "a state block fits its page");
+
 size_t window_bytes(int nranks, size_t lane_bytes, int ranks_per_node) {
   const size_t data = size_t(kMaxLanes) * lane_bytes;
   if (!spans_nodes(nranks, ranks_per_node))
-    return window_flags_bytes(nranks) + window_ll_bytes(nranks) + data;
+    return window_flags_bytes(nranks) + kStateAreaBytes + window_ll_bytes(nranks) + data;
   return window_flags_bytes(nranks) + round_up_4k(data) +
          round_up_4k(rail_area_bytes(nranks / ranks_per_node)) +
          size_t(kMaxLanes) * outbox_lane_bytes(nranks, ranks_per_node, lane_bytes);
@@ -364,14 +370,18 @@ void set_window_layout(LaunchConfig& cfg, int nranks, size_t lane_bytes, int ran
   cfg.flags_offset = 0;
   cfg.lane_bytes = lane_bytes;
   if (!spans_nodes(nranks, ranks_per_node)) {
-    cfg.ll_offset = window_flags_bytes(nranks);
+    // [flags | state | LL | data]
+    cfg.state_offset = window_flags_bytes(nranks);
+    cfg.ll_offset = cfg.state_offset + kStateAreaBytes;
     cfg.data_offset = cfg.ll_offset + window_ll_bytes(nranks);
     if (window_ll_bytes(nranks) == 0) cfg.ll_max_bytes = 0;
     cfg.ranks_per_node = 0;
     cfg.rail_offset = cfg.outbox_offset = cfg.outbox_lane_bytes = 0;
     return;
   }
-  // [flags | data | rail | outboxes]: no LL area (hierarchical does not use it).
+  // [flags | data | rail | outboxes]: no LL area (hierarchical does not use it), and no state
+  // blocks (a timed-out wait cannot read those of the other nodes' ranks).
+  cfg.state_offset = 0;
   cfg.ll_offset = cfg.data_offset = window_flags_bytes(nranks);
   cfg.ll_max_bytes = 0;
   cfg.ranks_per_node = ranks_per_node;

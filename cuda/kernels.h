@@ -8,6 +8,8 @@
 struct ncclDevComm;  // nccl_device.h
 namespace jax_gin {
 struct RecEntry;  // recorder.h
+struct RecState;
+struct HangReport;
 }
 
 #include <cstddef>
@@ -52,7 +54,11 @@ struct LaunchConfig {
   // to overlap the local reduction with the transfer inside one lane's slice.
   size_t one_shot_chunk_bytes = 32 << 10;
   uint64_t* rounds = nullptr;   // device: kRoundCountersBytes (simple, then LL)
-  Diagnostic* diag = nullptr;   // host-mapped (device pointer of it)
+  HangReport* diag = nullptr;   // host-mapped (device pointer of it)
+  // This rank's state block (recorder.h RecState) at `state_offset` of every window (within
+  // one node; 0 and null where the group spans nodes): `state` points into its own window.
+  size_t state_offset = 0;
+  RecState* state = nullptr;
   uint64_t timeout_ns = 30ull * 1000 * 1000 * 1000;
   int fault_rank = -1;
   int threads = 512;

@@ -34,7 +34,7 @@ struct RankState {
   ncclDevComm devcomm{};
   bool has_devcomm = false;
   uint64_t* rounds = nullptr;       // device: per-lane round counters, never reset
-  Diagnostic* diag_host = nullptr;  // host-mapped diagnostic slot
+  HangReport* diag_host = nullptr;  // host-mapped: what a timed-out wait leaves
   LaunchConfig cfg;                 // everything a launch needs, precomputed
   // Asynchronous calls (psum(..., overlap=True)): their kernels run on `side`, a stream of the
   // highest priority, forked from XLA's stream by fork[slot] at the start and joined into it
@@ -101,7 +101,9 @@ int comm_ranks_per_node(int64_t id);
 const RankState* find_rank(int64_t id, int device);
 // Messages of every timed-out wait recorded for communicator `id` (all if id < 0).
 std::vector<std::string> diagnostics(int64_t id);
-std::string describe(const Diagnostic& d, int nranks);
+// A timed-out wait's report as text: the wait, and the diagnosis of who is behind (from the
+// ranks' state blocks, where it has them).
+std::string describe(const HangReport& r, int nranks);
 void shutdown();
 // The flight recorder of every rank of this process, now and for communicators created later:
 // on or off. Waits for each rank's side stream (not for XLA's streams).

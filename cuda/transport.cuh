@@ -42,7 +42,7 @@ struct LaneParams {
   size_t data_offset;    // byte offset of lane 0's data area inside each window
   size_t lane_bytes;     // data bytes per lane
   uint64_t* rounds;      // this rank's per-lane round counters (device memory)
-  Diagnostic* diag;      // host-mapped: written before a trap
+  HangReport* diag;      // host-mapped: written before a trap
   uint64_t timeout_ns;
   int fault_rank;        // testing only: this rank's signals are dropped
   int32_t op, algorithm;  // op: the call's code for the recorder and hang reports (call_op_name)
@@ -62,6 +62,10 @@ struct LaneParams {
   int32_t rec_comm = 0;    // communicator id, for the entries
   int32_t dtype = 0;       // DType of the call, for the entries
   uint64_t bytes = 0;      // message bytes of the call, for the entries
+  // The rank's state block (recorder.h RecState) at `state_offset` of every window: this
+  // rank's own, in its window (null: none).
+  size_t state_offset = 0;
+  RecState* state = nullptr;
 };
 
 // ---- LL protocol (one_shot for small messages) ----------------------------------------
@@ -107,7 +111,32 @@ struct TablePeers {
 // A kernel keeps its entry in `local` (shared memory: notes cost no global-memory round
 // trip) and stores it into the ring when it ends; the copy-engine path, whose call spans
 // several kernels, writes the ring's entry in place (local = null).
+// The state block (always on, whether or not the recorder is): the thread that opens a call
+// marks it entered; lane 0's thread 0 marks it returned when lane 0 is done; a wait that has
+// spun for kWaitPublishNs says what it waits for. Plain volatile stores into the rank's own
+// window: peers read them only when a wait times out.
+constexpr uint64_t kWaitPublishNs = 1000000;
+__device__ inline void state_begin(const LaneParams& p) {
+  volatile RecState* st = p.state;
+  if (st == nullptr) return;
+  st->op = int8_t(p.op);
+  st->algorithm = int8_t(p.algorithm);
+  st->dtype = int8_t(p.dtype);
+  st->failed = 0;
+  st->bytes = p.bytes;
+  st->seq = st->seq + 1;
+}
+__device__ inline void state_wait(const LaneParams& p, int peer, int step, uint64_t round) {
+  volatile RecState* st = p.state;
+  if (st == nullptr) return;
+  st->wait_peer = peer;
+  st->wait_step = step;
+  st->wait_round = round;
+  st->wait_seq = st->seq;
+}
+
 __device__ inline RecEntry* rec_begin(const LaneParams& p, uint64_t round0, RecEntry* local) {
+  state_begin(p);
   if (p.rec_ctl == nullptr) return nullptr;
   uint64_t on, calls;  // both control words in one load: one memory round trip
   asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(on), "=l"(calls) : "l"(p.rec_ctl));
@@ -131,6 +160,10 @@ __device__ inline RecEntry* rec_current(const LaneParams& p) {
 // Closes entry e (of rec_begin or rec_current); a local one is stored into the ring, header
 // and the events it holds.
 __device__ inline void rec_end(const LaneParams& p, RecEntry* e, uint64_t rounds) {
+  if (p.state != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+    volatile RecState* st = p.state;
+    st->done = st->seq;
+  }
   if (e == nullptr) return;
   e->rounds = uint32_t(rounds);
   e->status = kRecDone;
@@ -163,8 +196,8 @@ __device__ __forceinline__ void run_recorded_lane(const LaneParams& p, int lane,
 
 __device__ inline void record_timeout(const LaneParams& p, int lane, int peer, int step,
                                       uint64_t round, uint64_t expected, uint64_t seen) {
-  volatile Diagnostic* d = p.diag;
-  if (d == nullptr) return;
+  if (p.diag == nullptr) return;
+  volatile Diagnostic* d = &p.diag->diag;
   d->op = p.op;
   d->algorithm = p.algorithm;
   d->rank = p.rank;
@@ -178,6 +211,27 @@ __device__ inline void record_timeout(const LaneParams& p, int lane, int peer, i
   __threadfence_system();
   d->valid = 1;
   __threadfence_system();
+}
+
+// A wait timed out: this rank's state says so, every rank's state block is read through its
+// window into the report (the host names the rank that is behind from them), then the wait's
+// diagnostic; the caller traps.
+template <class Peers>
+__device__ inline void report_timeout(const Peers& peers, const LaneParams& p, int lane, int peer,
+                                      int step, uint64_t round, uint64_t expected, uint64_t seen) {
+  state_wait(p, peer, step, round);
+  if (p.state != nullptr) static_cast<volatile RecState*>(p.state)->failed = 1;
+  if (p.diag != nullptr && p.state != nullptr) {
+    constexpr int kWords = sizeof(RecState) / sizeof(uint64_t);
+    for (int q = 0; q < p.nranks; ++q) {
+      const volatile uint64_t* src =
+          reinterpret_cast<const volatile uint64_t*>(peers.base(q) + p.state_offset);
+      volatile uint64_t* dst = reinterpret_cast<volatile uint64_t*>(&p.diag->states[q]);
+      for (int w = 0; w < kWords; ++w) dst[w] = src[w];
+    }
+    p.diag->nstates = p.nranks;
+  }
+  record_timeout(p, lane, peer, step, round, expected, seen);
 }
 
 // dsts[*][i] = srcs[0][i] op srcs[1][i] op ... in source order, for i < n, by `nthreads`
@@ -338,10 +392,18 @@ class GpuTransport {
       if (seen < value) {
         const uint64_t start = globaltimer_ns();
         uint32_t spins = 0;
+        bool said = false;  // this wait is in the state block
         while ((seen = ld_acquire_sys(f)) < value) {
-          if ((++spins & 1023u) == 0 && globaltimer_ns() - start > p_.timeout_ns) {
-            report(peer, step, value, seen);
-            __trap();
+          if ((++spins & 1023u) == 0) {
+            const uint64_t waited = globaltimer_ns() - start;
+            if (!said && waited > kWaitPublishNs) {
+              state_wait(p_, peer, step, round_of_wait(value, step));
+              said = true;
+            }
+            if (waited > p_.timeout_ns) {
+              report(peer, step, value, seen);
+              __trap();
+            }
           }
         }
       }
@@ -353,7 +415,7 @@ class GpuTransport {
 
  private:
   __device__ void report(int peer, int step, uint64_t expected, uint64_t seen) const {
-    record_timeout(p_, lane_, peer, step, round_of_wait(expected, step), expected, seen);
+    report_timeout(peers_, p_, lane_, peer, step, round_of_wait(expected, step), expected, seen);
   }
 
   Peers peers_;

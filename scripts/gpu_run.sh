@@ -72,6 +72,7 @@ harness() {
   $H --ranks 2 --counts 1000 --algos one_shot --dtypes f32 --ops sum --iters 1 --timeout-s 1 \
     --fault-rank 1 >> "$OUT/harness.log" 2>&1
   log "fault injection rc=$? (3 expected): $(grep -m1 'timed out' "$OUT/harness.log")"
+  log "$(grep -m1 '^diagnosis' "$OUT/harness.log")"
   $H --collectives only --ranks 2 --dtypes f32 --algos ring --block-bytes 4096 --timeout-s 1 \
     --fault-rank 1 >> "$OUT/harness.log" 2>&1
   log "fault injection, psum_scatter rc=$? (3 expected): $(grep 'timed out' "$OUT/harness.log" | tail -1)"

@@ -219,3 +219,17 @@ def test_laggard_threads_harness():
         C.threads_allreduce(x, 0, 0, 4096, timeout_s=0.3, fault_rank=2, fault_mode=1)
     assert re.search(r"diagnosis: rank 2 never entered call #1 \(psum, ring\); rank 3 waits for it at "
                      r"step 0", str(info.value)), str(info.value)
+
+
+def test_laggard_text_of_a_cycle():
+    """The states one H200's harness read through the windows when rank 1 of a two_shot psum
+    over 4 ranks lost its signals: every rank waits, in a cycle; the diagnosis names rank 1,
+    the one most waited for."""
+    psum, two_shot = 0, jax_gin.ALGORITHMS.index("two_shot")
+    states = [(1, 0, 1, 1, 1, 0, psum, two_shot, 1), (1, 0, 1, 1, 2, 1, psum, two_shot, 0),
+              (1, 0, 1, 1, 1, 0, psum, two_shot, 0), (1, 0, 1, 1, 1, 0, psum, two_shot, 0)]
+    text = _native.cpu.laggard_text([list(s) for s in states], 0, 0)
+    assert text.startswith("diagnosis: the ranks of call #1 (psum, two_shot) wait for each "
+                           "other in a cycle; rank 1 is the one most waited for (by ranks 0, 2, "
+                           "3, at step 0): its signals may not have arrived."), text
+    assert "rank 1: #1 psum/two_shot, waiting for rank 2 at step 1 of round 1" in text, text

@@ -61,8 +61,10 @@ struct RecEntry {
 };
 static_assert(sizeof(RecEntry) % 8 == 0, "RecEntry keeps 8-byte alignment in a ring");
 
-// Always on, one per rank (a cache line): the call it is in and, while a wait sleeps, what it
-// waits for. `seq` and `done` are stored with release; a reader loads them with acquire.
+// Always on, one per rank (a cache line): the call it is in and, while a wait sleeps (CPU) or
+// has spun for a millisecond (GPU), what it waits for. On the CPU `seq` and `done` are stored
+// with release and loaded with acquire; on the GPU the block lies in the rank's window, and a
+// rank whose wait times out reads its peers' through theirs.
 struct alignas(64) RecState {
   uint64_t seq;         // calls entered (the current or last call's number)
   uint64_t done;        // calls returned (== seq: between calls)
@@ -78,6 +80,16 @@ struct alignas(64) RecState {
   uint64_t bytes;       // of call `seq`
 };
 static_assert(sizeof(RecState) == 64, "RecState is one cache line");
+
+// What a GPU rank leaves for the host (in host-mapped memory) when one of its waits times
+// out: the wait, then every rank's state block as read through the windows at that moment
+// (`nstates` of them, by rank; 0 where they cannot be read: groups that span nodes).
+struct HangReport {
+  Diagnostic diag;
+  int32_t nstates;
+  int32_t pad;
+  RecState states[kMaxRanks];
+};
 
 // Fills entry e's header for a call that starts at `t` (ns) and runs rounds from round0;
 // every field but `seq`, which the writer publishes after (and clears before) with release.

@@ -1,6 +1,6 @@
-// The hang report's diagnosis, shared by the CPU backend and the GPU watchdog: from every
+// The hang report's diagnosis, shared by the CPU backend and the GPU's reports: from every
 // rank's recorder state (recorder.h RecState, as one reader saw it), which rank is behind and
-// what the others wait for, as text. Host code only.
+// what the others wait for, as text. Host code only (std::string).
 #pragma once
 
 #include <algorithm>
@@ -150,7 +150,19 @@ inline std::string laggard_text(const std::vector<Seen>& s, int group, int self)
       int r = self, hops = 0;
       while (s[size_t(r)].waiting() && s[size_t(r)].in_call() && hops++ < n) r = s[size_t(r)].wpeer;
       if (hops > n) {
+        // No rank is free to move. The one most waited for is where to look first: its
+        // signals were lost (it waits for a peer that waits for it).
+        int most = -1;
+        std::vector<int> most_w, most_steps;
+        for (int q = 0; q < n; ++q) {
+          std::vector<int> ww, ss;
+          waiters_for(q, ww, ss);
+          if (ww.size() > most_w.size()) most = q, most_w = ww, most_steps = ss;
+        }
         os << "the ranks of " << call_name(k, me.op, me.algo) << " wait for each other in a cycle";
+        if (most >= 0 && most_w.size() > 1)
+          os << "; rank " << most << " is the one most waited for (by " << ranks_word(most_w) << ", "
+             << steps_text(most_steps) << "): its signals may not have arrived";
       } else if (r == self) {
         os << "rank " << behind << " is behind in " << call_name(k, me.op, me.algo);
       } else {
