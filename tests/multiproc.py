@@ -134,6 +134,39 @@ def check_parity(mesh, axes, dtype, per_device, seed, same_bits, split_large=Fal
                       f"{ops[j][0]} {a} {dtype} x{per_device} over {axes} of {mesh.shape}")
 
 
+def check_scatter_gather(mesh, axes, dtype, per_device, seed, same_bits):
+    """jax_gin.psum_scatter and jax_gin.all_gather (tiled, one_shot and ring) against lax's
+    over `axes`, bit for bit, each case a program of its own; then the gradient through an
+    all-gather (its transpose, a psum_scatter)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+    import jax_gin
+    spec = P(tuple(mesh.axis_names))
+    n = 1
+    for a in (axes if isinstance(axes, tuple) else (axes,)):
+        n *= mesh.shape[a]
+    x = global_input(mesh, spec, per_device * n, dtype, seed)
+    for algo in ("one_shot", "ring"):
+        for api in ("psum_scatter", "all_gather"):
+            ours, ref = getattr(jax_gin, api), getattr(lax, api)
+            f = jax.jit(jax.shard_map(
+                lambda v, ours=ours, ref=ref, algo=algo: (ours(v, axes, tiled=True, algorithm=algo),
+                                                          ref(v, axes, tiled=True)),
+                mesh=mesh, in_specs=(spec,), out_specs=(spec, spec)))
+            a, b = f(x)
+            same_bits(a, b, f"{api} {algo} {dtype} x{per_device} over {axes} of {mesh.shape}")
+
+    def grad(gather):
+        g = jax.shard_map(lambda v: gather(v * v, axes, tiled=True), mesh=mesh, in_specs=spec,
+                          out_specs=spec)
+        return jax.jit(jax.grad(lambda v: jnp.sum(g(v) * 3)))
+    x32 = global_input(mesh, spec, per_device, "float32", seed + 1)
+    same_bits(grad(jax_gin.all_gather)(x32), grad(lax.all_gather)(x32),
+              f"grad of all_gather over {axes}")
+
+
 def check_grad(mesh, same_bits):
     """grad of a loss through jax_gin.psum and through lax.psum over axis "i" of `mesh`, with
     check_vma on and off, bit for bit (small integers: every value is exact)."""

@@ -7,6 +7,7 @@ bottom) and checks what they print; every launch is bounded by a timeout. The wo
   one larger than the 1 MiB workspace, on a global 1-D mesh of 8 devices (also in reverse
   order, so that process 1 creates the shared memory) and a 2-D 4x2 mesh (groups that span
   the processes, and groups inside one);
+- psum_scatter and all_gather (both algorithms) and their gradient, bit for bit with lax's;
 - grad, and repeated calls;
 - that no segment is left in /dev/shm once the set-up is done, and none after the processes
   die (they kill themselves) or exit;
@@ -20,7 +21,8 @@ import signal
 import sys
 import time
 
-from multiproc import (assert_same_shards, check_grad, check_parity, clean_env, error_of,
+from multiproc import (assert_same_shards, check_grad, check_parity, check_scatter_gather,
+                       clean_env, error_of,
                        free_port as _free_port, global_input, launch, reports as _reports,
                        tail as _tail)
 
@@ -184,6 +186,9 @@ def _worker(scenario: str, pid: int, port: int) -> None:
         parity(mesh2, ("y", "x"), "int32", big, 8)
 
         check_grad(mesh1, same_bits)  # check_vma on and off
+        check_scatter_gather(mesh1, "i", "float32", 37, 11, same_bits)  # 8 ranks, 2 processes
+        check_scatter_gather(mesh2, "x", "bfloat16", 1000, 12, same_bits)  # across processes
+        check_scatter_gather(mesh2, ("y", "x"), "int32", 5, 13, same_bits)  # one group of 8
 
         # repeated calls of one compiled program reuse one communicator
         f = jax.jit(jax.shard_map(lambda v: (jax_gin.psum(v, "i"), lax.psum(v, "i")),
