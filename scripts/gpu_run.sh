@@ -14,11 +14,13 @@
 #                                      64 MiB); copy $OUT into
 #                                      benchmarks/results/<machine>/
 #   bash scripts/gpu_run.sh workloads  the workloads alone
+#   bash scripts/gpu_run.sh collectives  the psum_scatter and all_gather sweep (auto and lax,
+#                                      float32 and bfloat16, 4 KiB - 1 GiB on the larger side)
 #   bash scripts/gpu_run.sh ceiling    NVLink ceilings (copy engines, SM push and pull by CTAs)
 set -uo pipefail
 MODE=${1:-test}
-case "$MODE" in test|record|workloads|ceiling) ;;
-  *) echo "usage: bash scripts/gpu_run.sh test|record|workloads|ceiling (got '$MODE')" >&2; exit 2 ;;
+case "$MODE" in test|record|workloads|collectives|ceiling) ;;
+  *) echo "usage: bash scripts/gpu_run.sh test|record|workloads|collectives|ceiling (got '$MODE')" >&2; exit 2 ;;
 esac
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
@@ -104,6 +106,14 @@ sweep() {
   grep -E "^#.*(Geomean|Avg)" "$OUT/sweep.txt"
 }
 
+collectives() {
+  JAX_PLATFORMS=cuda $PY -m jax_gin.bench -c psum_scatter,all_gather -b 4K -e 1G -f 4 \
+    -d float32,bfloat16 -a auto,lax -n 10 -w 3 --json "$OUT/collectives.json" \
+    > "$OUT/collectives.txt" 2>> "$OUT/build.log"
+  log "psum_scatter and all_gather sweep rc=$?"
+  grep -E "^#.*(Geomean|Avg)" "$OUT/collectives.txt"
+}
+
 workloads() {
   # the overlap workload with --overlap: jax_gin as psum_overlapping beside the matmuls
   for spec in "dp-train dp-train" "fsdp fsdp" "tp-train tp-train" "tp-decode tp-decode" \
@@ -120,6 +130,7 @@ case "$MODE" in
   test) harness; sanitizer; pytests ;;
   record) sweep; workloads ;;
   workloads) workloads ;;
+  collectives) collectives ;;
   ceiling) build/gpu/jax_gin_nvlink_bw > "$OUT/ceiling.txt" 2>&1; log "nvlink_bw rc=$?"; cat "$OUT/ceiling.txt" ;;
 esac
 log "done"
