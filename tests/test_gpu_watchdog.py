@@ -1,6 +1,7 @@
 """On GPUs, a timed-out wait traps its kernel, and XLA then reports only an opaque CUDA error.
-jax_gin's watchdog thread prints jax_gin's own report (op, rank, peer, step) to stderr the
-moment the kernel records it, and says the process cannot continue.
+jax_gin's watchdog thread prints jax_gin's own report (op, rank, peer, step, and the diagnosis
+of who is behind) to stderr the moment the kernel records it, and says the process cannot
+continue.
 
 GPU only (2 or more GPUs and the CUDA extension); skipped elsewhere. The worker runs in a
 subprocess, since the trap loses its CUDA context."""
@@ -42,4 +43,9 @@ def test_watchdog_reports_a_trapped_kernel():
     assert "RAISED" in out, tail(out)
     assert "jax_gin watchdog: jax_gin psum (one_shot) on GPU: rank 0 of group 0" in out, tail(out)
     assert "timed out waiting for peer 1" in out, tail(out)
+    # the diagnosis, from every rank's state block read through the windows: rank 1 finished
+    # the call (its peers' signals reached it), rank 0 waits for its lost ones
+    assert ("diagnosis: rank 1 finished call #1 (psum, one_shot), but rank 0 still waits for "
+            "it at step 0: its signals did not arrive") in out, tail(out)
+    assert "last calls of group 0: rank 0: #1 psum/one_shot, waiting for rank 1" in out, tail(out)
     assert "cannot continue" in out, tail(out)
