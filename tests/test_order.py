@@ -142,3 +142,29 @@ def test_hlo_order_tokens_on_cpu():
         operand_types, result_types = line.rsplit(": (", 1)[1].split(") -> (")
         assert operand_types.split(", ")[1] == "!stablehlo.token", line
         assert result_types.startswith("!stablehlo.token"), line
+
+
+def test_psum_overlapping_in_checkpointed_layers():
+    """psum_overlapping's start/done pair inside jax.checkpoint, under grad: the forward pair,
+    its recomputation and the backward pair, in order (exact arithmetic beside it: lax's bits)."""
+    n = ndev()
+    x = exact_input((1024,), n, "float32", seed=5) / 8
+
+    def make(overlapping):
+        @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
+        def layer(h):
+            s, y = overlapping(h * 2, jnp.negative, h)
+            return y + s * 0.25
+
+        def loss(h):
+            for _ in range(3):
+                h = layer(h)
+            return jnp.sum(h * h)
+        return jax.jit(jax.shard_map(jax.grad(loss), mesh=mesh_1d(), in_specs=P("i"),
+                                     out_specs=P("i"), check_vma=False))
+
+    ours = make(lambda v, fn, *args: jax_gin.psum_overlapping(v, "i", fn, *args))
+    ref = make(lambda v, fn, *args: (lax.psum(v, "i"), fn(*args)))
+    want = ref(x)
+    for _ in range(3):
+        assert_bitwise(jax.block_until_ready(ours(x)), want)
