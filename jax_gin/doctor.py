@@ -19,7 +19,8 @@ It prints five sections, then the verdict:
               variable; '*' marks a variable set in the environment.
   self-test   jax_gin.psum with each algorithm and "auto", and one overlap=True call, over a
               mesh of all local devices on exact float32 inputs: ok when bit for bit equal to
-              lax.psum, WRONG otherwise; median microseconds of both.
+              lax.psum, WRONG otherwise; median microseconds of both. At the first size also
+              psum_scatter and all_gather (tiled) with each of their algorithms, against lax's.
 
 The verdict is the last lines: PASS (exit code 0), or one 'FAIL: <problem>' line per problem,
 each followed by the fix (exit code 1). It fails on a GPU backend whose NCCL_NVLS_ENABLE is not
@@ -50,7 +51,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_gin
 
-from . import _native, _runtime
+from . import _native, _runtime, _scatter_gather, _select
 from ._bench_inputs import format_size
 from .bench import parse_size
 
@@ -209,8 +210,8 @@ def _error(e: Exception) -> str:
 
 
 def self_test(r: Report, devices: list, sizes: list, runs: int) -> None:
-    rows = r.section("self-test", "self-test (psum of float32; size per device; µs: median)"
-                     ).setdefault("rows", [])
+    rows = r.section("self-test", "self-test (float32; size per device, psum_scatter's output "
+                     "and all_gather's input; µs: median)").setdefault("rows", [])
     mesh = Mesh(np.array(devices), ("i",))
     n = len(devices)
     def shard(fn):
@@ -254,6 +255,52 @@ def self_test(r: Report, devices: list, sizes: list, runs: int) -> None:
             if not row["ok"]:
                 r.fail(f"psum with algorithm {label} at {shown} per device differs from "
                        "lax.psum", f"report it with this output; meanwhile avoid algorithm={algo!r}")
+        if size == sizes[0]:
+            _collectives_test(r, rows, mesh, count, shown, runs)
+
+
+def _collectives_test(r: Report, rows: list, mesh, count: int, shown: str, runs: int) -> None:
+    """psum_scatter and all_gather (tiled) with each of their algorithms against lax's: `count`
+    elements per device on the smaller side, exact float32."""
+    n = mesh.size
+
+    def shard(fn):
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+
+    for api in _scatter_gather.API_NAMES:
+        per_device = count * n if api == "psum_scatter" else count
+        x = jax.device_put((np.arange(n * per_device) % 13 - 6).astype(np.float32),
+                           NamedSharding(mesh, P("i")))
+        try:
+            want, lax_us = _timed(shard(lambda v: getattr(jax.lax, api)(v, "i", tiled=True)), x,
+                                  runs)
+        except Exception as e:
+            r.line(f"{'lax.' + api:<24} {shown:>5}  ERROR  {_error(e)}")
+            r.fail(f"lax.{api} at {shown} per device raised an error (self-test above)",
+                   "JAX's own collective fails here: check the jax install")
+            continue
+        for algo in _select.COLLECTIVE_ALGORITHMS:
+            label = f"{api} {algo}"
+            row = {"collective": api, "algorithm": algo, "overlap": False, "bytes": count * 4,
+                   "lax_us": lax_us}
+            rows.append(row)
+            try:
+                got, row["jax_gin_us"] = _timed(shard(lambda v: getattr(jax_gin, api)(
+                    v, "i", tiled=True, algorithm=algo)), x, runs)
+            except Exception as e:
+                row["ok"], row["error"] = False, _error(e)
+                r.line(f"{label:<24} {shown:>5}  ERROR  {row['error']}")
+                r.fail(f"{api} with algorithm {algo} at {shown} per device raised an error "
+                       "(self-test above)", "read the error: a timed-out wait names the op, "
+                       "rank, peer and step it waited at (JAX_GIN_TIMEOUT_S: how long)")
+                continue
+            row["ok"] = bool(np.array_equal(got.view(np.uint32), want.view(np.uint32)))
+            r.line(f"{label:<24} {shown:>5}  {'ok' if row['ok'] else 'WRONG':<6} "
+                   f"{row['jax_gin_us']:>10.1f} {lax_us:>9.1f}")
+            if not row["ok"]:
+                r.fail(f"{api} with algorithm {algo} at {shown} per device differs from "
+                       f"lax.{api}", f"report it with this output; meanwhile avoid "
+                       f"algorithm={algo!r} for {api}")
 
 
 def _sizes(text: str) -> list:

@@ -38,11 +38,15 @@ def test_pass(tmp_path, capsys):
     assert rc == 0, text
     assert text.rstrip().splitlines()[-1] == "PASS"
     rows = _section(text, "self-test")[1:]  # after the column header
-    # every algorithm, auto, and auto with overlap=True, at one size
-    assert len(rows) == len(jax_gin.ALGORITHMS) + 2, text
-    for algo, row in zip(jax_gin.ALGORITHMS + ("auto", "auto"), rows):
+    # every algorithm, auto, and auto with overlap=True, at one size; then psum_scatter and
+    # all_gather with each of theirs
+    psum_rows, coll_rows = rows[:len(jax_gin.ALGORITHMS) + 2], rows[len(jax_gin.ALGORITHMS) + 2:]
+    for algo, row in zip(jax_gin.ALGORITHMS + ("auto", "auto"), psum_rows):
         assert row.split()[0] == algo and row.split()[-3] == "ok", row
-    assert "overlap" in rows[-1]
+    assert "overlap" in psum_rows[-1]
+    assert [row.split()[:2] for row in coll_rows] == [
+        [api, algo] for api in ("psum_scatter", "all_gather") for algo in ("one_shot", "ring")], text
+    assert all(row.split()[-3] == "ok" for row in coll_rows), text
     settings = "\n".join(_section(text, "settings"))
     assert "timeout_s" in settings and "JAX_GIN_TIMEOUT_S" in settings
 
@@ -61,7 +65,8 @@ def test_fail_names_each_problem(monkeypatch, capsys):
     rc = doctor.main(["--quick", "--sizes", "4K"])
     text = capsys.readouterr().out
     assert rc == 1, text
-    assert all(row.split()[-3] == "WRONG" for row in _section(text, "self-test")[1:]), text
+    psum_rows = _section(text, "self-test")[1:len(jax_gin.ALGORITHMS) + 3]
+    assert all(row.split()[-3] == "WRONG" for row in psum_rows), text
     verdict = text.rstrip().split("\n\n")[-1]
     assert "FAIL: a setting is invalid: JAX_GIN_RECORD='2'" in verdict
     assert "fix: correct or unset JAX_GIN_RECORD" in verdict
