@@ -103,15 +103,12 @@ def global_input(mesh, spec, per_device, dtype, seed):
     return jax.make_array_from_callback((n,), NamedSharding(mesh, spec), lambda idx: full[idx])
 
 
-def check_parity(mesh, axes, dtype, per_device, seed, same_bits, split_large=False):
+def check_parity(mesh, axes, dtype, per_device, seed, same_bits):
     """Every algorithm x op of jax_gin against lax's, over `axes`, bit for bit (`same_bits`
-    compares two global arrays). One program holds every case, unless `split_large` and a
-    buffer exceeds 512 bytes: then one program per case. (XLA:CPU runs the independent
-    operations of a program concurrently once it has more than 8 of them and one buffer
-    exceeds 512 bytes; jax_gin's calls on one communicator must not run concurrently -- they
-    fail loudly if they do.)"""
+    compares two global arrays), all in one program: XLA:CPU runs its independent operations
+    concurrently, and the order tokens keep jax_gin's calls one at a time, in one order on
+    every rank."""
     import jax
-    import numpy as np
     from jax import lax
     from jax.sharding import PartitionSpec as P
     import jax_gin
@@ -121,17 +118,16 @@ def check_parity(mesh, axes, dtype, per_device, seed, same_bits, split_large=Fal
     spec = P(tuple(mesh.axis_names))
     x = global_input(mesh, spec, per_device, dtype, seed)
     cases = [(a, j) for a in algos for j in range(len(ops))]
-    one_program = not split_large or per_device * np.dtype(dtype).itemsize <= 512
-    for batch in ([cases] if one_program else [[c] for c in cases]):
-        def body(v, batch=batch):
-            return (tuple(ops[j][1](v, axes, algorithm=a) for a, j in batch) +
-                    tuple(ops[j][2](v, axes) for _, j in batch))
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,),
-                                  out_specs=(spec,) * (2 * len(batch))))
-        outs = f(x)
-        for k, (a, j) in enumerate(batch):
-            same_bits(outs[k], outs[len(batch) + k],
-                      f"{ops[j][0]} {a} {dtype} x{per_device} over {axes} of {mesh.shape}")
+
+    def body(v):
+        return (tuple(ops[j][1](v, axes, algorithm=a) for a, j in cases) +
+                tuple(ops[j][2](v, axes) for _, j in cases))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,),
+                              out_specs=(spec,) * (2 * len(cases))))
+    outs = f(x)
+    for k, (a, j) in enumerate(cases):
+        same_bits(outs[k], outs[len(cases) + k],
+                  f"{ops[j][0]} {a} {dtype} x{per_device} over {axes} of {mesh.shape}")
 
 
 def check_scatter_gather(mesh, axes, dtype, per_device, seed, same_bits):

@@ -168,7 +168,7 @@ def _worker(scenario: str, pid: int, port: int) -> None:
         return sorted(n for n in os.listdir("/dev/shm") if token and token in n)
 
     def parity(mesh, axes, dtype, per_device, seed):
-        check_parity(mesh, axes, dtype, per_device, seed, same_bits, split_large=True)
+        check_parity(mesh, axes, dtype, per_device, seed, same_bits)
 
     if scenario == "parity":
         big = (1 << 20) // 2 + 4099  # > the 1 MiB workspace per device, even in bfloat16
