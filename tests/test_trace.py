@@ -64,3 +64,31 @@ def test_trace_every_algorithm(monkeypatch, tmp_path, size):
     for s in spans:
         if not (gpu and size == 300 and s["name"].endswith("one_shot")):
             assert (s["tid"], s["ts"]) in with_phases, s
+
+
+def test_trace_names_psum_scatter_and_all_gather(monkeypatch, tmp_path):
+    """The recorder names the collectives' calls, with the larger side's bytes."""
+    monkeypatch.setattr(_runtime.settings, "timeout_s", 26.5)  # a communicator of its own
+    if ndev() < 2:
+        pytest.skip("a group of one rank only copies: no phases to trace")
+    n = ndev()
+    x = exact_input((64 * n,), n, "float32")
+    calls = [(api, algo) for api in ("psum_scatter", "all_gather") for algo in ("one_shot", "ring")]
+    fns = [smap(lambda v, api=api, algo=algo: getattr(jax_gin, api)(v, "i", tiled=True,
+                                                                     algorithm=algo),
+                mesh_1d(), P("i")) for api, algo in calls]
+    for f in fns:
+        jax.block_until_ready(f(x))
+    path = tmp_path / "t.json"
+    with jax_gin.trace(path):
+        for f in fns:
+            jax.block_until_ready(f(x))
+    spans = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "jax_gin"]
+    assert len(spans) == len(calls) * n
+    for tid in {s["tid"] for s in spans}:
+        mine = sorted((s for s in spans if s["tid"] == tid), key=lambda s: s["ts"])
+        assert [s["name"] for s in mine] == [f"{api} {algo}" for api, algo in calls]
+        # nccl-tests' size, the larger side: psum_scatter's input (64 n floats), all_gather's
+        # output (n times its input of 64 n)
+        assert [s["args"]["bytes"] for s in mine[:2]] == [4 * 64 * n] * 2
+        assert [s["args"]["bytes"] for s in mine[2:]] == [4 * 64 * n * n] * 2
