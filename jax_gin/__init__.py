@@ -1,4 +1,4 @@
-"""jax_gin: GPU-initiated all-reduce collectives for JAX.
+"""jax_gin: GPU-initiated collectives for JAX.
 
 Drop-in replacements for ``jax.lax.psum``, ``pmax``, ``pmin``, ``psum_scatter`` and
 ``all_gather`` inside ``jax.shard_map``, computed by jax_gin's own device-initiated ring, tree,
