@@ -60,6 +60,26 @@ JG_HD size_t coll_slot_elems(Algorithm a, int n, size_t lane_bytes, size_t elem_
 }  // namespace schedule
 
 // ---------------------------------------------------------------------------------------
+// one_shot's step: src(p), n elements for peer p, into slot `rank` of every peer p's window,
+// in C chunks, each chunk c signalled to every peer with tag(c) as soon as it is stored, so
+// that receivers work on chunk c while later chunks travel. Awaits round's credits first.
+template <class T, class Tp, class Tag, class Src>
+JG_HD bool direct_push(Tp& tp, size_t n, int C, uint64_t round, const Tag& tag, const Src& src) {
+  const int r = tp.rank(), N = tp.nranks();
+  const size_t al = schedule::align_elems(sizeof(T));
+  for (int k = 1; k < N; ++k)
+    if (!await_credit(tp, schedule::mod(r + k, N), round)) return false;
+  for (int c = 0; c < C; ++c) {
+    const schedule::Range ch = schedule::chunk(schedule::Range{0, n}, C, c, al);
+    for (int k = 1; k < N; ++k) {
+      const int p = schedule::mod(r + k, N);  // staggered, so that peers are not all hit at once
+      tp.copy(tp.template slot<T>(p, r) + ch.offset, src(p) + ch.offset, ch.count);
+      tp.signal(p, kData, tag(c), schedule::kOneShotStep);
+    }
+  }
+  return true;
+}
+
 // Reduce-scatter of n elements per block (one round). Pipelined as two_shot's first half: the
 // blocks are pushed chunk by chunk, each chunk signalled on its own, and the owner reduces
 // chunk c as soon as every peer's chunk c is in, while later chunks still arrive.
@@ -70,16 +90,8 @@ JG_HD bool rs_one_shot_round(Tp& tp, const Blocks<T>& b, size_t n, size_t slot, 
   const int C = schedule::chunks_for(n, sizeof(T), tp.chunk_bytes());
   const schedule::Range all{0, n};
   auto tag = [&](int c) { return data_tag(round, schedule::kOneShotStep * C + c); };
-  for (int k = 1; k < N; ++k)
-    if (!await_credit(tp, schedule::mod(r + k, N), round)) return false;
-  for (int c = 0; c < C; ++c) {
-    const schedule::Range ch = schedule::chunk(all, C, c, al);
-    for (int k = 1; k < N; ++k) {
-      const int p = schedule::mod(r + k, N);  // staggered, so that peers are not all hit at once
-      tp.copy(tp.template slot<T>(p, r) + ch.offset, b.in + size_t(p) * b.stride + ch.offset, ch.count);
-      tp.signal(p, kData, tag(c), schedule::kOneShotStep);
-    }
-  }
+  if (!direct_push<T>(tp, n, C, round, tag, [&](int p) { return b.in + size_t(p) * b.stride; }))
+    return false;
   for (int c = 0; c < C; ++c) {
     for (int k = 1; k < N; ++k)
       if (!tp.wait(schedule::mod(r - k, N), kData, tag(c), schedule::kOneShotStep)) return false;
@@ -145,16 +157,7 @@ JG_HD bool ag_one_shot_round(Tp& tp, const Blocks<T>& b, size_t n, size_t slot, 
   const int C = schedule::chunks_for(n, sizeof(T), tp.chunk_bytes());
   const schedule::Range all{0, n};
   auto tag = [&](int c) { return data_tag(round, schedule::kOneShotStep * C + c); };
-  for (int k = 1; k < N; ++k)
-    if (!await_credit(tp, schedule::mod(r + k, N), round)) return false;
-  for (int c = 0; c < C; ++c) {
-    const schedule::Range ch = schedule::chunk(all, C, c, al);
-    for (int k = 1; k < N; ++k) {
-      const int p = schedule::mod(r + k, N);
-      tp.copy(tp.template slot<T>(p, r) + ch.offset, b.in + ch.offset, ch.count);
-      tp.signal(p, kData, tag(c), schedule::kOneShotStep);
-    }
-  }
+  if (!direct_push<T>(tp, n, C, round, tag, [&](int) { return b.in; })) return false;
   tp.copy(b.out + size_t(r) * b.stride, b.in, n);
   for (int c = 0; c < C; ++c) {
     const schedule::Range ch = schedule::chunk(all, C, c, al);
