@@ -50,6 +50,40 @@ DType dtype_of(const A& a) {
   throw nb::type_error(("threads_allreduce: use " + names).c_str());
 }
 
+// Runs call(comm, r, out_row) `repeats` times (until it fails) for every rank r of one group
+// of `cfg.nranks` ranks, each on its own std::thread, through a fresh CPU communicator of
+// `cfg`; `out_row` is row r of a (nranks, out_count) result of `inputs`' dtype, which it
+// returns. Throws the first rank's error.
+template <class F>
+nb::ndarray<nb::numpy> on_threads(cpu::CommConfig cfg, const nb::ndarray<nb::c_contig, nb::device::cpu>& inputs,
+                                  size_t out_count, size_t esize, int repeats, F&& call) {
+  const int nranks = cfg.nranks;
+  for (int r = 0; r < nranks; ++r) { cfg.group_of.push_back(0); cfg.rank_of.push_back(r); }
+  const int64_t id = cpu::create_comm(cfg);
+  auto comm = cpu::find_comm(id);
+  const size_t row = out_count * esize;
+  char* out = new char[row * size_t(nranks) + 1];
+  std::vector<std::string> errors(nranks);
+  {
+    nb::gil_scoped_release release;
+    std::vector<std::thread> threads;
+    for (int r = 0; r < nranks; ++r) {
+      threads.emplace_back([&, r] {
+        for (int i = 0; i < repeats && errors[r].empty(); ++i)
+          errors[r] = call(*comm, r, out + size_t(r) * row);
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+  cpu::destroy_comm(id);
+  for (int r = 0; r < nranks; ++r) {
+    if (!errors[r].empty()) { delete[] out; throw std::runtime_error(errors[r]); }
+  }
+  nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<char*>(p); });
+  size_t shape[2] = {size_t(nranks), out_count};
+  return nb::ndarray<nb::numpy>(out, 2, shape, owner, nullptr, inputs.dtype());
+}
+
 // Runs one all-reduce among `inputs.shape[0]` ranks, each on its own std::thread, through a
 // fresh CPU communicator: a harness for schedules and group sizes that no JAX mesh here has.
 // `ranks_per_node` (hierarchical only; 0: one node) makes ranks node*L .. node*L+L-1 a node.
@@ -72,37 +106,18 @@ nb::ndarray<nb::numpy> threads_allreduce(nb::ndarray<nb::c_contig, nb::device::c
                            std::to_string(nranks) + ", got " + std::to_string(ranks_per_node)).c_str());
   cpu::CommConfig cfg;
   cfg.nranks = nranks;
-  for (int r = 0; r < nranks; ++r) { cfg.group_of.push_back(0); cfg.rank_of.push_back(r); }
   cfg.lane_bytes = lane_bytes;
   cfg.timeout_s = timeout_s;
   cfg.fault_rank = fault_rank;
   cfg.fault_mode = fault_mode;
   cfg.ranks_per_node = ranks_per_node;
   cfg.chunk_bytes = chunk_bytes;
-  const int64_t id = cpu::create_comm(cfg);
-  auto comm = cpu::find_comm(id);
-  char* out = new char[row * nranks + 1];
-  std::vector<std::string> errors(nranks);
-  {
-    nb::gil_scoped_release release;
-    std::vector<std::thread> threads;
-    const char* in = static_cast<const char*>(inputs.data());
-    for (int r = 0; r < nranks; ++r) {
-      threads.emplace_back([&, r] {
-        for (int i = 0; i < repeats && errors[r].empty(); ++i)
-          errors[r] = cpu::allreduce(*comm, 0, r, dt, RedOp(op), Algorithm(algorithm),
-                                     in + r * row, out + r * row, count);
-      });
-    }
-    for (auto& t : threads) t.join();
-  }
-  cpu::destroy_comm(id);
-  for (int r = 0; r < nranks; ++r) {
-    if (!errors[r].empty()) { delete[] out; throw std::runtime_error(errors[r]); }
-  }
-  nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<char*>(p); });
-  size_t shape[2] = {size_t(nranks), count};
-  return nb::ndarray<nb::numpy>(out, 2, shape, owner, nullptr, inputs.dtype());
+  const char* in = static_cast<const char*>(inputs.data());
+  return on_threads(cfg, inputs, count, dtype_size(dt), repeats,
+                    [&](cpu::Comm& comm, int r, char* out) {
+                      return cpu::allreduce(comm, 0, r, dt, RedOp(op), Algorithm(algorithm),
+                                            in + r * row, out, count);
+                    });
 }
 
 // Runs one reduce-scatter (call_op kOpReduceScatter) or all-gather (kOpAllGather) among
@@ -129,36 +144,16 @@ nb::ndarray<nb::numpy> threads_collective(nb::ndarray<nb::c_contig, nb::device::
   const size_t out_count = rs ? block : block * size_t(nranks);
   cpu::CommConfig cfg;
   cfg.nranks = nranks;
-  for (int r = 0; r < nranks; ++r) { cfg.group_of.push_back(0); cfg.rank_of.push_back(r); }
   cfg.lane_bytes = lane_bytes;
   cfg.timeout_s = timeout_s;
   cfg.fault_rank = fault_rank;
   cfg.chunk_bytes = chunk_bytes;
-  const int64_t id = cpu::create_comm(cfg);
-  auto comm = cpu::find_comm(id);
-  char* out = new char[out_count * esize * size_t(nranks) + 1];
-  std::vector<std::string> errors(nranks);
-  {
-    nb::gil_scoped_release release;
-    std::vector<std::thread> threads;
-    const char* in = static_cast<const char*>(inputs.data());
-    for (int r = 0; r < nranks; ++r) {
-      threads.emplace_back([&, r] {
-        for (int i = 0; i < repeats && errors[r].empty(); ++i)
-          errors[r] = cpu::collective(*comm, 0, r, dt, call_op, Algorithm(algorithm),
-                                      in + size_t(r) * in_count * esize,
-                                      out + size_t(r) * out_count * esize, block);
-      });
-    }
-    for (auto& t : threads) t.join();
-  }
-  cpu::destroy_comm(id);
-  for (int r = 0; r < nranks; ++r) {
-    if (!errors[r].empty()) { delete[] out; throw std::runtime_error(errors[r]); }
-  }
-  nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<char*>(p); });
-  size_t shape[2] = {size_t(nranks), out_count};
-  return nb::ndarray<nb::numpy>(out, 2, shape, owner, nullptr, inputs.dtype());
+  const char* in = static_cast<const char*>(inputs.data());
+  return on_threads(cfg, inputs, out_count, esize, repeats,
+                    [&](cpu::Comm& comm, int r, char* out) {
+                      return cpu::collective(comm, 0, r, dt, call_op, Algorithm(algorithm),
+                                             in + size_t(r) * in_count * esize, out, block);
+                    });
 }
 
 }  // namespace
