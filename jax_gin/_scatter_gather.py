@@ -62,7 +62,7 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, algorithm: s
 
 
 def _apply(api, x, axis_name, dim, tiled, algorithm):
-    algorithm = _select.validate_collective(algorithm, api)
+    algorithm = _select.validate(algorithm, api, _select.COLLECTIVE_ALGORITHMS)
     if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
         name = "scatter_dimension" if api == "psum_scatter" else "axis"
         raise TypeError(f"jax_gin.{api}: {name} must be an integer, got {dim!r}")

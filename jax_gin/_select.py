@@ -99,17 +99,11 @@ def choose_collective(platform: str, nbytes: int, nranks: int, device_kind: str 
                         f"(N-1)/N share of the {nbytes} B per rank that any schedule moves")
 
 
-def validate_collective(algorithm, api: str) -> str:
-    if algorithm == "auto" or algorithm in COLLECTIVE_ALGORITHMS:
+def validate(algorithm, api: str, choices: tuple = ALGORITHMS) -> str:
+    """`algorithm` if it is "auto" or one of `choices` (the all-reduces' by default;
+    COLLECTIVE_ALGORITHMS for psum_scatter and all_gather), else a ValueError naming them."""
+    if algorithm == "auto" or algorithm in choices:
         return algorithm
     raise ValueError(
         f"jax_gin.{api}: unknown algorithm {algorithm!r}; expected 'auto' or one of "
-        f"{', '.join(repr(a) for a in COLLECTIVE_ALGORITHMS)}")
-
-
-def validate(algorithm, api: str) -> str:
-    if algorithm == "auto" or algorithm in ALGORITHMS:
-        return algorithm
-    raise ValueError(
-        f"jax_gin.{api}: unknown algorithm {algorithm!r}; expected 'auto' or one of "
-        f"{', '.join(repr(a) for a in ALGORITHMS)}")
+        f"{', '.join(repr(a) for a in choices)}")
