@@ -209,6 +209,47 @@ def _error(e: Exception) -> str:
     return "; ".join([f"{type(e).__name__}: {str(e).strip()}"] + list(found))
 
 
+def _exact_input(mesh, per_device: int):
+    """float32 small integers, `per_device` on each device of `mesh`: every sum is exact, so
+    every algorithm must equal lax bit for bit."""
+    n = mesh.size
+    return jax.device_put((np.arange(n * per_device) % 13 - 6).astype(np.float32),
+                          NamedSharding(mesh, P("i")))
+
+
+def _reference(r: Report, name: str, kind: str, fn, x, runs: int, shown: str):
+    """(result, median µs) of lax's `fn` on x, or None after reporting that it failed (the
+    self-test reports every failure and goes on)."""
+    try:
+        return _timed(fn, x, runs)
+    except Exception as e:
+        r.line(f"{name:<24} {shown:>5}  ERROR  {_error(e)}")
+        r.fail(f"{name} at {shown} per device raised an error (self-test above)",
+               f"JAX's own {kind} fails here: check the jax install")
+        return None
+
+
+def _case(r: Report, row: dict, label: str, shown: str, fn, x, runs: int, want, *, what: str,
+          ref: str, avoid: str) -> None:
+    """One self-test row: fn(x) timed and compared bit for bit with `want` (ref's result);
+    the row gets jax_gin_us and ok (or error), the report a line, and a failure names `what`."""
+    try:
+        got, row["jax_gin_us"] = _timed(fn, x, runs)
+    except Exception as e:
+        row["ok"], row["error"] = False, _error(e)
+        r.line(f"{label:<24} {shown:>5}  ERROR  {row['error']}")
+        r.fail(f"{what} at {shown} per device raised an error (self-test above)",
+               "read the error: a timed-out wait names the op, rank, peer and step it waited "
+               "at (JAX_GIN_TIMEOUT_S: how long)")
+        return
+    row["ok"] = bool(np.array_equal(got.view(np.uint32), want.view(np.uint32)))
+    r.line(f"{label:<24} {shown:>5}  {'ok' if row['ok'] else 'WRONG':<6} "
+           f"{row['jax_gin_us']:>10.1f} {row['lax_us']:>9.1f}")
+    if not row["ok"]:
+        r.fail(f"{what} at {shown} per device differs from {ref}",
+               f"report it with this output; meanwhile avoid {avoid}")
+
+
 def self_test(r: Report, devices: list, sizes: list, runs: int) -> None:
     rows = r.section("self-test", "self-test (float32; size per device, psum_scatter's output "
                      "and all_gather's input; µs: median)").setdefault("rows", [])
@@ -222,16 +263,11 @@ def self_test(r: Report, devices: list, sizes: list, runs: int) -> None:
     for size in sizes:
         count = max(1, size // 4)
         shown = format_size(count * 4)
-        # Small integers: every sum is exact, so every algorithm must equal lax bit for bit.
-        x = jax.device_put((np.arange(n * count) % 13 - 6).astype(np.float32),
-                           NamedSharding(mesh, P("i")))
-        try:
-            want, lax_us = _timed(lax_psum, x, runs)
-        except Exception as e:  # the self-test reports every failure and goes on
-            r.line(f"{'lax.psum':<24} {shown:>5}  ERROR  {_error(e)}")
-            r.fail(f"lax.psum at {shown} per device raised an error (self-test above)",
-                   "JAX's own all-reduce fails here: check the jax install")
+        x = _exact_input(mesh, count)
+        ref = _reference(r, "lax.psum", "all-reduce", lax_psum, x, runs, shown)
+        if ref is None:
             continue
+        want, lax_us = ref
         auto = jax_gin.explain(jax.ShapeDtypeStruct((count,), jnp.float32), nranks=n)
         cases = [(a, False) for a in jax_gin.ALGORITHMS + ("auto",)]
         for algo, overlap in cases + ([("auto", True)] if size == sizes[0] else []):
@@ -239,22 +275,10 @@ def self_test(r: Report, devices: list, sizes: list, runs: int) -> None:
                 (" overlap" if overlap else "")
             row = {"algorithm": algo, "overlap": overlap, "bytes": count * 4, "lax_us": lax_us}
             rows.append(row)
-            try:
-                got, row["jax_gin_us"] = _timed(shard(lambda v: jax_gin.psum(
-                    v, "i", algorithm=algo, overlap=overlap)), x, runs)
-            except Exception as e:
-                row["ok"], row["error"] = False, _error(e)
-                r.line(f"{label:<24} {shown:>5}  ERROR  {row['error']}")
-                r.fail(f"psum with algorithm {label} at {shown} per device raised an error "
-                       "(self-test above)", "read the error: a timed-out wait names the op, "
-                       "rank, peer and step it waited at (JAX_GIN_TIMEOUT_S: how long)")
-                continue
-            row["ok"] = bool(np.array_equal(got.view(np.uint32), want.view(np.uint32)))
-            r.line(f"{label:<24} {shown:>5}  {'ok' if row['ok'] else 'WRONG':<6} "
-                   f"{row['jax_gin_us']:>10.1f} {lax_us:>9.1f}")
-            if not row["ok"]:
-                r.fail(f"psum with algorithm {label} at {shown} per device differs from "
-                       "lax.psum", f"report it with this output; meanwhile avoid algorithm={algo!r}")
+            _case(r, row, label, shown, shard(lambda v: jax_gin.psum(
+                v, "i", algorithm=algo, overlap=overlap)), x, runs, want,
+                what=f"psum with algorithm {label}", ref="lax.psum",
+                avoid=f"algorithm={algo!r}")
         if size == sizes[0]:
             _collectives_test(r, rows, mesh, count, shown, runs)
 
@@ -269,38 +293,21 @@ def _collectives_test(r: Report, rows: list, mesh, count: int, shown: str, runs:
 
     for api in _scatter_gather.API_NAMES:
         per_device = count * n if api == "psum_scatter" else count
-        x = jax.device_put((np.arange(n * per_device) % 13 - 6).astype(np.float32),
-                           NamedSharding(mesh, P("i")))
-        try:
-            want, lax_us = _timed(shard(lambda v: getattr(jax.lax, api)(v, "i", tiled=True)), x,
-                                  runs)
-        except Exception as e:
-            r.line(f"{'lax.' + api:<24} {shown:>5}  ERROR  {_error(e)}")
-            r.fail(f"lax.{api} at {shown} per device raised an error (self-test above)",
-                   "JAX's own collective fails here: check the jax install")
+        x = _exact_input(mesh, per_device)
+        ref = _reference(r, f"lax.{api}", "collective",
+                         shard(lambda v: getattr(jax.lax, api)(v, "i", tiled=True)), x, runs, shown)
+        if ref is None:
             continue
+        want, lax_us = ref
         for algo in _select.COLLECTIVE_ALGORITHMS:
             label = f"{api} {algo}"
             row = {"collective": api, "algorithm": algo, "overlap": False, "bytes": count * 4,
                    "lax_us": lax_us}
             rows.append(row)
-            try:
-                got, row["jax_gin_us"] = _timed(shard(lambda v: getattr(jax_gin, api)(
-                    v, "i", tiled=True, algorithm=algo)), x, runs)
-            except Exception as e:
-                row["ok"], row["error"] = False, _error(e)
-                r.line(f"{label:<24} {shown:>5}  ERROR  {row['error']}")
-                r.fail(f"{api} with algorithm {algo} at {shown} per device raised an error "
-                       "(self-test above)", "read the error: a timed-out wait names the op, "
-                       "rank, peer and step it waited at (JAX_GIN_TIMEOUT_S: how long)")
-                continue
-            row["ok"] = bool(np.array_equal(got.view(np.uint32), want.view(np.uint32)))
-            r.line(f"{label:<24} {shown:>5}  {'ok' if row['ok'] else 'WRONG':<6} "
-                   f"{row['jax_gin_us']:>10.1f} {lax_us:>9.1f}")
-            if not row["ok"]:
-                r.fail(f"{api} with algorithm {algo} at {shown} per device differs from "
-                       f"lax.{api}", f"report it with this output; meanwhile avoid "
-                       f"algorithm={algo!r} for {api}")
+            _case(r, row, label, shown, shard(lambda v: getattr(jax_gin, api)(
+                v, "i", tiled=True, algorithm=algo)), x, runs, want,
+                what=f"{api} with algorithm {algo}", ref=f"lax.{api}",
+                avoid=f"algorithm={algo!r} for {api}")
 
 
 def _sizes(text: str) -> list:
