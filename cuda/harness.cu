@@ -615,10 +615,9 @@ int main(int argc, char** argv) {
       CK(cudaMalloc(&rk[r].table, N * sizeof(char*)));
       CK(cudaMemcpy(rk[r].table, bases.data(), N * sizeof(char*), cudaMemcpyHostToDevice));
     }
-    for (const Layout& lay : layouts) {
-      const int rpn = lay.ranks_per_node;
-      // A fresh start for each layout: windows (flags, rail signals, last-sent tags) and round
-      // counters are laid out differently for another node size.
+    // Zeroed windows (flags, rail signals, last-sent tags) and round counters on every rank:
+    // 0, or 1 after a CUDA error (printed).
+    auto fresh_start = [&]() -> int {
       for (int r = 0; r < N; ++r) {
         CK(cudaSetDevice(rk[r].dev));
         CK(cudaDeviceSynchronize());
@@ -626,6 +625,13 @@ int main(int argc, char** argv) {
         CK(cudaMemset(rk[r].rounds, 0, gpu::kRoundCountersBytes));
         CK(cudaDeviceSynchronize());
       }
+      return 0;
+    };
+    for (const Layout& lay : layouts) {
+      const int rpn = lay.ranks_per_node;
+      // A fresh start for each layout: windows (flags, rail signals, last-sent tags) and round
+      // counters are laid out differently for another node size.
+      if (fresh_start()) return 1;
       for (const auto& ds : dtypes_s) {
         const DT* dt = nullptr;
         for (const auto& d : kDTypes) if (ds == d.name) dt = &d;
@@ -744,13 +750,7 @@ int main(int argc, char** argv) {
       // every kind share them); after hierarchical, which gives credits to fewer peers, a fresh
       // start.
       if (!layouts.empty() && layouts.back().ranks_per_node > 0) {
-        for (int r = 0; r < N; ++r) {
-          CK(cudaSetDevice(rk[r].dev));
-          CK(cudaDeviceSynchronize());
-          CK(cudaMemset(rk[r].window, 0, wbytes));
-          CK(cudaMemset(rk[r].rounds, 0, gpu::kRoundCountersBytes));
-          CK(cudaDeviceSynchronize());
-        }
+        if (fresh_start()) return 1;
       }
       long n = 0;
       const long bad = check_collectives(rk, N, coll, &n);
