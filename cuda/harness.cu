@@ -25,7 +25,9 @@
 // ring (those of --algos, if given), blocks of each of --block-bytes (multiples of 16; default
 // 16,48,1008,65584,1048592: 1, 3, 63, 4099 and 65537 vectors). With --time-iters it also
 // prints each call's time and nccl-tests' algbw and busbw.
-// --record 1 turns each rank's flight recorder on and checks its entries after each rank count.
+// --record 1 turns each rank's flight recorder on and checks its entries after each rank count;
+// 0 (the default) leaves it off, as the runtime does; -1 gives the kernels no recorder at all
+// (no ring, no switch to read), to measure what the recorder costs when it is off.
 // --dtypes takes the short names of JAX_GIN_DTYPES (common.h): f32, f64, bf16, f16, i32, i64,
 // u32 (unsigned types get inputs 0..14, the others -7..7).
 // Exit code: 0 all correct, 1 mismatch or CUDA error, 3 a wait timed out (diagnostic printed).
@@ -106,7 +108,7 @@ struct Rank {
   void* out = nullptr;
   cudaStream_t stream;
   gpu::CopyEngineAux ce_aux;  // copy_engine's second stream and events
-  RecEntry* rec_ring = nullptr;  // --record 1: the flight recorder's ring and control words
+  RecEntry* rec_ring = nullptr;  // the flight recorder's ring and control words (null: --record -1)
   uint64_t* rec_ctl = nullptr;
   long calls = 0;                // calls launched on this rank (what the recorder must count)
 };
@@ -125,6 +127,9 @@ gpu::LaunchConfig rank_config(const Rank& R, int r, int N, size_t lane_bytes, in
   c.rounds = R.rounds;
   c.diag = R.diag_dev;
   c.timeout_ns = uint64_t(timeout_s * 1e9);
+  c.rec_ring = R.rec_ring;  // null with --record -1
+  c.rec_ctl = R.rec_ctl;
+  c.rec_entries = kHarnessRecEntries;
   return c;
 }
 
@@ -283,6 +288,7 @@ long check_add_rmsnorm(std::vector<Rank>& rk, int N, size_t lane_bytes, double t
           CK(cudaSetDevice(rk[r].dev));
           CK(gpu::launch_allreduce(gpu::PeerAccess{nullptr, rk[r].table}, cfg[r], dt->dt, RedOp::kSum,
                                    Algorithm::kOneShot, b[r].x, b[r].nr2, n, rk[r].stream));
+          ++rk[r].calls;  // recorded (the one-kernel path is not: it has no recorder)
         }
         for (int r = 0; r < N; ++r) {
           CK(cudaSetDevice(rk[r].dev));
@@ -401,9 +407,6 @@ long check_collectives(std::vector<Rank>& rk, int N, const CollectiveArgs& a, lo
               cfg.one_shot_chunk_bytes = a.one_shot_chunk_bytes;
               cfg.lane_grain_bytes = a.lane_grain;
               cfg.fault_rank = a.fault_rank;
-              cfg.rec_ring = R.rec_ring;
-              cfg.rec_ctl = R.rec_ctl;
-              cfg.rec_entries = kHarnessRecEntries;
               if (block > 0) ++R.calls;  // a call of no elements launches nothing
               e = gpu::launch_collective(gpu::PeerAccess{nullptr, R.table}, cfg, dt->dt, call_op, algo,
                                          in[r], out[r], block, R.stream);
@@ -467,7 +470,7 @@ int main(int argc, char** argv) {
   // figure; this is the device-side time per call that XLA's command buffers would see.
   int time_graph = 0;
   int ce_serial = 0;  // --ce-serial 1: copy_engine without its second stream
-  int record = 0;     // --record 1: the flight recorder on, checked after each rank count
+  int record = 0;     // --record 1: the flight recorder on, checked after each rank count (-1: none)
   int add_rmsnorm = 0;  // --add-rmsnorm 1: psum_add_rmsnorm's one-kernel path, after each rank count
   std::string collectives = "0";  // --collectives 1 | only
   std::vector<std::string> block_bytes_s = {"16", "48", "1008", "65584", "1048592"};
@@ -598,11 +601,11 @@ int main(int argc, char** argv) {
       CK(cudaMalloc(&R.in, max_count * 8 + 16));
       CK(cudaMalloc(&R.out, max_count * 8 + 16));
       CK(cudaStreamCreateWithFlags(&R.stream, cudaStreamNonBlocking));
-      if (record) {
+      if (record >= 0) {  // as a communicator of the runtime: a ring and its switch
         CK(cudaMalloc(&R.rec_ring, kHarnessRecEntries * sizeof(RecEntry)));
         CK(cudaMemset(R.rec_ring, 0, kHarnessRecEntries * sizeof(RecEntry)));
         CK(cudaMalloc(&R.rec_ctl, 2 * sizeof(uint64_t)));
-        const uint64_t on[2] = {1, 0};
+        const uint64_t on[2] = {uint64_t(record > 0), 0};
         CK(cudaMemcpy(R.rec_ctl, on, sizeof on, cudaMemcpyHostToDevice));
       }
       CK(cudaStreamCreateWithFlags(&R.ce_aux.stream, cudaStreamNonBlocking));
@@ -700,9 +703,6 @@ int main(int argc, char** argv) {
                   // --chunk-bytes alone (tiny-chunk runs) sets one_shot's chunk too
                   cfg.one_shot_chunk_bytes = one_shot_chunk_set ? one_shot_chunk : std::min(one_shot_chunk, chunk_bytes);
                   cfg.fault_rank = fault_rank;
-                  cfg.rec_ring = R.rec_ring;
-                  cfg.rec_ctl = R.rec_ctl;
-                  cfg.rec_entries = kHarnessRecEntries;
                   if (count > 0) ++R.calls;  // a call of no elements launches nothing
                   e = copy_engine
                           ? gpu::launch_allreduce_copy_engine(gpu::PeerAccess{nullptr, R.table}, bases.data(),
@@ -759,7 +759,12 @@ int main(int argc, char** argv) {
       cases += n;
       std::printf("ranks=%d: collectives %ld passed, %ld failed\n", N, n - bad, bad);
     }
-    if (record) {
+    if (add_rmsnorm) {
+      const long bad = check_add_rmsnorm(rk, N, lane_bytes, timeout_s, dtypes_s);
+      failures += bad;
+      ++cases;
+    }
+    if (record > 0) {
       for (int r = 0; r < N; ++r) {
         CK(cudaSetDevice(rk[r].dev));
         CK(cudaDeviceSynchronize());
@@ -769,11 +774,6 @@ int main(int argc, char** argv) {
       failures += bad;
       ++cases;
       std::printf("ranks=%d: recorder %s (%ld calls per rank)\n", N, bad ? "FAILED" : "ok", rk[0].calls);
-    }
-    if (add_rmsnorm) {
-      const long bad = check_add_rmsnorm(rk, N, lane_bytes, timeout_s, dtypes_s);
-      failures += bad;
-      ++cases;
     }
     std::printf("ranks=%d: done\n", N);
     for (auto& R : rk) {

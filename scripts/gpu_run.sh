@@ -60,8 +60,8 @@ harness() {
   $H --ranks 2,3,4,8 --dtypes f32,bf16 --iters 2 --record 1 >> "$OUT/harness.log" 2>&1
   log "harness, flight recorder on and checked rc=$? $(tail -1 "$OUT/harness.log")"
   $H --ranks 2,3,4,8 --algos one_shot --counts 1,1000 --dtypes f32,bf16,f16 --iters 2 \
-    --add-rmsnorm 1 >> "$OUT/harness.log" 2>&1
-  log "harness, psum_add_rmsnorm in one kernel against two rc=$? $(tail -1 "$OUT/harness.log")"
+    --add-rmsnorm 1 --record 1 >> "$OUT/harness.log" 2>&1
+  log "harness, psum_add_rmsnorm in one kernel against two, recorded rc=$? $(tail -1 "$OUT/harness.log")"
   $H --ranks 2,3,4,8 --lane-bytes 4096 --algos copy_engine,two_shot,copy_engine,ring \
     --counts 1,1001,300001,1000003 --dtypes f32,bf16 --ops sum,max --iters 2 >> "$OUT/harness.log" 2>&1
   log "harness, copy engines over several rounds rc=$? $(tail -1 "$OUT/harness.log")"
