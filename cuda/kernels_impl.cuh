@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(512)
   HierTransport<Peers, Rail> tp(peers, rail, p, lane, slot_bytes);
   uint64_t round = p.rounds[lane];
   const uint64_t round0 = round + 1;
-  __shared__ RecEntry s_rec;
+  __shared__ __align__(16) RecEntry s_rec;
   RecEntry* rec = lane == 0 && threadIdx.x == 0 ? rec_begin(p, round0, &s_rec) : nullptr;
   run_lane_hierarchical<T, Op>(tp, in + mine.offset, out + mine.offset, mine.count, p.lane_bytes,
                                p.ranks_per_node, round);
@@ -175,7 +175,7 @@ __device__ __forceinline__ void one_shot_ll_lane(const Peers& peers, const LaneP
   const int lane = blockIdx.x;
   const uint64_t round = ll_round(p, lane);
   // LL has no flags of its own to note: the recorder keeps the call's start and end
-  __shared__ RecEntry s_rec;
+  __shared__ __align__(16) RecEntry s_rec;
   RecEntry* rec = lane == 0 && threadIdx.x == 0 ? rec_begin(p, round, &s_rec) : nullptr;
   const size_t total = count * sizeof(T);
   const size_t lo = size_t(lane) * kLLLanePayload;

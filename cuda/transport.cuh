@@ -171,11 +171,12 @@ __device__ inline void rec_end(const LaneParams& p, RecEntry* e, uint64_t rounds
   RecEntry* g = p.rec_ring + (e->seq - 1) % p.rec_entries;
   if (g == e) return;
   constexpr size_t kHeader = offsetof(RecEntry, events);
-  static_assert(kHeader % 8 == 0 && sizeof(RecEvent) % 8 == 0, "8-byte copies");
-  const size_t words = (kHeader + size_t(e->nevents) * sizeof(RecEvent)) / 8;
-  const uint64_t* src = reinterpret_cast<const uint64_t*>(e);
-  uint64_t* dst = reinterpret_cast<uint64_t*>(g);
-  for (size_t i = 0; i < words; ++i) dst[i] = src[i];
+  static_assert(kHeader % 16 == 0 && sizeof(RecEntry) % 16 == 0, "16-byte copies");
+  const size_t n = (kHeader + size_t(e->nevents) * sizeof(RecEvent) + 15) / 16;
+  const uint4* src = reinterpret_cast<const uint4*>(e);
+  uint4* dst = reinterpret_cast<uint4*>(g);
+#pragma unroll 4
+  for (size_t i = 0; i < n; ++i) dst[i] = src[i];
 }
 
 // One call's rounds in lane `lane`: body(round) runs them from the lane's persistent round
@@ -186,7 +187,7 @@ template <class Tp, class Body>
 __device__ __forceinline__ void run_recorded_lane(const LaneParams& p, int lane, Tp& tp, Body&& body) {
   uint64_t round = p.rounds[lane];
   const uint64_t round0 = round + 1;
-  __shared__ RecEntry s_rec;  // lane 0's recorder entry while the call runs
+  __shared__ __align__(16) RecEntry s_rec;  // lane 0's recorder entry while the call runs
   RecEntry* rec = lane == 0 && threadIdx.x == 0 ? rec_begin(p, round0, &s_rec) : nullptr;
   tp.record_into(rec, round0);
   body(round);
