@@ -135,10 +135,10 @@ class Settings:
         trace time that names the bytes it needs.
     timeout_s: how long any wait may spin before the call fails (JAX_GIN_TIMEOUT_S, seconds,
         positive and finite).
-    bucket_bytes: a pytree's leaves of one dtype are reduced together, in one call per
-        bucket of at most this many bytes (JAX_GIN_BUCKET_BYTES, a positive integer; a leaf
-        larger than that is a bucket of its own), as XLA's all-reduce combiner and PyTorch
-        DDP's buckets do.
+    bucket_bytes: a pytree's leaves of one dtype are reduced (scattered, gathered) together,
+        in one call per bucket of at most this many bytes (JAX_GIN_BUCKET_BYTES, a positive
+        integer; psum_scatter and all_gather count the larger side; a leaf larger than that
+        is a bucket of its own), as XLA's collective combiners and PyTorch DDP's buckets do.
     overlap_lanes: the most lanes (CTAs) an asynchronous call (overlap=True) uses on a GPU
         (JAX_GIN_OVERLAP_LANES, 1 to 128), so that the compute it overlaps keeps the other SMs.
     overlap_copy_engine_bytes: an asynchronous call of one buffer of at least this many bytes,

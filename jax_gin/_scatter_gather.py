@@ -8,7 +8,9 @@ tuple's row-major index). Each is the other's transpose. The public functions mo
 scattered or gathered dimension to the front, flatten, and pad a block to a multiple of 16
 bytes (the kernels move 16-byte vectors) in ordinary JAX operations around the primitive, so
 lax's semantics for any dimension, `tiled`, pytrees and complex values need nothing more of
-the primitives, and grad, vmap and jit see plain JAX around them.
+the primitives, and grad, vmap and jit see plain JAX around them. A pytree's leaves of one
+dtype share a call, bucket by bucket: their blocks side by side (psum_scatter: (N, mp) blocks
+concatenated along their second axis) make one flat operand.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ ALIGN_BYTES = 16  # block boundaries (common.h kAlignBytes)
 
 
 def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = False,
-                 algorithm: str = "auto"):
+                 algorithm: str = "auto", bucket_bytes: int | None = None):
     """Sum over mesh axis `axis_name` (a name or a tuple of names), keeping on each device
     only its part; a drop-in for ``jax.lax.psum_scatter`` inside ``shard_map``.
 
@@ -45,34 +47,74 @@ def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fals
     along `scatter_dimension`: untiled, that dimension must have the axis size and is removed;
     tiled, its size must be a multiple of the axis size and is divided by it. `algorithm` is
     "auto", "one_shot" (each rank sends each peer its slice directly, one step) or "ring"
-    (N-1 steps to the next rank). A pytree is scattered leaf by leaf.
+    (N-1 steps to the next rank).
+
+    A pytree is scattered as few collectives: its leaves of one dtype go into buckets of at
+    most `bucket_bytes` of input (default ``jax_gin.runtime.settings.bucket_bytes``, 64 MiB),
+    in leaf order, and each bucket is one call on the leaves' blocks laid side by side. A leaf
+    larger than `bucket_bytes` is a bucket of its own. The result is the same, bit for bit,
+    as leaf by leaf.
     """
-    return _apply("psum_scatter", x, axis_name, scatter_dimension, tiled, algorithm)
+    return _apply("psum_scatter", x, axis_name, scatter_dimension, tiled, algorithm,
+                  bucket_bytes)
 
 
-def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, algorithm: str = "auto"):
+def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, algorithm: str = "auto",
+               bucket_bytes: int | None = None):
     """Every device's `x`, over mesh axis `axis_name`, in axis-index order; a drop-in for
     ``jax.lax.all_gather`` inside ``shard_map``.
 
     Untiled, the blocks are stacked along a new dimension at `axis`; tiled, concatenated
     along the existing dimension `axis`. `algorithm` is "auto", "one_shot" or "ring", as for
-    psum_scatter. A pytree is gathered leaf by leaf.
+    psum_scatter. A pytree is gathered in buckets of at most `bucket_bytes` of output, as
+    psum_scatter scatters one.
     """
-    return _apply("all_gather", x, axis_name, axis, tiled, algorithm)
+    return _apply("all_gather", x, axis_name, axis, tiled, algorithm, bucket_bytes)
 
 
-def _apply(api, x, axis_name, dim, tiled, algorithm):
+def _apply(api, x, axis_name, dim, tiled, algorithm, bucket_bytes):
     algorithm = _select.validate(algorithm, api, _select.COLLECTIVE_ALGORITHMS)
     if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
         name = "scatter_dimension" if api == "psum_scatter" else "axis"
         raise TypeError(f"jax_gin.{api}: {name} must be an integer, got {dim!r}")
     if not isinstance(tiled, (bool, np.bool_)):
         raise TypeError(f"jax_gin.{api}: tiled must be True or False, got {tiled!r}")
+    bucket_bytes = _primitive._check_bucket_bytes(bucket_bytes, api)
     axes = _primitive._normalize_axes(axis_name, api)
     nranks = math.prod(_compat.axis_size(a) for a in axes)
-    fn = _scatter if api == "psum_scatter" else _gather
-    return tree_util.tree_map(lambda leaf: fn(leaf, axes, nranks, int(dim), bool(tiled),
-                                              algorithm), x)
+    plan = _scatter_plan if api == "psum_scatter" else _gather_plan
+    leaves, treedef = tree_util.tree_flatten(x)
+    # each leaf's operand: (N, mp) blocks to scatter, or an (mp,) block to gather
+    operands, finishes = zip(*[plan(leaf, axes, nranks, int(dim), bool(tiled))
+                               for leaf in leaves]) if leaves else ((), ())
+    groups: dict = {}  # (dtype, the axes it varies over) -> indices of its leaves, in order
+    vma = _compat.check_vma_enabled()
+    for i, op in enumerate(operands):
+        key = (np.dtype(op.dtype), _compat.varying_axes(jax.typeof(op)) if vma else None)
+        groups.setdefault(key, []).append(i)
+    out = [None] * len(leaves)
+    for (dtype, _), idx in groups.items():
+        # a bucket's size is its larger side: N blocks of every leaf in it
+        sizes = [nranks * operands[i].shape[-1] * dtype.itemsize for i in idx]
+        for bucket in _primitive.buckets(sizes, bucket_bytes, max_operands=len(idx)):
+            members = [idx[j] for j in bucket]
+            widths = [operands[i].shape[-1] for i in members]
+            cuts = np.cumsum(widths)[:-1].tolist()
+            if api == "psum_scatter":
+                blocks = jnp.concatenate([operands[i] for i in members], axis=1) \
+                    if len(members) > 1 else operands[members[0]]
+                y = psum_scatter_p.bind(blocks.reshape(-1), axes=axes, nranks=nranks,
+                                        algorithm=algorithm)
+                parts = jnp.split(y, cuts) if cuts else [y]
+            else:
+                flat = jnp.concatenate([operands[i] for i in members]) \
+                    if len(members) > 1 else operands[members[0]]
+                y = all_gather_p.bind(flat, axes=axes, nranks=nranks, algorithm=algorithm)
+                y = y.reshape(nranks, sum(widths))
+                parts = jnp.split(y, cuts, axis=1) if cuts else [y]
+            for i, part in zip(members, parts):
+                out[i] = finishes[i](part)
+    return tree_util.tree_unflatten(treedef, out)
 
 
 def _canonical_dim(dim: int, ndim: int, api: str, name: str, shape) -> int:
@@ -110,7 +152,9 @@ def _pad_to(m: int, itemsize: int) -> int:
     return -(-m // al) * al
 
 
-def _scatter(leaf, axes, nranks, dim, tiled, algorithm):
+def _scatter_plan(leaf, axes, nranks, dim, tiled):
+    """A leaf to scatter as (N, mp) blocks (block q: the rows device q gets, padded to 16
+    bytes), and the function that turns its block of the sum, (mp,), into the result."""
     # (a complex leaf's parts are a trailing axis: the leaf's own dimensions keep their index)
     d = _canonical_dim(dim, np.ndim(leaf), "psum_scatter", "scatter_dimension", np.shape(leaf))
     x, undo = _prepare(leaf, axes, "psum_scatter")
@@ -129,13 +173,17 @@ def _scatter(leaf, axes, nranks, dim, tiled, algorithm):
     blocks = moved.reshape(nranks, m)
     if mp != m:
         blocks = jnp.pad(blocks, ((0, 0), (0, mp - m)))
-    y = psum_scatter_p.bind(blocks.reshape(nranks * mp), axes=axes, nranks=nranks,
-                            algorithm=algorithm)[:m]
-    y = jnp.moveaxis(y.reshape((k,) + rest), 0, d) if tiled else y.reshape(rest)
-    return undo(y) if undo else y
+
+    def finish(y):
+        y = y[:m]
+        y = jnp.moveaxis(y.reshape((k,) + rest), 0, d) if tiled else y.reshape(rest)
+        return undo(y) if undo else y
+    return blocks, finish
 
 
-def _gather(leaf, axes, nranks, dim, tiled, algorithm):
+def _gather_plan(leaf, axes, nranks, dim, tiled):
+    """A leaf to gather as its (mp,) block (padded to 16 bytes), and the function that turns
+    every device's block, (N, mp), into the result."""
     ndim, shape = np.ndim(leaf), np.shape(leaf)
     if tiled:
         if ndim == 0:
@@ -151,14 +199,16 @@ def _gather(leaf, axes, nranks, dim, tiled, algorithm):
     flat = moved.reshape(m)
     if mp != m:
         flat = jnp.pad(flat, (0, mp - m))
-    y = all_gather_p.bind(flat, axes=axes, nranks=nranks, algorithm=algorithm)
-    y = y.reshape(nranks, mp)[:, :m]
-    if tiled:
-        y = y.reshape((nranks * moved.shape[0],) + moved.shape[1:])
-        y = jnp.moveaxis(y, 0, d)
-    else:
-        y = jnp.moveaxis(y.reshape((nranks,) + x.shape), 0, d)
-    return undo(y) if undo else y
+
+    def finish(y):
+        y = y[:, :m]
+        if tiled:
+            y = y.reshape((nranks * moved.shape[0],) + moved.shape[1:])
+            y = jnp.moveaxis(y, 0, d)
+        else:
+            y = jnp.moveaxis(y.reshape((nranks,) + x.shape), 0, d)
+        return undo(y) if undo else y
+    return flat, finish
 
 
 def _axes_text(axes) -> str:
