@@ -1,4 +1,4 @@
-"""The documentation's Python snippets run as written.
+"""The documentation's Python snippets run as written, and the README stays short.
 
 Every ```python fenced block of README.md and docs/global-view.md runs alone in a fresh
 interpreter, with cwd the repository root, JAX_PLATFORMS=cpu and
@@ -34,6 +34,14 @@ def python_blocks(doc: str) -> list:
 
 
 BLOCKS = [b for doc in DOCS for b in python_blocks(doc)]
+
+
+README_MAX_LINES = 200  # the README is for users; design and method live in docs/
+
+
+def test_readme_stays_short():
+    n = len((ROOT / "README.md").read_text().splitlines())
+    assert n <= README_MAX_LINES, f"README.md has {n} lines (at most {README_MAX_LINES})"
 
 
 def test_every_doc_has_python_blocks():
