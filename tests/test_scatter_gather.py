@@ -369,6 +369,10 @@ def test_errors_at_trace_time():
         run(lambda v: jax_gin.all_gather(v, "i", tiled=True, algorithm="two_shot"))
     with pytest.raises(TypeError, match=r"psum_scatter: unsupported dtype int8"):
         run(lambda v: jax_gin.psum_scatter(v.astype(jnp.int8), "i", tiled=True).astype(jnp.float32))
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match=r"all_gather: bucket_bytes must be a positive "
+                                             rf"integer, got {bad!r}"):
+            run(lambda v: jax_gin.all_gather(v, "i", tiled=True, bucket_bytes=bad))
 
 
 def test_threads_harness_group_sizes():
