@@ -281,6 +281,7 @@ long check_add_rmsnorm(std::vector<Rank>& rk, int N, size_t lane_bytes, double t
                                                          sh.rows, sh.d, eps, rk[r].stream);
         if (e == cudaErrorNotSupported) { supported = false; break; }
         CK(e);
+        ++rk[r].calls;
       }
       bool ok = supported;
       if (supported) {
@@ -288,7 +289,7 @@ long check_add_rmsnorm(std::vector<Rank>& rk, int N, size_t lane_bytes, double t
           CK(cudaSetDevice(rk[r].dev));
           CK(gpu::launch_allreduce(gpu::PeerAccess{nullptr, rk[r].table}, cfg[r], dt->dt, RedOp::kSum,
                                    Algorithm::kOneShot, b[r].x, b[r].nr2, n, rk[r].stream));
-          ++rk[r].calls;  // recorded (the one-kernel path is not: it has no recorder)
+          ++rk[r].calls;
         }
         for (int r = 0; r < N; ++r) {
           CK(cudaSetDevice(rk[r].dev));

@@ -202,6 +202,9 @@ __global__ void __launch_bounds__(512)
                           float eps) {
   const int lane = blockIdx.x;
   const uint64_t round = ll_round(p, lane);
+  // recorded as its all-reduce (a psum, one_shot), as the CPU backend records it
+  __shared__ __align__(16) RecEntry s_rec;
+  RecEntry* rec = lane == 0 && threadIdx.x == 0 ? rec_begin(p, round, &s_rec) : nullptr;
   const size_t row0 = size_t(lane) * rows_per_lane;
   const size_t row1 = row0 + rows_per_lane < rows ? row0 + rows_per_lane : rows;
   const size_t nbytes = (row1 - row0) * d * sizeof(T);
@@ -220,6 +223,8 @@ __global__ void __launch_bounds__(512)
   if (threadIdx.x == 0) p.rounds[kMaxLanes + lane] = round;
   __syncthreads();  // the lane's new residual rows are written (visible to the block)
   for (size_t row = row0; row < row1; ++row) norm_row(nr + row * d, w, out + row * d, d, eps);
+  if (p.rec_ctl != nullptr) __syncthreads();  // the lane's end, for the recorder
+  rec_end(p, rec, 1);
 }
 
 template <class T, class Peers>
