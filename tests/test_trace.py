@@ -92,3 +92,27 @@ def test_trace_names_psum_scatter_and_all_gather(monkeypatch, tmp_path):
         # output (n times its input of 64 n)
         assert [s["args"]["bytes"] for s in mine[:2]] == [4 * 64 * n] * 2
         assert [s["args"]["bytes"] for s in mine[2:]] == [4 * 64 * n * n] * 2
+
+
+@pytest.mark.parametrize("algo", ["one_shot", "ring"])
+def test_trace_has_psum_add_rmsnorm(monkeypatch, tmp_path, algo):
+    """psum_add_rmsnorm is recorded as its all-reduce (a psum of x, with its algorithm); on
+    GPUs one_shot runs it in one kernel over LL, which records it too."""
+    monkeypatch.setattr(_runtime.settings, "timeout_s", 27.5 + 0.001 * next(_timeouts))
+    if ndev() < 2:
+        pytest.skip("a group of one rank only copies: no phases to trace")
+    n = ndev()
+    x = exact_input((8, 64), n, "float32")
+    w = exact_input((64,), 1, "float32", 1)
+    f = jax.jit(jax.shard_map(
+        lambda v, r, wv: jax_gin.psum_add_rmsnorm(v, r, wv, "i", algorithm=algo),
+        mesh=mesh_1d(), in_specs=(P("i"), P("i"), P()), out_specs=(P("i"), P("i"))))
+    jax.block_until_ready(f(x, x, w))
+    path = tmp_path / "t.json"
+    with jax_gin.trace(path):
+        jax.block_until_ready(f(x, x, w))
+    spans = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "jax_gin"]
+    assert sorted(s["tid"] for s in spans) == sorted(int(d.id) for d in jax.devices())
+    for s in spans:
+        assert s["name"] == f"psum {algo}" and s["args"]["status"] == "done"
+        assert s["args"]["bytes"] == 4 * 8 * 64 and s["args"]["dtype"] == "float32"
