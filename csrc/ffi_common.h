@@ -95,17 +95,19 @@ inline xla::ffi::Error check_collective(const xla::ffi::AnyBuffer& x, const xla:
   return ffi::Error::Success();
 }
 
-// "psum_add_rmsnorm: ... " for an element type without a norm (norm.h).
-inline std::string norm_dtype_error(DType t) {
-  return std::string("jax_gin: psum_add_rmsnorm supports float32, bfloat16 and float16, not ") +
-         dtype_name(t);
+// "psum_add_rmsnorm: ... " (or layernorm) for an element type without a norm (norm.h).
+inline std::string norm_dtype_error(DType t, bool layer) {
+  return std::string("jax_gin: ") + (layer ? "psum_add_layernorm" : "psum_add_rmsnorm") +
+         " supports float32, bfloat16 and float16, not " + dtype_name(t);
 }
 
-// The buffers of psum_add_rmsnorm: x, residual, normed and new_residual of one element type
-// and shape (..., d), weight (d,) of that type. Fills *dtype, *rows and *d.
+// The buffers of psum_add_rmsnorm and psum_add_layernorm: x, residual, normed and
+// new_residual of one element type and shape (..., d), weight and (LayerNorm) bias (d,) of
+// that type; bias null for RMSNorm. Fills *dtype, *rows and *d.
 inline xla::ffi::Error check_norm_buffers(const xla::ffi::AnyBuffer& x,
                                           const xla::ffi::AnyBuffer& residual,
                                           const xla::ffi::AnyBuffer& weight,
+                                          const xla::ffi::AnyBuffer* bias,
                                           const xla::ffi::AnyBuffer& normed,
                                           const xla::ffi::AnyBuffer& new_residual, DType* dtype,
                                           size_t* rows, size_t* d) {
@@ -113,20 +115,23 @@ inline xla::ffi::Error check_norm_buffers(const xla::ffi::AnyBuffer& x,
   if (ffi::Error err = to_dtype(x.element_type(), dtype); err.failure()) return err;
   const bool norm_type = with_dtype<HostElem>(
       *dtype, false, [](auto tag) { return NormElem<typename decltype(tag)::type>::ok; });
-  if (!norm_type) return ffi::Error::InvalidArgument(norm_dtype_error(*dtype));
+  if (!norm_type) return ffi::Error::InvalidArgument(norm_dtype_error(*dtype, bias != nullptr));
   auto dims = x.dimensions();
+  auto is_row = [&](const ffi::AnyBuffer& v) {
+    return v.element_type() == x.element_type() && v.dimensions().size() == 1 &&
+           dims.size() >= 1 && v.dimensions()[0] == dims[dims.size() - 1];
+  };
   const bool same = residual.element_type() == x.element_type() &&
-                    weight.element_type() == x.element_type() &&
                     normed.element_type() == x.element_type() &&
                     new_residual.element_type() == x.element_type() &&
                     residual.element_count() == x.element_count() &&
                     normed.element_count() == x.element_count() &&
                     new_residual.element_count() == x.element_count();
-  if (!same || dims.size() < 1 || weight.dimensions().size() != 1 ||
-      weight.dimensions()[0] != dims[dims.size() - 1])
+  if (!same || !is_row(weight) || (bias != nullptr && !is_row(*bias)))
     return ffi::Error::InvalidArgument(
-        "jax_gin: psum_add_rmsnorm takes x and residual of one shape (..., d) and a weight "
-        "(d,), all of one element type");
+        std::string("jax_gin: ") + (bias ? "psum_add_layernorm" : "psum_add_rmsnorm") +
+        " takes x and residual of one shape (..., d) and a weight" + (bias ? " and a bias" : "") +
+        " (d,), all of one element type");
   *d = size_t(dims[dims.size() - 1]);
   *rows = *d == 0 ? 0 : x.element_count() / *d;
   return ffi::Error::Success();

@@ -92,21 +92,18 @@ ffi::Error CpuAllReduceDoneImpl(ffi::Token order_in, ffi::RemainingArgs operands
 }
 
 
-// psum_add_rmsnorm: x is reduced into new_residual by the all-reduce, then each row becomes
-// residual + sum (rounded to the element type) and its RMSNorm (norm.h), in the same order on
-// every rank, so that every rank's results are bitwise the same.
-ffi::Error CpuAddRmsNormImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token order_in,
-                             ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer weight,
-                             ffi::Result<ffi::Token> order_out,
-                             ffi::Result<ffi::AnyBuffer> normed,
-                             ffi::Result<ffi::AnyBuffer> new_residual, int64_t comm,
-                             int32_t algorithm, float eps) {
-  (void)order_in;
-  (void)order_out;
+// psum_add_rmsnorm and psum_add_layernorm (bias non-null): x is reduced into new_residual by
+// the all-reduce, then each row becomes residual + sum (rounded to the element type) and its
+// norm (norm.h), in the same order on every rank, so that every rank's results are bitwise the
+// same.
+ffi::Error cpu_add_norm(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x,
+                        ffi::AnyBuffer residual, ffi::AnyBuffer weight, const ffi::AnyBuffer* bias,
+                        ffi::Result<ffi::AnyBuffer> normed, ffi::Result<ffi::AnyBuffer> new_residual,
+                        int64_t comm, int32_t algorithm, float eps) {
   size_t rows = 0, d = 0;
   DType dtype;
-  if (ffi::Error err = check_norm_buffers(x, residual, weight, *normed, *new_residual, &dtype,
-                                          &rows, &d);
+  if (ffi::Error err = check_norm_buffers(x, residual, weight, bias, *normed, *new_residual,
+                                          &dtype, &rows, &d);
       err.failure())
     return err;
   if (ffi::Error err = check_enums(int32_t(RedOp::kSum), algorithm); err.failure()) return err;
@@ -125,17 +122,35 @@ ffi::Error CpuAddRmsNormImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token orde
     if constexpr (NormElem<T>::ok) {
       const T* res = static_cast<const T*>(residual.untyped_data());
       const T* w = static_cast<const T*>(weight.untyped_data());
+      const T* b = bias ? static_cast<const T*>(bias->untyped_data()) : nullptr;
       T* nr = static_cast<T*>(new_residual->untyped_data());
       T* out = static_cast<T*>(normed->untyped_data());
-      for (size_t r = 0; r < rows; ++r)
-        add_rmsnorm_row(res + r * d, nr + r * d, w, out + r * d, d, eps);
+      for (size_t r = 0; r < rows; ++r) add_norm_row(res + r * d, nr + r * d, w, b, out + r * d, d, eps);
       return true;
     } else {
       return false;
     }
   });
-  if (!ok) return ffi::Error::InvalidArgument(norm_dtype_error(dtype));
+  if (!ok) return ffi::Error::InvalidArgument(norm_dtype_error(dtype, bias != nullptr));
   return ffi::Error::Success();
+}
+
+ffi::Error CpuAddRmsNormImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token, ffi::AnyBuffer x,
+                             ffi::AnyBuffer residual, ffi::AnyBuffer weight, ffi::Result<ffi::Token>,
+                             ffi::Result<ffi::AnyBuffer> normed,
+                             ffi::Result<ffi::AnyBuffer> new_residual, int64_t comm,
+                             int32_t algorithm, float eps) {
+  return cpu_add_norm(partition_id, x, residual, weight, nullptr, normed, new_residual, comm,
+                      algorithm, eps);
+}
+
+ffi::Error CpuAddLayerNormImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token, ffi::AnyBuffer x,
+                               ffi::AnyBuffer residual, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
+                               ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> normed,
+                               ffi::Result<ffi::AnyBuffer> new_residual, int64_t comm,
+                               int32_t algorithm, float eps) {
+  return cpu_add_norm(partition_id, x, residual, weight, &bias, normed, new_residual, comm,
+                      algorithm, eps);
 }
 
 // psum_scatter and all_gather (collectives.h): one buffer in, one out.
@@ -218,6 +233,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAddRmsNorm, jax_gin::CpuAddRmsNormImpl,
                                   .Arg<ffi::AnyBuffer>()          // x (..., d): summed over the group
                                   .Arg<ffi::AnyBuffer>()          // residual (..., d)
                                   .Arg<ffi::AnyBuffer>()          // weight (d,)
+                                  .Ret<ffi::Token>()              // order token for the next call
+                                  .Ret<ffi::AnyBuffer>()          // normed (..., d)
+                                  .Ret<ffi::AnyBuffer>()          // new residual (..., d)
+                                  .Attr<int64_t>("comm")          // communicator id (runtime)
+                                  .Attr<int32_t>("algorithm")     // Algorithm
+                                  .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAddLayerNorm, jax_gin::CpuAddLayerNormImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // partition id (logical id)
+                                  .Arg<ffi::Token>()              // order token of the previous call
+                                  .Arg<ffi::AnyBuffer>()          // x (..., d): summed over the group
+                                  .Arg<ffi::AnyBuffer>()          // residual (..., d)
+                                  .Arg<ffi::AnyBuffer>()          // weight (d,)
+                                  .Arg<ffi::AnyBuffer>()          // bias (d,)
                                   .Ret<ffi::Token>()              // order token for the next call
                                   .Ret<ffi::AnyBuffer>()          // normed (..., d)
                                   .Ret<ffi::AnyBuffer>()          // new residual (..., d)

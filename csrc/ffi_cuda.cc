@@ -210,22 +210,18 @@ ffi::Error CudaAllReduceDoneImpl(cudaStream_t stream, int32_t device, ffi::Buffe
 }
 
 
-// psum_add_rmsnorm: with one_shot over LL, one kernel (launch_add_rmsnorm_ll); otherwise the
-// all-reduce of x into new_residual, then the epilogue kernel, both on XLA's stream.
-ffi::Error CudaAddRmsNormImpl(cudaStream_t stream, int32_t device,
-                              ffi::Buffer<ffi::U32> partition_id, ffi::Buffer<ffi::U32> order_in,
-                              ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer weight,
-                              ffi::Result<ffi::Buffer<ffi::U32>> order_out,
-                              ffi::Result<ffi::AnyBuffer> normed,
-                              ffi::Result<ffi::AnyBuffer> new_residual, int64_t comm,
-                              int32_t algorithm, float eps) {
-  (void)partition_id;
-  (void)order_in;
-  (void)order_out;
+// psum_add_rmsnorm and psum_add_layernorm (bias non-null): with one_shot over LL, one kernel
+// (launch_add_norm_ll); otherwise the all-reduce of x into new_residual, then the epilogue
+// kernel, both on XLA's stream.
+ffi::Error cuda_add_norm(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                         ffi::AnyBuffer residual, ffi::AnyBuffer weight, const ffi::AnyBuffer* bias,
+                         ffi::Result<ffi::AnyBuffer> normed,
+                         ffi::Result<ffi::AnyBuffer> new_residual, int64_t comm, int32_t algorithm,
+                         float eps) {
   size_t rows = 0, d = 0;
   DType dtype;
-  if (ffi::Error err = check_norm_buffers(x, residual, weight, *normed, *new_residual, &dtype,
-                                          &rows, &d);
+  if (ffi::Error err = check_norm_buffers(x, residual, weight, bias, *normed, *new_residual,
+                                          &dtype, &rows, &d);
       err.failure())
     return err;
   const bool hier = algorithm == int32_t(Algorithm::kHierarchical);
@@ -233,12 +229,13 @@ ffi::Error CudaAddRmsNormImpl(cudaStream_t stream, int32_t device,
   const gpu::RankState* st = nullptr;
   if (ffi::Error err = rank_state(comm, device, algorithm, &st); err.failure()) return err;
   const gpu::PeerAccess peers{st->win, nullptr, hier ? &st->devcomm : nullptr};
+  const void* b = bias ? bias->untyped_data() : nullptr;
   // one_shot over LL: the sum, the add and the norm in one kernel where the rows fit it
   if (Algorithm(algorithm) == Algorithm::kOneShot) {
-    const cudaError_t e = gpu::launch_add_rmsnorm_ll(
+    const cudaError_t e = gpu::launch_add_norm_ll(
         peers, st->cfg, dtype, x.untyped_data(), residual.untyped_data(),
-        new_residual->untyped_data(), weight.untyped_data(), normed->untyped_data(), rows, d, eps,
-        stream);
+        new_residual->untyped_data(), weight.untyped_data(), b, normed->untyped_data(), rows, d,
+        eps, stream);
     if (e == cudaSuccess) return ffi::Error::Success();
     if (e != cudaErrorNotSupported) return cuda_error("kernel launch failed", e);
   }
@@ -246,11 +243,32 @@ ffi::Error CudaAddRmsNormImpl(cudaStream_t stream, int32_t device,
   if (cudaError_t e = gpu::launch_allreduce(peers, st->cfg, dtype, RedOp::kSum,
                                             Algorithm(algorithm), &seg, 1, stream))
     return cuda_error("kernel launch failed", e);
-  if (cudaError_t e = gpu::launch_add_rmsnorm(dtype, residual.untyped_data(),
-                                              new_residual->untyped_data(), weight.untyped_data(),
-                                              normed->untyped_data(), rows, d, eps, stream))
-    return cuda_error("add_rmsnorm launch failed", e);
+  if (cudaError_t e = gpu::launch_add_norm(dtype, residual.untyped_data(),
+                                           new_residual->untyped_data(), weight.untyped_data(), b,
+                                           normed->untyped_data(), rows, d, eps, stream))
+    return cuda_error("norm launch failed", e);
   return ffi::Error::Success();
+}
+
+ffi::Error CudaAddRmsNormImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::U32>,
+                              ffi::Buffer<ffi::U32>, ffi::AnyBuffer x, ffi::AnyBuffer residual,
+                              ffi::AnyBuffer weight, ffi::Result<ffi::Buffer<ffi::U32>>,
+                              ffi::Result<ffi::AnyBuffer> normed,
+                              ffi::Result<ffi::AnyBuffer> new_residual, int64_t comm,
+                              int32_t algorithm, float eps) {
+  return cuda_add_norm(stream, device, x, residual, weight, nullptr, normed, new_residual, comm,
+                       algorithm, eps);
+}
+
+ffi::Error CudaAddLayerNormImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::U32>,
+                                ffi::Buffer<ffi::U32>, ffi::AnyBuffer x, ffi::AnyBuffer residual,
+                                ffi::AnyBuffer weight, ffi::AnyBuffer bias,
+                                ffi::Result<ffi::Buffer<ffi::U32>>,
+                                ffi::Result<ffi::AnyBuffer> normed,
+                                ffi::Result<ffi::AnyBuffer> new_residual, int64_t comm,
+                                int32_t algorithm, float eps) {
+  return cuda_add_norm(stream, device, x, residual, weight, &bias, normed, new_residual, comm,
+                       algorithm, eps);
 }
 
 }  // namespace
@@ -320,6 +338,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCudaAddRmsNorm, jax_gin::CudaAddRmsNormImpl,
                                   .Arg<ffi::AnyBuffer>()          // x (..., d): summed over the group
                                   .Arg<ffi::AnyBuffer>()          // residual (..., d)
                                   .Arg<ffi::AnyBuffer>()          // weight (d,)
+                                  .Ret<ffi::Buffer<ffi::U32>>()   // order token for the next call
+                                  .Ret<ffi::AnyBuffer>()          // normed (..., d)
+                                  .Ret<ffi::AnyBuffer>()          // new residual (..., d)
+                                  .Attr<int64_t>("comm")          // communicator id (runtime)
+                                  .Attr<int32_t>("algorithm")     // Algorithm
+                                  .Attr<float>("eps"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCudaAddLayerNorm, jax_gin::CudaAddLayerNormImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
+                                  .Ctx<ffi::DeviceOrdinal>()      // local CUDA ordinal
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // partition id (unused on GPU)
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // order token of the previous call
+                                  .Arg<ffi::AnyBuffer>()          // x (..., d): summed over the group
+                                  .Arg<ffi::AnyBuffer>()          // residual (..., d)
+                                  .Arg<ffi::AnyBuffer>()          // weight (d,)
+                                  .Arg<ffi::AnyBuffer>()          // bias (d,)
                                   .Ret<ffi::Buffer<ffi::U32>>()   // order token for the next call
                                   .Ret<ffi::AnyBuffer>()          // normed (..., d)
                                   .Ret<ffi::AnyBuffer>()          // new residual (..., d)

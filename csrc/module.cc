@@ -171,6 +171,7 @@ NB_MODULE(_jax_gin, m) {
     d["jax_gin_all_reduce_start_cpu"] = encapsulate_ffi_handler(JaxGinCpuAllReduceStart);
     d["jax_gin_all_reduce_done_cpu"] = encapsulate_ffi_handler(JaxGinCpuAllReduceDone);
     d["jax_gin_add_rmsnorm_cpu"] = encapsulate_ffi_handler(JaxGinCpuAddRmsNorm);
+    d["jax_gin_add_layernorm_cpu"] = encapsulate_ffi_handler(JaxGinCpuAddLayerNorm);
     d["jax_gin_collective_cpu"] = encapsulate_ffi_handler(JaxGinCpuCollective);
     return d;
   });

@@ -66,6 +66,7 @@ NB_MODULE(_jax_gin_cuda, m) {
     d["jax_gin_all_reduce_start_cuda"] = nb::capsule(reinterpret_cast<void*>(JaxGinCudaAllReduceStart));
     d["jax_gin_all_reduce_done_cuda"] = nb::capsule(reinterpret_cast<void*>(JaxGinCudaAllReduceDone));
     d["jax_gin_add_rmsnorm_cuda"] = nb::capsule(reinterpret_cast<void*>(JaxGinCudaAddRmsNorm));
+    d["jax_gin_add_layernorm_cuda"] = nb::capsule(reinterpret_cast<void*>(JaxGinCudaAddLayerNorm));
     d["jax_gin_collective_cuda"] = nb::capsule(reinterpret_cast<void*>(JaxGinCudaCollective));
     return d;
   });

@@ -19,7 +19,8 @@
 // Algorithm "copy_engine" runs the copy-engine path of asynchronous calls (copy_engine.cu),
 // whose reduction uses at most --max-lanes CTAs (--ce-serial 1: all on one stream); its rounds share lane 0's flags with the
 // other algorithms', which the default list interleaves.
-// --add-rmsnorm 1 checks psum_add_rmsnorm's one-kernel LL path against its two-kernel form.
+// --add-rmsnorm 1 checks psum_add_rmsnorm's and psum_add_layernorm's one-kernel LL path
+// against their two-kernel form.
 // --collectives 1 checks reduce-scatter and all-gather (launch_collective) after each rank
 // count's all-reduces, --collectives only instead of them: every --dtypes type, one_shot and
 // ring (those of --algos, if given), blocks of each of --block-bytes (multiples of 16; default
@@ -240,10 +241,11 @@ struct Layout {
   std::vector<std::string> algos;
 };
 
-// --add-rmsnorm 1: psum_add_rmsnorm's one-kernel LL path (launch_add_rmsnorm_ll) against its
-// two-kernel composition (one_shot, then launch_add_rmsnorm), bit for bit on every rank, and
-// the normed rows equal across ranks. Returns the number of failures (printed).
-long check_add_rmsnorm(std::vector<Rank>& rk, int N, size_t lane_bytes, double timeout_s,
+// --add-rmsnorm 1: psum_add_rmsnorm's and psum_add_layernorm's one-kernel LL path
+// (launch_add_norm_ll) against its two-kernel composition (one_shot, then launch_add_norm),
+// bit for bit on every rank, and the normed rows equal across ranks. Returns the number of
+// failures (printed).
+long check_add_norm(std::vector<Rank>& rk, int N, size_t lane_bytes, double timeout_s,
                        const std::vector<std::string>& dtypes) {
   struct Shape { size_t rows, d; };
   const Shape shapes[] = {{8, 4096}, {3, 1000}, {32, 1024}, {1, 7}, {5, 2048}};
@@ -252,20 +254,24 @@ long check_add_rmsnorm(std::vector<Rank>& rk, int N, size_t lane_bytes, double t
     const DT* dt = nullptr;
     for (const auto& x : kDTypes) if (ds == x.name) dt = &x;
     if (!dt || !(dt->dt == DType::kF32 || dt->dt == DType::kBF16 || dt->dt == DType::kF16)) continue;
+    for (const bool layer : {false, true})
     for (const Shape& sh : shapes) {
       const size_t n = sh.rows * sh.d, bytes = n * dt->size;
       if (sh.d * dt->size > 8192) continue;  // a row larger than an LL lane: not this path
       std::mt19937 gen(unsigned(n * 7 + N));
-      std::vector<char> host(bytes), res(bytes), w(sh.d * dt->size);
+      std::vector<char> host(bytes), res(bytes), w(sh.d * dt->size), bias(sh.d * dt->size);
       for (size_t i = 0; i < n; ++i) encode(dt->dt, double(int(gen() % 15) - 7), res.data() + i * dt->size);
       for (size_t i = 0; i < sh.d; ++i) encode(dt->dt, double(int(gen() % 7) - 3), w.data() + i * dt->size);
-      struct Bufs { void *x, *res, *w, *nr1, *out1, *nr2, *out2; };
+      for (size_t i = 0; i < sh.d; ++i) encode(dt->dt, double(int(gen() % 5) - 2), bias.data() + i * dt->size);
+      struct Bufs { void *x, *res, *w, *b, *nr1, *out1, *nr2, *out2; };
       std::vector<Bufs> b(N);
       std::vector<gpu::LaunchConfig> cfg(N);
       for (int r = 0; r < N; ++r) {
         CK(cudaSetDevice(rk[r].dev));
         for (void** q : {&b[r].x, &b[r].res, &b[r].nr1, &b[r].out1, &b[r].nr2, &b[r].out2}) CK(cudaMalloc(q, bytes));
         CK(cudaMalloc(&b[r].w, sh.d * dt->size));
+        CK(cudaMalloc(&b[r].b, sh.d * dt->size));
+        CK(cudaMemcpy(b[r].b, bias.data(), sh.d * dt->size, cudaMemcpyHostToDevice));
         for (size_t i = 0; i < n; ++i) encode(dt->dt, double(int(gen() % 15) - 7), host.data() + i * dt->size);
         CK(cudaMemcpy(b[r].x, host.data(), bytes, cudaMemcpyHostToDevice));
         CK(cudaMemcpy(b[r].res, res.data(), bytes, cudaMemcpyHostToDevice));
@@ -276,9 +282,10 @@ long check_add_rmsnorm(std::vector<Rank>& rk, int N, size_t lane_bytes, double t
       bool supported = true;
       for (int r = 0; r < N; ++r) {  // every rank before any is synchronized
         CK(cudaSetDevice(rk[r].dev));
-        const cudaError_t e = gpu::launch_add_rmsnorm_ll(gpu::PeerAccess{nullptr, rk[r].table}, cfg[r], dt->dt,
-                                                         b[r].x, b[r].res, b[r].nr1, b[r].w, b[r].out1,
-                                                         sh.rows, sh.d, eps, rk[r].stream);
+        const cudaError_t e = gpu::launch_add_norm_ll(gpu::PeerAccess{nullptr, rk[r].table}, cfg[r], dt->dt,
+                                                      b[r].x, b[r].res, b[r].nr1, b[r].w,
+                                                      layer ? b[r].b : nullptr, b[r].out1, sh.rows,
+                                                      sh.d, eps, rk[r].stream);
         if (e == cudaErrorNotSupported) { supported = false; break; }
         CK(e);
         ++rk[r].calls;
@@ -293,8 +300,8 @@ long check_add_rmsnorm(std::vector<Rank>& rk, int N, size_t lane_bytes, double t
         }
         for (int r = 0; r < N; ++r) {
           CK(cudaSetDevice(rk[r].dev));
-          CK(gpu::launch_add_rmsnorm(dt->dt, b[r].res, b[r].nr2, b[r].w, b[r].out2, sh.rows, sh.d, eps,
-                                     rk[r].stream));
+          CK(gpu::launch_add_norm(dt->dt, b[r].res, b[r].nr2, b[r].w, layer ? b[r].b : nullptr,
+                                  b[r].out2, sh.rows, sh.d, eps, rk[r].stream));
         }
         std::vector<char> a(bytes), c(bytes), first(bytes);
         for (int r = 0; r < N; ++r) {
@@ -312,9 +319,10 @@ long check_add_rmsnorm(std::vector<Rank>& rk, int N, size_t lane_bytes, double t
       }
       for (int r = 0; r < N; ++r) {
         CK(cudaSetDevice(rk[r].dev));
-        for (void* q : {b[r].x, b[r].res, b[r].w, b[r].nr1, b[r].out1, b[r].nr2, b[r].out2}) cudaFree(q);
+        for (void* q : {b[r].x, b[r].res, b[r].w, b[r].b, b[r].nr1, b[r].out1, b[r].nr2, b[r].out2}) cudaFree(q);
       }
-      std::printf("%s add_rmsnorm ranks=%d dtype=%s rows=%zu d=%zu%s\n", ok ? "ok" : "FAIL", N, dt->name,
+      std::printf("%s %s ranks=%d dtype=%s rows=%zu d=%zu%s\n", ok ? "ok" : "FAIL",
+                  layer ? "add_layernorm" : "add_rmsnorm", N, dt->name,
                   sh.rows, sh.d, supported ? "" : " (one-kernel path not taken)");
       if (!ok) ++failures;
     }
@@ -472,7 +480,7 @@ int main(int argc, char** argv) {
   int time_graph = 0;
   int ce_serial = 0;  // --ce-serial 1: copy_engine without its second stream
   int record = 0;     // --record 1: the flight recorder on, checked after each rank count (-1: none)
-  int add_rmsnorm = 0;  // --add-rmsnorm 1: psum_add_rmsnorm's one-kernel path, after each rank count
+  int add_rmsnorm = 0;  // --add-rmsnorm 1: the fused norms' one-kernel path, after each rank count
   std::string collectives = "0";  // --collectives 1 | only
   std::vector<std::string> block_bytes_s = {"16", "48", "1008", "65584", "1048592"};
   size_t lane_bytes = 256 << 10;
@@ -761,7 +769,7 @@ int main(int argc, char** argv) {
       std::printf("ranks=%d: collectives %ld passed, %ld failed\n", N, n - bad, bad);
     }
     if (add_rmsnorm) {
-      const long bad = check_add_rmsnorm(rk, N, lane_bytes, timeout_s, dtypes_s);
+      const long bad = check_add_norm(rk, N, lane_bytes, timeout_s, dtypes_s);
       failures += bad;
       ++cases;
     }

@@ -47,10 +47,10 @@ cudaError_t table_occupancy(Algorithm algo, int threads, int* per_sm);
 template <class T>
 cudaError_t preload_ce_type();
 template <class T, class Peers>
-cudaError_t launch_ll_add_rmsnorm(const Peers& peers, const LaneParams& p, int lanes,
-                                  const void* x, const void* res, void* nr, const void* w,
-                                  void* out, size_t rows, size_t d, size_t rows_per_lane,
-                                  float eps, cudaStream_t s);
+cudaError_t launch_ll_add_norm(const Peers& peers, const LaneParams& p, int lanes, const void* x,
+                               const void* res, void* nr, const void* w, const void* b, void* out,
+                               size_t rows, size_t d, size_t rows_per_lane, float eps,
+                               cudaStream_t s);
 cudaError_t preload_copy_engine();  // copy_engine.cu
 // Defined in the generated collectives_<short_name>.cu (collectives_impl.cuh).
 template <class T, class Peers>
@@ -274,10 +274,10 @@ cudaError_t launch_collective(const PeerAccess& peers, const LaunchConfig& cfg, 
   });
 }
 
-cudaError_t launch_add_rmsnorm_ll(const PeerAccess& peers, const LaunchConfig& cfg, DType dtype,
-                                  const void* x, const void* residual, void* new_residual,
-                                  const void* weight, void* normed, size_t rows, size_t d,
-                                  float eps, cudaStream_t stream) {
+cudaError_t launch_add_norm_ll(const PeerAccess& peers, const LaunchConfig& cfg, DType dtype,
+                               const void* x, const void* residual, void* new_residual,
+                               const void* weight, const void* bias, void* normed, size_t rows,
+                               size_t d, float eps, cudaStream_t stream) {
   const size_t row_bytes = d * dtype_size(dtype), bytes = rows * row_bytes;
   if (rows == 0 || d == 0 || row_bytes > kLLLanePayload || !use_ll(cfg, Algorithm::kOneShot, bytes))
     return cudaErrorNotSupported;
@@ -289,11 +289,11 @@ cudaError_t launch_add_rmsnorm_ll(const PeerAccess& peers, const LaunchConfig& c
   return with_type(dtype, [&](auto t) {
     using T = typename decltype(t)::type;
     if (peers.table != nullptr)
-      return launch_ll_add_rmsnorm<T>(TablePeers{peers.table}, p, int(lanes), x, residual,
-                                      new_residual, weight, normed, rows, d, rows_per_lane, eps,
-                                      stream);
-    return launch_ll_add_rmsnorm<T>(NcclPeers{peers.win}, p, int(lanes), x, residual, new_residual,
-                                    weight, normed, rows, d, rows_per_lane, eps, stream);
+      return launch_ll_add_norm<T>(TablePeers{peers.table}, p, int(lanes), x, residual,
+                                   new_residual, weight, bias, normed, rows, d, rows_per_lane, eps,
+                                   stream);
+    return launch_ll_add_norm<T>(NcclPeers{peers.win}, p, int(lanes), x, residual, new_residual,
+                                 weight, bias, normed, rows, d, rows_per_lane, eps, stream);
   });
 }
 

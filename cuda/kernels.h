@@ -167,21 +167,22 @@ cudaError_t resident_collective_ctas(DType dtype, int threads, int* ctas);
 // that all of them are resident at once (a lane may spin until its peers' same lane runs).
 int default_max_lanes(int device);
 
-// psum_add_rmsnorm's epilogue (norm.h), after the all-reduce has written the sum of each
-// element into `new_residual`: per row of d, new_residual = residual + sum and `normed` its
-// RMSNorm times `weight`. float32, bfloat16 and float16 only (cudaErrorInvalidValue else).
-cudaError_t launch_add_rmsnorm(DType dtype, const void* residual, void* new_residual,
-                               const void* weight, void* normed, size_t rows, size_t d, float eps,
-                               cudaStream_t stream);
-// psum_add_rmsnorm of x (rows x d) in one one_shot kernel over the LL protocol: the sum, the
-// residual add and the norm (norm_row.cuh), the same bits as launch_allreduce (one_shot) then
-// launch_add_rmsnorm. cudaErrorNotSupported where it does not apply (one_shot would not take
-// LL, a row is larger than an LL lane's 8 KiB, or the rows need more than its 32 lanes): the
+// psum_add_rmsnorm's and psum_add_layernorm's epilogue (norm.h), after the all-reduce has
+// written the sum of each element into `new_residual`: per row of d, new_residual = residual +
+// sum and `normed` its RMSNorm times `weight` (bias null), or its LayerNorm times `weight` plus
+// `bias`. float32, bfloat16 and float16 only (cudaErrorInvalidValue else).
+cudaError_t launch_add_norm(DType dtype, const void* residual, void* new_residual,
+                            const void* weight, const void* bias, void* normed, size_t rows,
+                            size_t d, float eps, cudaStream_t stream);
+// The same of x (rows x d) in one one_shot kernel over the LL protocol: the sum, the residual
+// add and the norm (norm_row.cuh), the same bits as launch_allreduce (one_shot) then
+// launch_add_norm. cudaErrorNotSupported where it does not apply (one_shot would not take LL,
+// a row is larger than an LL lane's 8 KiB, or the rows need more than its 32 lanes): the
 // caller then runs those two.
-cudaError_t launch_add_rmsnorm_ll(const PeerAccess& peers, const LaunchConfig& cfg, DType dtype,
-                                  const void* x, const void* residual, void* new_residual,
-                                  const void* weight, void* normed, size_t rows, size_t d,
-                                  float eps, cudaStream_t stream);
+cudaError_t launch_add_norm_ll(const PeerAccess& peers, const LaunchConfig& cfg, DType dtype,
+                               const void* x, const void* residual, void* new_residual,
+                               const void* weight, const void* bias, void* normed, size_t rows,
+                               size_t d, float eps, cudaStream_t stream);
 
 }  // namespace gpu
 }  // namespace jax_gin

@@ -190,16 +190,17 @@ __device__ __forceinline__ void one_shot_ll_lane(const Peers& peers, const LaneP
   rec_end(p, rec, 1);
 }
 
-// psum_add_rmsnorm in one kernel over the LL protocol (norm.h, norm_row.cuh): lane l owns rows
+// psum_add_rmsnorm (b null) or psum_add_layernorm in one kernel over the LL protocol (norm.h,
+// norm_row.cuh): lane l owns rows
 // [l * rows_per_lane, ...) of x, whose bytes fit one LL lane's payload; it sums each line of
 // them over the ranks, adds the residual into new_residual, then normalizes its rows exactly
 // as the epilogue kernel does (fused_norm.cu), so that the results are the same bits.
 template <class T, class Peers>
 __global__ void __launch_bounds__(512)
-    ll_add_rmsnorm_kernel(Peers peers, LaneParams p, const T* __restrict__ x,
-                          const T* __restrict__ res, T* nr, const T* __restrict__ w,
-                          T* __restrict__ out, size_t rows, size_t d, size_t rows_per_lane,
-                          float eps) {
+    ll_add_norm_kernel(Peers peers, LaneParams p, const T* __restrict__ x,
+                       const T* __restrict__ res, T* nr, const T* __restrict__ w,
+                       const T* __restrict__ b, T* __restrict__ out, size_t rows, size_t d,
+                       size_t rows_per_lane, float eps) {
   const int lane = blockIdx.x;
   const uint64_t round = ll_round(p, lane);
   // recorded as its all-reduce (a psum, one_shot), as the CPU backend records it
@@ -222,20 +223,21 @@ __global__ void __launch_bounds__(512)
   }
   if (threadIdx.x == 0) p.rounds[kMaxLanes + lane] = round;
   __syncthreads();  // the lane's new residual rows are written (visible to the block)
-  for (size_t row = row0; row < row1; ++row) norm_row(nr + row * d, w, out + row * d, d, eps);
+  for (size_t row = row0; row < row1; ++row) norm_row(nr + row * d, w, b, out + row * d, d, eps);
   if (p.rec_ctl != nullptr) __syncthreads();  // the lane's end, for the recorder
   rec_end(p, rec, 1);
 }
 
 template <class T, class Peers>
-cudaError_t launch_ll_add_rmsnorm(const Peers& peers, const LaneParams& p, int lanes,
-                                  const void* x, const void* res, void* nr, const void* w,
-                                  void* out, size_t rows, size_t d, size_t rows_per_lane,
-                                  float eps, cudaStream_t s) {
+cudaError_t launch_ll_add_norm(const Peers& peers, const LaneParams& p, int lanes, const void* x,
+                               const void* res, void* nr, const void* w, const void* b, void* out,
+                               size_t rows, size_t d, size_t rows_per_lane, float eps,
+                               cudaStream_t s) {
   if constexpr (NormElem<T>::ok) {
-    ll_add_rmsnorm_kernel<T, Peers><<<lanes, 512, 0, s>>>(
+    ll_add_norm_kernel<T, Peers><<<lanes, 512, 0, s>>>(
         peers, p, static_cast<const T*>(x), static_cast<const T*>(res), static_cast<T*>(nr),
-        static_cast<const T*>(w), static_cast<T*>(out), rows, d, rows_per_lane, eps);
+        static_cast<const T*>(w), static_cast<const T*>(b), static_cast<T*>(out), rows, d,
+        rows_per_lane, eps);
     return cudaGetLastError();
   } else {
     return cudaErrorInvalidValue;
@@ -418,12 +420,12 @@ cudaError_t preload_ce_type() {
   template cudaError_t launch_ce_reduce<T>(RedOp, const void*, size_t, int, int, const void*,    \
                                            void*, void*, size_t, int, int, cudaStream_t);        \
   template cudaError_t preload_ce_type<T>();                                                     \
-  template cudaError_t launch_ll_add_rmsnorm<T, NcclPeers>(                                      \
+  template cudaError_t launch_ll_add_norm<T, NcclPeers>(                                         \
       const NcclPeers&, const LaneParams&, int, const void*, const void*, void*, const void*,   \
-      void*, size_t, size_t, size_t, float, cudaStream_t);                                       \
-  template cudaError_t launch_ll_add_rmsnorm<T, TablePeers>(                                     \
+      const void*, void*, size_t, size_t, size_t, float, cudaStream_t);                          \
+  template cudaError_t launch_ll_add_norm<T, TablePeers>(                                        \
       const TablePeers&, const LaneParams&, int, const void*, const void*, void*, const void*,  \
-      void*, size_t, size_t, size_t, float, cudaStream_t);
+      const void*, void*, size_t, size_t, size_t, float, cudaStream_t);
 // ... for the element type of DType::k<E> (a generated kernels_<short_name>.cu).
 #define JAX_GIN_INSTANTIATE_DTYPE(E) JAX_GIN_INSTANTIATE(DeviceElem<DType::k##E>::type)
 

@@ -1,6 +1,6 @@
-// One row of psum_add_rmsnorm's norm on the GPU (norm.h), shared by the epilogue kernel
-// (fused_norm.cu) and the one-kernel LL path (kernels_impl.cuh), so both give the same bits:
-// the squares of a row are summed in one fixed order (per thread in column order with
+// One row of psum_add_rmsnorm's or psum_add_layernorm's norm on the GPU (norm.h), shared by the
+// epilogue kernel (fused_norm.cu) and the one-kernel LL path (kernels_impl.cuh), so both give
+// the same bits: a row's sums are taken in one fixed order (per thread in column order with
 // kNormThreads threads, then a butterfly over each warp and over the warps), so every rank
 // computes the same bits too.
 #pragma once
@@ -31,19 +31,30 @@ __device__ __forceinline__ float norm_block_sum(float acc) {
   return total;
 }
 
-// out = T(r * inv) * w for the row whose new residual is `nr` (d elements), inv from the sum
-// of its squares. Called by every thread of the block; threads >= kNormThreads only wait.
+// The norm of the row whose new residual is `nr` (d elements) into `out` (norm.h): RMSNorm
+// times `w`, or with a bias `b` LayerNorm, whose mean is one more sum over the block before
+// the sum of squares. Called by every thread of the block; threads >= kNormThreads only wait.
 template <class T>
-__device__ void norm_row(const T* nr, const T* w, T* out, size_t d, float eps) {
+__device__ void norm_row(const T* nr, const T* w, const T* b, T* out, size_t d, float eps) {
+  float mean = 0.0f;
+  if (b != nullptr) {
+    float acc = 0.0f;
+    if (threadIdx.x < kNormThreads)
+      for (size_t i = threadIdx.x; i < d; i += kNormThreads) acc += Widen<T>::up(nr[i]);
+    mean = norm_block_sum(acc) / float(d);
+  }
   float acc = 0.0f;
   if (threadIdx.x < kNormThreads)
     for (size_t i = threadIdx.x; i < d; i += kNormThreads) {
-      const float r = Widen<T>::up(nr[i]);
-      acc += r * r;
+      const float c = Widen<T>::up(nr[i]) - mean;
+      acc += c * c;
     }
   const float inv = inv_rms(norm_block_sum(acc), d, eps);
   if (threadIdx.x < kNormThreads)
-    for (size_t i = threadIdx.x; i < d; i += kNormThreads) out[i] = scale(Widen<T>::up(nr[i]), inv, w[i]);
+    for (size_t i = threadIdx.x; i < d; i += kNormThreads) {
+      const float c = Widen<T>::up(nr[i]) - mean;
+      out[i] = b != nullptr ? scale_shift(c, inv, w[i], b[i]) : scale(c, inv, w[i]);
+    }
 }
 
 }  // namespace gpu

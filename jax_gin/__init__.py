@@ -13,7 +13,7 @@ from . import _runtime as runtime
 from ._ops import ALGORITHMS, SUPPORTED_DTYPE_NAMES as SUPPORTED_DTYPES
 from ._primitive import allreduce_p, pmax, pmin, psum
 from ._overlap import psum_overlapping
-from ._fused import psum_add_rmsnorm
+from ._fused import psum_add_layernorm, psum_add_rmsnorm
 from ._scatter_gather import all_gather, psum_scatter
 from ._explain import explain
 from ._trace import trace
@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 has_cuda = _native.has_cuda
 
 __all__ = ["psum", "pmax", "pmin", "psum_scatter", "all_gather", "psum_overlapping",
-           "psum_add_rmsnorm", "ALGORITHMS",
+           "psum_add_rmsnorm", "psum_add_layernorm", "ALGORITHMS",
            "SUPPORTED_DTYPES", "explain", "trace", "runtime",
            "has_cuda", "allreduce_p", "__version__"]
 __all__ += ["einsum", "matmul", "sum", "mean", "max", "min"]

@@ -1,16 +1,18 @@
-"""psum_add_rmsnorm: an all-reduce sum fused with a residual add and an RMSNorm.
+"""psum_add_rmsnorm and psum_add_layernorm: an all-reduce sum fused with a residual add and
+an RMSNorm or a LayerNorm.
 
-One primitive, `jax_gin_psum_add_rmsnorm`, with operands (x, residual, weight) and results
+Two primitives, `jax_gin_psum_add_rmsnorm` with operands (x, residual, weight) and
+`jax_gin_psum_add_layernorm` with operands (x, residual, weight, bias), each with results
 (normed, new_residual), and params:
   axes       tuple of mesh axis names x is summed over
   algorithm  "auto" or a name in ALGORITHMS (resolved at lowering, as for psum)
   eps        the norm's epsilon (a Python float; float32 in the computation)
   invariant  True when traced under shard_map(check_vma=True): x must vary over `axes`, and
-             the results vary over what residual + psum(x) (and its product with weight)
-             varies over; the wrapper marks residual and weight as varying over those axes
-             beforehand, so that all three rules see one typing.
+             the results vary over what residual + psum(x) (and its product with weight and
+             bias) varies over; the wrapper marks residual, weight and bias as varying over
+             those axes beforehand, so that all three rules see one typing.
 
-It lowers to one custom call that all-reduces x into new_residual and then applies the
+Each lowers to one custom call that all-reduces x into new_residual and then applies the
 epilogue (include/jax_gin/norm.h). Where `auto` chooses XLA's own all-reduce, or in a
 partially-manual shard_map, it lowers to the unfused composition instead. Its JVP is the
 unfused composition's (jax_gin's psum of the tangent, then the norm's JVP), so gradients
@@ -33,15 +35,27 @@ from . import _compat, _select
 from ._primitive import (TOKEN, _chain_token, _normalize_axes, _set_chain_token, allreduce_p,
                          check_no_open_start, order_aval, resolve_call)
 
-API = "psum_add_rmsnorm"
-# The element types of the epilogue: those that accumulate in float32 (norm.h).
+# The element types of the epilogues: those that accumulate in float32 (norm.h).
 NORM_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
 
-psum_add_rmsnorm_p = Primitive("jax_gin_psum_add_rmsnorm")
-psum_add_rmsnorm_p.multiple_results = True
 
-CPU_TARGET = "jax_gin_add_rmsnorm_cpu"
-CUDA_TARGET = "jax_gin_add_rmsnorm_cuda"
+class _Kind:
+    """One fused norm: its API name, primitive, custom-call targets and its operands after
+    residual (the weight, and LayerNorm's bias)."""
+
+    def __init__(self, api, params):
+        self.api = api
+        self.params = params
+        self.prim = Primitive(f"jax_gin_{api}")
+        self.prim.multiple_results = True
+        short = api.replace("psum_", "")
+        self.cpu_target, self.cuda_target = f"jax_gin_{short}_cpu", f"jax_gin_{short}_cuda"
+
+
+RMS = _Kind("psum_add_rmsnorm", ("weight",))
+LAYER = _Kind("psum_add_layernorm", ("weight", "bias"))
+KINDS = (RMS, LAYER)
+psum_add_rmsnorm_p, psum_add_layernorm_p = RMS.prim, LAYER.prim
 
 
 def psum_add_rmsnorm(x, residual, weight, axis_name, *, eps: float = 1e-6,
@@ -56,61 +70,85 @@ def psum_add_rmsnorm(x, residual, weight, axis_name, *, eps: float = 1e-6,
     per row in float32, identically on every device of the group. Differentiable: gradients
     are those of the unfused composition.
     """
-    algorithm = _select.validate(algorithm, API)
-    eps = _check_eps(eps)
-    x, residual, weight = (v if hasattr(v, "dtype") else jnp.asarray(v) for v in (x, residual, weight))
-    _check_operands(x, residual, weight)
-    axes = _normalize_axes(axis_name, API)
+    return _fused(RMS, x, residual, (weight,), axis_name, eps, algorithm)
+
+
+def psum_add_layernorm(x, residual, weight, bias, axis_name, *, eps: float = 1e-5,
+                       algorithm: str = "auto"):
+    """``(normed, new_residual)``: ``new_residual = residual + psum(x, axis_name)`` and
+    ``normed = ((r - m) * rsqrt(mean((r - m)**2, -1) + eps)).astype(x.dtype) * weight + bias``
+    with ``r`` the new residual in float32 and ``m = mean(r, -1)``, in one collective call
+    inside ``jax.shard_map``.
+
+    As psum_add_rmsnorm, with a bias ``(d,)`` of x's dtype; the product with the weight and
+    the sum with the bias each round to the dtype, as jnp's operations in that dtype do.
+    """
+    return _fused(LAYER, x, residual, (weight, bias), axis_name, eps, algorithm)
+
+
+def _fused(kind, x, residual, params, axis_name, eps, algorithm):
+    api = kind.api
+    algorithm = _select.validate(algorithm, api)
+    eps = _check_eps(eps, api)
+    x, residual, *params = (v if hasattr(v, "dtype") else jnp.asarray(v)
+                            for v in (x, residual, *params))
+    _check_operands(kind, x, residual, params)
+    axes = _normalize_axes(axis_name, api)
     if not axes or not _compat.is_tracer(x):
         # Nothing to reduce, or a constant x (the same everywhere: psum scales it).
         from ._primitive import psum
         new_res = residual + (psum(x, axes, algorithm=algorithm) if axes else x)
-        return _norm(new_res, weight, eps), new_res
+        return _norm(new_res, *params, eps=eps), new_res
     invariant = _compat.check_vma_enabled()
     if invariant:
         if set(axes) <= _compat.unreduced_axes(jax.typeof(x)):
             raise NotImplementedError(
-                f"jax_gin.{API} of an unreduced x is not supported; use jax_gin.psum and the norm")
+                f"jax_gin.{api} of an unreduced x is not supported; use jax_gin.psum and the norm")
         manual = _compat.manual_mesh_axes()
         vx = _compat.varying_axes(jax.typeof(x))
         x = _compat.pcast_varying(x, tuple(a for a in axes if a in manual and a not in vx))
-        rv, nv = _result_vma(x, residual, weight, axes)
+        rv, nv = _result_vma(x, residual, params, axes)
         residual = _vary_to(residual, rv)
-        weight = _vary_to(weight, nv)
-    return tuple(psum_add_rmsnorm_p.bind(x, residual, weight, axes=axes, algorithm=algorithm,
-                                         eps=eps, invariant=invariant))
+        params = [_vary_to(p, nv) for p in params]
+    return tuple(kind.prim.bind(x, residual, *params, axes=axes, algorithm=algorithm, eps=eps,
+                                invariant=invariant))
 
 
-def _check_eps(eps) -> float:
+def _check_eps(eps, api) -> float:
     if isinstance(eps, bool) or not isinstance(eps, (int, float, np.integer, np.floating)) \
             or not math.isfinite(float(eps)) or float(eps) < 0:
-        raise ValueError(f"jax_gin.{API}: eps must be a finite number >= 0, got {eps!r}")
+        raise ValueError(f"jax_gin.{api}: eps must be a finite number >= 0, got {eps!r}")
     return float(eps)
 
 
-def _check_operands(x, residual, weight):
+def _check_operands(kind, x, residual, params):
+    api = kind.api
     dt = np.dtype(x.dtype)
     if not jnp.issubdtype(dt, jnp.floating):
-        raise TypeError(f"jax_gin.{API}: x must be a floating-point array, got dtype {dt}")
+        raise TypeError(f"jax_gin.{api}: x must be a floating-point array, got dtype {dt}")
     if dt not in NORM_DTYPES:
-        raise TypeError(f"jax_gin.{API}: unsupported dtype {dt}; supported dtypes are "
+        raise TypeError(f"jax_gin.{api}: unsupported dtype {dt}; supported dtypes are "
                         f"{', '.join(str(d) for d in NORM_DTYPES)}")
     if np.ndim(x) < 1:
-        raise ValueError(f"jax_gin.{API}: x must have at least one dimension (rows of d), "
+        raise ValueError(f"jax_gin.{api}: x must have at least one dimension (rows of d), "
                          f"got shape {np.shape(x)}")
     if np.shape(residual) != np.shape(x) or np.dtype(residual.dtype) != dt:
-        raise ValueError(f"jax_gin.{API}: residual must have x's shape and dtype {np.shape(x)} "
+        raise ValueError(f"jax_gin.{api}: residual must have x's shape and dtype {np.shape(x)} "
                          f"{dt}, got {np.shape(residual)} {np.dtype(residual.dtype)}")
     d = np.shape(x)[-1]
-    if np.shape(weight) != (d,) or np.dtype(weight.dtype) != dt:
-        raise ValueError(f"jax_gin.{API}: weight must be 1-D of size x.shape[-1] = {d} and dtype "
-                         f"{dt}, got {np.shape(weight)} {np.dtype(weight.dtype)}")
+    for name, v in zip(kind.params, params):
+        if np.shape(v) != (d,) or np.dtype(v.dtype) != dt:
+            raise ValueError(f"jax_gin.{api}: {name} must be 1-D of size x.shape[-1] = {d} and "
+                             f"dtype {dt}, got {np.shape(v)} {np.dtype(v.dtype)}")
 
 
-def _result_vma(x, residual, weight, axes):
+def _result_vma(x, residual, params, axes):
     """The axes new_residual and normed vary over (check_vma=True)."""
     rv = (_compat.varying_axes(jax.typeof(x)) - frozenset(axes)) | _compat.varying_axes(jax.typeof(residual))
-    return rv, rv | _compat.varying_axes(jax.typeof(weight))
+    nv = rv
+    for p in params:
+        nv = nv | _compat.varying_axes(jax.typeof(p))
+    return rv, nv
 
 
 def _vary_to(v, vma: frozenset):
@@ -119,52 +157,57 @@ def _vary_to(v, vma: frozenset):
     return _compat.pcast_varying(v, missing)
 
 
-def _norm(new_res, weight, eps):
-    """The epilogue in jnp: what the native code computes (norm.h)."""
+def _norm(new_res, weight, bias=None, *, eps):
+    """The epilogue in jnp: what the native code computes (norm.h); LayerNorm with a bias."""
     r = new_res.astype(jnp.float32)
+    if bias is not None:
+        r = r - jnp.mean(r, axis=-1, keepdims=True)
     inv = lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + eps)
-    return (r * inv).astype(new_res.dtype) * weight
+    out = (r * inv).astype(new_res.dtype) * weight
+    return out if bias is None else out + bias
 
 
-def _unfused(x, residual, weight, *, axes, algorithm, eps, invariant):
+def _unfused(x, residual, *params, axes, algorithm, eps, invariant):
     """The same results without the fused call: jax_gin's psum, then the epilogue in XLA."""
     (s,) = allreduce_p.bind(x, axes=axes, op="sum", algorithm=algorithm, invariant=invariant,
                             overlap=False)
     if invariant:
         s = _vary_to(s, _compat.varying_axes(jax.typeof(residual)))
     new_res = residual + s
-    return [_norm(new_res, weight, eps), new_res]
+    return [_norm(new_res, *params, eps=eps), new_res]
 
 
 # ---------------------------------------------------------------------------------------
-# Rules
+# Rules (of both primitives: `kind` tells them apart)
 
 
-def _abstract_eval(x, residual, weight, *, axes, algorithm, eps, invariant):
+def _abstract_eval(kind, x, residual, *params, axes, algorithm, eps, invariant):
     for a in axes:
         if not _compat.axis_exists(a):
-            raise NameError(f"jax_gin.{API}: unknown axis name {a!r}")
-    _check_operands(x, residual, weight)
+            raise NameError(f"jax_gin.{kind.api}: unknown axis name {a!r}")
+    _check_operands(kind, x, residual, params)
     if not invariant:
         return [x.update(weak_type=False), residual.update(weak_type=False)], \
             {_compat.NamedAxisEffect(a) for a in axes}
     vx = _compat.varying_axes(x)
     mesh_axes = set(axes) & _compat.manual_mesh_axes()
     if not mesh_axes <= vx:
-        raise ValueError(f"jax_gin.{API}: with check_vma=True x must vary over the reduced axes "
-                         f"{axes}; it varies over {sorted(vx)}")
+        raise ValueError(f"jax_gin.{kind.api}: with check_vma=True x must vary over the reduced "
+                         f"axes {axes}; it varies over {sorted(vx)}")
     rv = (vx - frozenset(axes)) | _compat.varying_axes(residual)
-    nv = rv | _compat.varying_axes(weight)
+    nv = rv
+    for p in params:
+        nv = nv | _compat.varying_axes(p)
     return [_compat.with_varying_axes(x.update(weak_type=False), nv),
             _compat.with_varying_axes(residual.update(weak_type=False), rv)], \
         {_compat.NamedAxisEffect(a) for a in axes}
 
 
-def _jvp(primals, tangents, *, axes, algorithm, eps, invariant):
-    x, residual, weight = primals
-    tx, tres, tw = tangents
-    normed, new_res = psum_add_rmsnorm_p.bind(x, residual, weight, axes=axes, algorithm=algorithm,
-                                              eps=eps, invariant=invariant)
+def _jvp(kind, primals, tangents, *, axes, algorithm, eps, invariant):
+    x, residual, *params = primals
+    tx, tres, *tparams = tangents
+    normed, new_res = kind.prim.bind(x, residual, *params, axes=axes, algorithm=algorithm,
+                                     eps=eps, invariant=invariant)
     rv = _compat.varying_axes(jax.typeof(new_res)) if invariant else frozenset()
     t_r = None
     if type(tx) is not ad.Zero:
@@ -176,65 +219,75 @@ def _jvp(primals, tangents, *, axes, algorithm, eps, invariant):
         t_r = tres if t_r is None else t_r + tres
     if t_r is None:
         t_r = ad.instantiate_zeros(tres)
-    tw = ad.instantiate_zeros(tw)
-    _, t_normed = jax.jvp(functools.partial(_norm, eps=eps), (new_res, weight), (t_r, tw))
+    tparams = [ad.instantiate_zeros(t) for t in tparams]
+    _, t_normed = jax.jvp(functools.partial(_norm, eps=eps), (new_res, *params), (t_r, *tparams))
     return [normed, new_res], [t_normed, t_r]
 
 
-def _batch(axis_data, vals_in, dims_in, *, axes, algorithm, eps, invariant):
+def _batch(kind, axis_data, vals_in, dims_in, *, axes, algorithm, eps, invariant):
     params = dict(axes=axes, algorithm=algorithm, eps=eps, invariant=invariant)
     if axis_data.name in axes:
         raise NotImplementedError(
-            f"jax_gin.{API} over a vmapped axis is not supported; use jax_gin.psum and the norm")
-    x, residual, weight = vals_in
-    dx, dres, dw = dims_in
+            f"jax_gin.{kind.api} over a vmapped axis is not supported; use jax_gin.psum and the "
+            "norm")
+    x, residual, *ps = vals_in
+    dx, dres, *dps = dims_in
     size = axis_data.size
     x = jnp.broadcast_to(x, (size,) + x.shape) if dx is None else jnp.moveaxis(x, dx, 0)
     residual = (jnp.broadcast_to(residual, (size,) + residual.shape) if dres is None
                 else jnp.moveaxis(residual, dres, 0))
-    if dw is None:
-        # every row of every batch element takes the same weight: the fused call as it is
-        return psum_add_rmsnorm_p.bind(x, residual, weight, **params), [0, 0]
-    # A weight per batch element: the fused call with a weight of ones, then the product with
-    # each row's weight, which rounds as the native product does (norm.h: T(T(r * inv) * w)).
-    ones = jnp.ones((x.shape[-1],), x.dtype)
+    if all(d is None for d in dps):
+        # every row of every batch element takes the same weight (and bias): the fused call
+        return kind.prim.bind(x, residual, *ps, **params), [0, 0]
+    # A weight (or bias) per batch element: the fused call with a weight of ones (and a bias of
+    # -0.0, which adds exactly, -0.0 included), then the product with each row's weight and the
+    # sum with its bias, which round as the native ones do (norm.h).
+    d = x.shape[-1]
+    identity = [jnp.ones((d,), x.dtype), jnp.full((d,), -0.0, x.dtype)][:len(ps)]
     if invariant:
-        ones = _vary_to(ones, _compat.varying_axes(jax.typeof(weight)))
-    normed, new_res = psum_add_rmsnorm_p.bind(x, residual, ones, **params)
-    weight = jnp.moveaxis(weight, dw, 0).reshape((size,) + (1,) * (x.ndim - 2) + (x.shape[-1],))
-    return [normed * weight, new_res], [0, 0]
+        identity = [_vary_to(v, _compat.varying_axes(jax.typeof(p))) for v, p in zip(identity, ps)]
+    normed, new_res = kind.prim.bind(x, residual, *identity, **params)
+    shape = (size,) + (1,) * (x.ndim - 2) + (d,)
+    per_row = [jnp.broadcast_to(p, (size, d)) if dp is None else jnp.moveaxis(p, dp, 0)
+               for p, dp in zip(ps, dps)]
+    normed = normed * per_row[0].reshape(shape)
+    if len(per_row) > 1:
+        normed = normed + per_row[1].reshape(shape)
+    return [normed, new_res], [0, 0]
 
 
-def _lowering(ctx, x, residual, weight, *, axes, algorithm, eps, invariant, platform):
+def _lowering(kind, ctx, x, residual, *params, axes, algorithm, eps, invariant, platform):
     call = resolve_call(ctx, ctx.avals_in[:1], axes, "sum", algorithm, platform)
     if call is None or call.partial:
         # `auto` chose XLA's all-reduce, or a partially-manual shard_map: the unfused composition
         return mlir.lower_fun(functools.partial(_unfused, axes=axes, algorithm=algorithm, eps=eps,
                                                 invariant=invariant),
-                              multiple_results=True)(ctx, x, residual, weight)
-    check_no_open_start(ctx, API)
-    target = CPU_TARGET if platform == "cpu" else CUDA_TARGET
+                              multiple_results=True)(ctx, x, residual, *params)
+    check_no_open_start(ctx, kind.api)
+    target = kind.cpu_target if platform == "cpu" else kind.cuda_target
     order = order_aval(platform)
-    with call.named(API, platform, 1, False):
+    with call.named(kind.api, platform, 1, False):
         tok, normed, new_res = jax.ffi.ffi_lowering(target)(
             ctx.replace(avals_in=[TOKEN, order, *ctx.avals_in], avals_out=[order, *ctx.avals_out]),
-            _compat.partition_id(), _chain_token(ctx, platform), x, residual, weight,
+            _compat.partition_id(), _chain_token(ctx, platform), x, residual, *params,
             comm=call.attrs["comm"], algorithm=call.attrs["algorithm"], eps=np.float32(eps))
     _set_chain_token(ctx, tok, platform)
     return [normed, new_res]
 
 
-def _impl(*args, axes, **params):
-    raise NameError(f"jax_gin.{API} must be called inside jax.shard_map (axes {axes} are not bound here)")
+def _impl(kind, *args, axes, **params):
+    raise NameError(f"jax_gin.{kind.api} must be called inside jax.shard_map (axes {axes} are not "
+                    "bound here)")
 
 
-psum_add_rmsnorm_p.def_impl(_impl)
-psum_add_rmsnorm_p.def_effectful_abstract_eval(_abstract_eval)
-ad.primitive_jvps[psum_add_rmsnorm_p] = _jvp
-_compat.batching.fancy_primitive_batchers[psum_add_rmsnorm_p] = _batch
-# Not cacheable, for the order token chain (as allreduce_p).
-for _platform in ("cpu", "cuda"):
-    mlir.register_lowering(
-        psum_add_rmsnorm_p,
-        lambda ctx, *a, _p=_platform, **kw: _lowering(ctx, *a, platform=_p, **kw),
-        platform=_platform, cacheable=False)
+for _kind in KINDS:
+    _kind.prim.def_impl(functools.partial(_impl, _kind))
+    _kind.prim.def_effectful_abstract_eval(functools.partial(_abstract_eval, _kind))
+    ad.primitive_jvps[_kind.prim] = functools.partial(_jvp, _kind)
+    _compat.batching.fancy_primitive_batchers[_kind.prim] = functools.partial(_batch, _kind)
+    # Not cacheable, for the order token chain (as allreduce_p).
+    for _platform in ("cpu", "cuda"):
+        mlir.register_lowering(
+            _kind.prim,
+            lambda ctx, *a, _k=_kind, _p=_platform, **kw: _lowering(_k, ctx, *a, platform=_p, **kw),
+            platform=_platform, cacheable=False)

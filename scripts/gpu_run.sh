@@ -4,8 +4,9 @@
 # results go under $OUT (default ./gpu_out).
 #
 #   bash scripts/gpu_run.sh test       native harness (N = 2, 3, 4, 8; GIN emulated; copy
-#                                      engines; flight recorder; psum_add_rmsnorm in one
-#                                      kernel; psum_scatter and all_gather; fault injection),
+#                                      engines; flight recorder; psum_add_rmsnorm and
+#                                      psum_add_layernorm in one kernel; psum_scatter and
+#                                      all_gather; fault injection),
 #                                      compute-sanitizer, the GPU pytest suite and the
 #                                      2-process GPU tests
 #   bash scripts/gpu_run.sh record     the results of record: the op sweep (auto and lax, float32,
@@ -61,7 +62,7 @@ harness() {
   log "harness, flight recorder on and checked rc=$? $(tail -1 "$OUT/harness.log")"
   $H --ranks 2,3,4,8 --algos one_shot --counts 1,1000 --dtypes f32,bf16,f16 --iters 2 \
     --add-rmsnorm 1 --record 1 >> "$OUT/harness.log" 2>&1
-  log "harness, psum_add_rmsnorm in one kernel against two, recorded rc=$? $(tail -1 "$OUT/harness.log")"
+  log "harness, the fused norms in one kernel against two, recorded rc=$? $(tail -1 "$OUT/harness.log")"
   $H --ranks 2,3,4,8 --lane-bytes 4096 --algos copy_engine,two_shot,copy_engine,ring \
     --counts 1,1001,300001,1000003 --dtypes f32,bf16 --ops sum,max --iters 2 >> "$OUT/harness.log" 2>&1
   log "harness, copy engines over several rounds rc=$? $(tail -1 "$OUT/harness.log")"

@@ -349,3 +349,189 @@ def test_partially_manual_shard_map():
     normed, new_res, want = g(x, res, w)
     assert_bitwise(new_res, want)
     np.testing.assert_allclose(np.asarray(normed), np.asarray(_jnp_norm(want, w)), rtol=NORM_RTOL["float32"])
+
+
+# ---- psum_add_layernorm: the same kernel with a mean and a bias --------------------------
+
+LN_EPS = 1e-5
+
+
+def _small(shape, dtype, seed, lo, hi):
+    return _exact(shape, dtype, seed, lo=lo, hi=hi)
+
+
+def _np_layernorm(new_res, weight, bias, eps=LN_EPS):
+    """LayerNorm as norm.h defines it, in NumPy, every sum in element order (the CPU
+    backend's; on inputs whose sums are exact, any order gives these bits)."""
+    new_res, weight, bias = (np.asarray(v) for v in (new_res, weight, bias))
+    dt = new_res.dtype
+    r = new_res.astype(np.float32)
+    d = np.float32(r.shape[-1])
+    mean = np.cumsum(r, axis=-1, dtype=np.float32)[..., -1:] / d
+    c = r - mean
+    ss = np.cumsum(c * c, axis=-1, dtype=np.float32)[..., -1:]
+    inv = (1.0 / np.sqrt((ss / d + np.float32(eps)).astype(np.float64))).astype(np.float32)
+    n = (c * inv).astype(dt).astype(np.float32)
+    out = (n * weight.astype(np.float32)).astype(dt).astype(np.float32)
+    return (out + bias.astype(np.float32)).astype(dt)
+
+
+def _layer_refs(mesh, specs, axes, algo, check_vma, eps=LN_EPS):
+    def f(x, res, w, b):
+        normed, new_res = jax_gin.psum_add_layernorm(x, res, w, b, axes, eps=eps, algorithm=algo)
+        lax_res = res + lax.psum(x, axes)
+        return normed, new_res, lax_res, fused_norm(lax_res, w, b, eps=eps)
+    from jax_gin._fused import _norm as fused_norm
+    out = specs[0]
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=(out,) * 4,
+                                 check_vma=check_vma))
+
+
+def _ln_inputs(local, dtype, seed):
+    n = ndev()
+    shape = (n * local[0],) + local[1:]
+    d = local[-1]
+    return (_small(shape, dtype, seed, -1, 2), _small(shape, dtype, seed + 1, -2, 3),
+            _weight(d, dtype, seed + 2), _small((d,), dtype, seed + 3, -2, 3))
+
+
+def _ln_close(got, want, dtype, exact_sums):
+    """Against jnp's LayerNorm (XLA's approximate rsqrt; and, where the sums of the centered
+    squares round, XLA's pairwise order against the CPU backend's element order, which over
+    a thousand float32 terms differs by up to ~1e-5 relative)."""
+    ulp = {"float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}[dtype]
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    if exact_sums:
+        rtol, atol = NORM_RTOL[dtype], 8 * ulp
+    else:  # relative to the row's largest terms: the bias add may cancel them
+        rtol = max(NORM_RTOL[dtype], 1e-4)
+        atol = rtol * float(np.max(np.abs(want)))
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layernorm_bitwise_1d(dtype, algo, check_vma):
+    """Rows of 8, 16 and 32 of small integers: every sum of the norm is exact, so NumPy's
+    reference gives the very bits on every backend; a row of 1031 is compared on CPU devices,
+    whose sums run in element order as the reference's do, and to jnp's LayerNorm anywhere."""
+    mesh = mesh_1d()
+    f = _layer_refs(mesh, (P("i"), P("i"), P(), P()), "i", algo, check_vma)
+    for k, local in enumerate([(3, 8), (1, 16), (2, 3, 32), (3, 1031)]):
+        x, res, w, b = _ln_inputs(local, dtype, 10 * k)
+        normed, new_res, lax_res, jnp_normed = f(x, res, w, b)
+        assert normed.dtype == new_res.dtype == np.dtype(dtype)
+        assert_bitwise(new_res, lax_res)
+        if local[-1] <= 32 or jax.default_backend() == "cpu":
+            assert_bitwise(normed, _np_layernorm(new_res, w, b))
+        _ln_close(normed, jnp_normed, dtype, exact_sums=local[-1] <= 32)
+
+
+@pytest.mark.parametrize("algo", ["one_shot", "ring"])
+def test_layernorm_ranks_bitwise_identical(algo):
+    n = ndev()
+    rng = np.random.default_rng(17)
+    x = jnp.asarray(rng.standard_normal((n * 5, 257)), jnp.bfloat16)
+    res, w, b = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in ((5, 257), (257,), (257,)))
+    f = jax.jit(jax.shard_map(
+        lambda x, r, w, b: jax_gin.psum_add_layernorm(x, r, w, b, "i", algorithm=algo),
+        mesh=mesh_1d(), in_specs=(P("i"), P(), P(), P()), out_specs=(P("i"), P("i")),
+        check_vma=False))
+    normed, new_res = (np.asarray(o).reshape(n, 5, 257) for o in f(x, res, w, b))
+    for k in range(1, n):
+        assert_bitwise(normed[k], normed[0])
+        assert_bitwise(new_res[k], new_res[0])
+
+
+def _ln_unfused(x, res, w, b, axes, algo="auto"):
+    from jax_gin._fused import _norm as fused_norm
+    new_res = res + jax_gin.psum(x, axes, algorithm=algo)
+    return fused_norm(new_res, w, b, eps=LN_EPS), new_res
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("algo", ["one_shot", "ring"])
+def test_layernorm_grad_matches_unfused(algo, check_vma):
+    n = ndev()
+    rng = np.random.default_rng(21)
+    x, res, c1, c2 = (jnp.asarray(rng.standard_normal((n * 3, 17)), jnp.float32) for _ in range(4))
+    w, b = (jnp.asarray(rng.standard_normal((17,)), jnp.float32) for _ in range(2))
+
+    def grads(fn):
+        sm = jax.shard_map(fn, mesh=mesh_1d(), in_specs=(P("i"), P("i"), P(), P()),
+                           out_specs=(P("i"), P("i")), check_vma=check_vma)
+        return jax.jit(jax.grad(lambda *a: jnp.sum(sm(*a)[0] * c1) + jnp.sum(sm(*a)[1] * c2),
+                                argnums=(0, 1, 2, 3)))(x, res, w, b)
+
+    fused = grads(lambda x, r, w, b: jax_gin.psum_add_layernorm(x, r, w, b, "i", algorithm=algo))
+    unfused = grads(lambda x, r, w, b: _ln_unfused(x, r, w, b, "i", algo=algo))
+    for g, u in zip(fused, unfused):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(u), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("batched", ["none", "weight", "bias", "both"])
+def test_layernorm_vmap(batched):
+    n = ndev()
+    B, d = 3, 16
+    x = _small((B, n * 2, d), "float32", 1, -1, 2)
+    res = _small((B, n * 2, d), "float32", 2, -2, 3)
+    w = jnp.stack([_weight(d, "float32", seed=s) for s in range(B)])
+    b = _small((B, d), "float32", 3, -2, 3).at[:, 0].set(-0.0)  # -0.0: the bias's sign counts
+    w_axis = 0 if batched in ("weight", "both") else None
+    b_axis = 0 if batched in ("bias", "both") else None
+    w_in, b_in = (w if w_axis == 0 else w[0]), (b if b_axis == 0 else b[0])
+
+    def run(fn):
+        return jax.jit(jax.shard_map(jax.vmap(fn, in_axes=(0, 0, w_axis, b_axis)), mesh=mesh_1d(),
+                                     in_specs=(P(None, "i"), P(None, "i"), P(), P()),
+                                     out_specs=(P(None, "i"), P(None, "i"))))(x, res, w_in, b_in)
+
+    normed, new_res = run(lambda x, r, w, b: jax_gin.psum_add_layernorm(x, r, w, b, "i"))
+    _, want_res = run(lambda x, r, w, b: _ln_unfused(x, r, w, b, "i"))
+    assert_bitwise(new_res, want_res)
+    for k in range(B):
+        wk = w[k] if w_axis == 0 else w[0]
+        bk = b[k] if b_axis == 0 else b[0]
+        assert_bitwise(normed[k], _np_layernorm(new_res[k], wk, bk))
+
+
+def test_layernorm_one_custom_call_and_fallback(cpu_table_with_xla):
+    n = ndev()
+    x, res, w, b = _ln_inputs((2, 8), "bfloat16", 1)
+    f = jax.jit(jax.shard_map(
+        lambda x, r, w, b: jax_gin.psum_add_layernorm(x, r, w, b, "i", algorithm="one_shot"),
+        mesh=mesh_1d(), in_specs=(P("i"), P("i"), P(), P()), out_specs=(P("i"), P("i"))))
+    text = f.lower(x, res, w, b).as_text()
+    assert text.count("custom_call") == 1 and "jax_gin_add_layernorm" in text
+    if jax.default_backend() == "cpu":
+        # where `auto` picks XLA's all-reduce (the fixture's table), the unfused composition
+        x, res, w, b = _ln_inputs((4, 1000), "float32", 2)
+        g = _layer_refs(mesh_1d(), (P("i"), P("i"), P(), P()), "i", "auto", True)
+        text = g.lower(x, res, w, b).as_text()
+        assert "jax_gin_add_layernorm" not in text and "all_reduce" in text
+        normed, new_res, lax_res, jnp_normed = g(x, res, w, b)
+        assert_bitwise(new_res, lax_res)
+        assert_bitwise(normed, jnp_normed)
+    del n
+
+
+@pytest.mark.parametrize("case, match", [
+    ("bias_size", r"bias must be 1-D of size x.shape\[-1\] = 8"),
+    ("bias_dtype", r"bias must be 1-D of size x.shape\[-1\] = 8 and dtype float32"),
+    ("weight_size", r"weight must be 1-D of size x.shape\[-1\] = 8"),
+])
+def test_layernorm_bad_shapes(case, match):
+    x, res, w = _good()
+    b = jnp.zeros((8,), jnp.float32)
+    if case == "bias_size":
+        b = jnp.zeros((7,), jnp.float32)
+    elif case == "bias_dtype":
+        b = b.astype(jnp.bfloat16)
+    elif case == "weight_size":
+        w = _weight(7, "float32")
+    f = jax.shard_map(lambda x, r, w, b: jax_gin.psum_add_layernorm(x, r, w, b, "i"),
+                      mesh=mesh_1d(), in_specs=(P("i"), P("i"), P(), P()), out_specs=(P(), P()),
+                      check_vma=False)
+    with pytest.raises(ValueError, match=match):
+        jax.jit(f).lower(x, res, w, b)

@@ -1,9 +1,11 @@
-// The epilogue of psum_add_rmsnorm, shared by the CPU backend and the CUDA kernel: per row of
-// d elements, new_residual = residual + sum (rounded to the element type T), then
-// normed = T(r * inv) * weight with r = float(new_residual) and
-// inv = rsqrt(sum(r * r) / d + eps), all in float, the rsqrt correctly rounded. Only the element types that accumulate
-// in float (Widen, reduce.h) have it: float32, bfloat16 and float16. Compiles with a plain
-// C++17 compiler and with nvcc.
+// The epilogues of psum_add_rmsnorm and psum_add_layernorm, shared by the CPU backend and the
+// CUDA kernels: per row of d elements, new_residual = residual + sum (rounded to the element
+// type T), and with r = float(new_residual), all in float:
+//   RMSNorm:   inv = rsqrt(sum(r * r) / d + eps),            normed = T(T(r * inv) * weight)
+//   LayerNorm: mean = sum(r) / d, c = r - mean,
+//              inv = rsqrt(sum(c * c) / d + eps),            normed = T(T(T(c * inv) * weight) + bias)
+// the rsqrt correctly rounded. Only the element types that accumulate in float (Widen, reduce.h)
+// have them: float32, bfloat16 and float16. Compiles with a plain C++17 compiler and with nvcc.
 #pragma once
 
 #include <cmath>
@@ -24,7 +26,7 @@ template <class T> JG_HD T add_residual(T residual, T sum) {
   return Widen<T>::down(Widen<T>::up(residual) + Widen<T>::up(sum));
 }
 
-// rsqrt(mean + eps) with mean and sum rounded to float, and the rsqrt rounded once to float
+// rsqrt(sum_sq / d + eps) with each step rounded to float, and the rsqrt rounded once to float
 // from a double 1 / sqrt: a definite result (XLA's and CUDA's float rsqrt are approximate),
 // the same on the host and on the device. Once per row, so its cost does not matter.
 JG_HD float inv_rms(float sum_sq, size_t d, float eps) {
@@ -38,18 +40,32 @@ template <class T> JG_HD T scale(float r, float inv, T weight) {
   return Widen<T>::down(Widen<T>::up(n) * Widen<T>::up(weight));
 }
 
-// One row on the host: `nr` holds the row's sum on entry and new_residual on return. The
-// squares are summed in element order.
+// T(T(T(c * inv) * weight) + bias): LayerNorm's affine step, rounded as each jnp operation
+// in T rounds.
+template <class T> JG_HD T scale_shift(float c, float inv, T weight, T bias) {
+  return Widen<T>::down(Widen<T>::up(scale(c, inv, weight)) + Widen<T>::up(bias));
+}
+
+// One row on the host: `nr` holds the row's sum on entry and new_residual on return; `b`:
+// LayerNorm's bias, or null for RMSNorm. Every sum runs in element order.
 template <class T>
-inline void add_rmsnorm_row(const T* res, T* nr, const T* w, T* out, size_t d, float eps) {
-  float sum_sq = 0.0f;
+inline void add_norm_row(const T* res, T* nr, const T* w, const T* b, T* out, size_t d, float eps) {
+  float sum = 0.0f;
   for (size_t i = 0; i < d; ++i) {
     nr[i] = add_residual(res[i], nr[i]);
-    const float r = Widen<T>::up(nr[i]);
-    sum_sq += r * r;
+    sum += Widen<T>::up(nr[i]);
+  }
+  const float mean = b ? sum / float(d) : 0.0f;
+  float sum_sq = 0.0f;
+  for (size_t i = 0; i < d; ++i) {
+    const float c = Widen<T>::up(nr[i]) - mean;
+    sum_sq += c * c;
   }
   const float inv = inv_rms(sum_sq, d, eps);
-  for (size_t i = 0; i < d; ++i) out[i] = scale(Widen<T>::up(nr[i]), inv, w[i]);
+  for (size_t i = 0; i < d; ++i) {
+    const float c = Widen<T>::up(nr[i]) - mean;
+    out[i] = b ? scale_shift(c, inv, w[i], b[i]) : scale(c, inv, w[i]);
+  }
 }
 
 }  // namespace jax_gin
