@@ -238,6 +238,26 @@ def test_pytree_buckets_keep_each_leafs_typing():
     assert _custom_calls(f, a, b) == 4
 
 
+def test_pytree_partially_manual():
+    """axis_names= one mesh axis, the other automatic: XLA's own collectives on the bucket,
+    the same as lax's."""
+    if ndev() < 8:
+        pytest.skip("needs 8 devices")
+    from jax.sharding import Mesh, NamedSharding
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("x", "y"))
+    t = {"a": exact_input((8, 6), 4, "float32", 60).reshape(32, 6),
+         "b": exact_input((8,), 4, "float32", 61)}
+    t = jax.tree.map(lambda v: jax.device_put(v, NamedSharding(mesh, P("x"))), t)
+
+    def f(u):
+        return (jax_gin.psum_scatter(u, "x", tiled=True), lax.psum_scatter(u, "x", tiled=True),
+                jax_gin.all_gather(u, "x", tiled=True), lax.all_gather(u, "x", tiled=True))
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("x"),), out_specs=P("x"),
+                              axis_names={"x"}))
+    rs, rs_ref, ag, ag_ref = g(t)
+    jax.tree.map(assert_bitwise, (rs, ag), (rs_ref, ag_ref))
+
+
 def test_pytree_buckets_grad_matches_lax():
     n = ndev()
     tree = {k: v for k, v in _tree(n, 50).items() if v.dtype == np.float32}
