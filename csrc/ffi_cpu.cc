@@ -6,6 +6,7 @@
 
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include "cpu_backend.h"
 #include "ffi_common.h"
@@ -153,6 +154,26 @@ ffi::Error CpuAddLayerNormImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token, f
                       algorithm, eps);
 }
 
+// The fused norms' bindings, one list for both: this head, then LayerNorm's bias, then the tail.
+auto norm_binding_head() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::Buffer<ffi::U32>>()  // partition id (logical id)
+      .Arg<ffi::Token>()             // order token of the previous call
+      .Arg<ffi::AnyBuffer>()         // x (..., d): summed over the group
+      .Arg<ffi::AnyBuffer>()         // residual (..., d)
+      .Arg<ffi::AnyBuffer>();        // weight (d,)
+}
+template <class Binding>
+auto norm_binding_tail(Binding b) {
+  return std::move(b)
+      .template Ret<ffi::Token>()      // order token for the next call
+      .template Ret<ffi::AnyBuffer>()  // normed (..., d)
+      .template Ret<ffi::AnyBuffer>()  // new residual (..., d)
+      .template Attr<int64_t>("comm")  // communicator id (runtime)
+      .template Attr<int32_t>("algorithm")
+      .template Attr<float>("eps");
+}
+
 // psum_scatter and all_gather (collectives.h): one buffer in, one out.
 ffi::Error CpuCollectiveImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token order_in,
                              ffi::AnyBuffer x, ffi::Result<ffi::Token> order_out,
@@ -227,33 +248,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAllReduceDone, jax_gin::CpuAllReduceDoneI
                                   .Attr<int32_t>("slot"));        // GPU event slot (unused here)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAddRmsNorm, jax_gin::CpuAddRmsNormImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::U32>>()   // partition id (logical id)
-                                  .Arg<ffi::Token>()              // order token of the previous call
-                                  .Arg<ffi::AnyBuffer>()          // x (..., d): summed over the group
-                                  .Arg<ffi::AnyBuffer>()          // residual (..., d)
-                                  .Arg<ffi::AnyBuffer>()          // weight (d,)
-                                  .Ret<ffi::Token>()              // order token for the next call
-                                  .Ret<ffi::AnyBuffer>()          // normed (..., d)
-                                  .Ret<ffi::AnyBuffer>()          // new residual (..., d)
-                                  .Attr<int64_t>("comm")          // communicator id (runtime)
-                                  .Attr<int32_t>("algorithm")     // Algorithm
-                                  .Attr<float>("eps"));
+                              jax_gin::norm_binding_tail(jax_gin::norm_binding_head()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAddLayerNorm, jax_gin::CpuAddLayerNormImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::U32>>()   // partition id (logical id)
-                                  .Arg<ffi::Token>()              // order token of the previous call
-                                  .Arg<ffi::AnyBuffer>()          // x (..., d): summed over the group
-                                  .Arg<ffi::AnyBuffer>()          // residual (..., d)
-                                  .Arg<ffi::AnyBuffer>()          // weight (d,)
-                                  .Arg<ffi::AnyBuffer>()          // bias (d,)
-                                  .Ret<ffi::Token>()              // order token for the next call
-                                  .Ret<ffi::AnyBuffer>()          // normed (..., d)
-                                  .Ret<ffi::AnyBuffer>()          // new residual (..., d)
-                                  .Attr<int64_t>("comm")          // communicator id (runtime)
-                                  .Attr<int32_t>("algorithm")     // Algorithm
-                                  .Attr<float>("eps"));
+                              jax_gin::norm_binding_tail(jax_gin::norm_binding_head()
+                                                             .Arg<ffi::AnyBuffer>()));  // bias (d,)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuCollective, jax_gin::CpuCollectiveImpl,
                               ffi::Ffi::Bind()

@@ -18,6 +18,7 @@
 #include "ffi_cuda.h"
 
 #include <string>
+#include <utility>
 
 #include "ffi_common.h"
 #include "nccl_runtime.h"
@@ -271,6 +272,28 @@ ffi::Error CudaAddLayerNormImpl(cudaStream_t stream, int32_t device, ffi::Buffer
                        algorithm, eps);
 }
 
+// The fused norms' bindings, one list for both: this head, then LayerNorm's bias, then the tail.
+auto norm_binding_head() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
+      .Ctx<ffi::DeviceOrdinal>()                 // local CUDA ordinal
+      .Arg<ffi::Buffer<ffi::U32>>()              // partition id (unused on GPU)
+      .Arg<ffi::Buffer<ffi::U32>>()              // order token of the previous call
+      .Arg<ffi::AnyBuffer>()                     // x (..., d): summed over the group
+      .Arg<ffi::AnyBuffer>()                     // residual (..., d)
+      .Arg<ffi::AnyBuffer>();                    // weight (d,)
+}
+template <class Binding>
+auto norm_binding_tail(Binding b) {
+  return std::move(b)
+      .template Ret<ffi::Buffer<ffi::U32>>()  // order token for the next call
+      .template Ret<ffi::AnyBuffer>()         // normed (..., d)
+      .template Ret<ffi::AnyBuffer>()         // new residual (..., d)
+      .template Attr<int64_t>("comm")         // communicator id (runtime)
+      .template Attr<int32_t>("algorithm")
+      .template Attr<float>("eps");
+}
+
 }  // namespace
 }  // namespace jax_gin
 
@@ -330,36 +353,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCudaCollective, jax_gin::CudaCollectiveImpl,
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCudaAddRmsNorm, jax_gin::CudaAddRmsNormImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
-                                  .Ctx<ffi::DeviceOrdinal>()      // local CUDA ordinal
-                                  .Arg<ffi::Buffer<ffi::U32>>()   // partition id (unused on GPU)
-                                  .Arg<ffi::Buffer<ffi::U32>>()   // order token of the previous call
-                                  .Arg<ffi::AnyBuffer>()          // x (..., d): summed over the group
-                                  .Arg<ffi::AnyBuffer>()          // residual (..., d)
-                                  .Arg<ffi::AnyBuffer>()          // weight (d,)
-                                  .Ret<ffi::Buffer<ffi::U32>>()   // order token for the next call
-                                  .Ret<ffi::AnyBuffer>()          // normed (..., d)
-                                  .Ret<ffi::AnyBuffer>()          // new residual (..., d)
-                                  .Attr<int64_t>("comm")          // communicator id (runtime)
-                                  .Attr<int32_t>("algorithm")     // Algorithm
-                                  .Attr<float>("eps"),
+                              jax_gin::norm_binding_tail(jax_gin::norm_binding_head()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCudaAddLayerNorm, jax_gin::CudaAddLayerNormImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
-                                  .Ctx<ffi::DeviceOrdinal>()      // local CUDA ordinal
-                                  .Arg<ffi::Buffer<ffi::U32>>()   // partition id (unused on GPU)
-                                  .Arg<ffi::Buffer<ffi::U32>>()   // order token of the previous call
-                                  .Arg<ffi::AnyBuffer>()          // x (..., d): summed over the group
-                                  .Arg<ffi::AnyBuffer>()          // residual (..., d)
-                                  .Arg<ffi::AnyBuffer>()          // weight (d,)
-                                  .Arg<ffi::AnyBuffer>()          // bias (d,)
-                                  .Ret<ffi::Buffer<ffi::U32>>()   // order token for the next call
-                                  .Ret<ffi::AnyBuffer>()          // normed (..., d)
-                                  .Ret<ffi::AnyBuffer>()          // new residual (..., d)
-                                  .Attr<int64_t>("comm")          // communicator id (runtime)
-                                  .Attr<int32_t>("algorithm")     // Algorithm
-                                  .Attr<float>("eps"),
+                              jax_gin::norm_binding_tail(jax_gin::norm_binding_head()
+                                                             .Arg<ffi::AnyBuffer>()),  // bias (d,)
                               {ffi::Traits::kCmdBufferCompatible});
