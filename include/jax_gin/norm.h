@@ -50,10 +50,10 @@ template <class T> JG_HD T scale_shift(float c, float inv, T weight, T bias) {
 // LayerNorm's bias, or null for RMSNorm. Every sum runs in element order.
 template <class T>
 inline void add_norm_row(const T* res, T* nr, const T* w, const T* b, T* out, size_t d, float eps) {
-  float sum = 0.0f;
+  float sum = 0.0f;  // LayerNorm's only
   for (size_t i = 0; i < d; ++i) {
     nr[i] = add_residual(res[i], nr[i]);
-    sum += Widen<T>::up(nr[i]);
+    if (b) sum += Widen<T>::up(nr[i]);
   }
   const float mean = b ? sum / float(d) : 0.0f;
   float sum_sq = 0.0f;
