@@ -3,9 +3,10 @@
     python examples/demo.py            # the devices present; 8 CPU devices when there is no GPU
 
 A small MLP is trained data-parallel over a 1-D mesh: each device computes the gradient of
-its shard of the batch, and the gradients are all-reduced. The step runs twice, once with
-jax_gin.psum and once with jax.lax.psum, and the demo prints the losses, whether the updated
-parameters are bitwise equal, and the time per step of each.
+its shard of the batch, and the gradients are all-reduced. The step runs with jax_gin.psum
+and with jax.lax.psum, and the demo prints the losses and the time per step of each, whether
+the two all-reduce the same per-device gradients to the same bits, and how far apart the
+parameters are after 5 steps.
 """
 import os
 import sys
@@ -55,6 +56,26 @@ def make_step(mesh, allreduce, n):
                                  out_specs=(spec_p, spec_p)))
 
 
+def local_grads(mesh):
+    """Each device's gradient of its shard of the batch, stacked along the mesh axis, on a
+    1/1024 grid: sums of such values are exact in any order, so every correct all-reduce
+    gives the same bits (XLA's may add in another order than jax_gin's)."""
+    def grads(params, x, y):
+        return jax.tree.map(lambda g: (jnp.round(g * 1024) / 1024)[None],
+                            jax.grad(loss_fn)(params, x, y))
+
+    return jax.jit(jax.shard_map(grads, mesh=mesh, in_specs=(P(), P("data"), P("data")),
+                                 out_specs=P("data")))
+
+
+def all_reduce(mesh, allreduce):
+    """The all-reduce alone, over stacked per-device gradients."""
+    def f(g):
+        return allreduce(jax.tree.map(lambda a: a[0], g), "data")
+
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P()))
+
+
 def main():
     devices = jax.devices()
     n = len(devices)
@@ -67,25 +88,33 @@ def main():
     y = jnp.asarray(rng.integers(-2, 3, size=(n * 16, 16)).astype(np.float32))
 
     rows = []
-    results = {}
+    grads = local_grads(mesh)(params, x, y)
+    reduced, results = {}, {}
     for name, fn in (("jax_gin.psum", jax_gin.psum), ("lax.psum", jax.lax.psum)):
+        reduced[name] = [np.asarray(a) for a in jax.tree.leaves(all_reduce(mesh, fn)(grads))]
         step = make_step(mesh, fn, n)
         p, losses = params, []
         for _ in range(5):
             p, loss = step(p, x, y)
             losses.append(float(loss))
-        results[name] = p
+        results[name] = [np.asarray(a) for a in jax.tree.leaves(p)]
         rows.append((name, losses[0], losses[-1], median_us(step, params, x, y)))
 
-    same = all(bool(jnp.all(a == b)) for a, b in zip(jax.tree.leaves(results["jax_gin.psum"]),
-                                                      jax.tree.leaves(results["lax.psum"])))
+    same_sums = all(np.array_equal(a, b) for a, b in zip(*reduced.values()))
+    # Inside a step, XLA may fuse the arithmetic around a custom call differently than around
+    # its own all-reduce (on one device it removes lax's all-reduce altogether), so the
+    # parameters after several inexact updates may differ in the last bits.
+    diff = max(float(np.max(np.abs(a - b))) / max(float(np.max(np.abs(b))), 1e-30)
+               for a, b in zip(*results.values()))
     print(f"\n{'all-reduce':<14} {'loss step 1':>12} {'loss step 5':>12} {'us/step':>10}")
     for name, l0, l4, us in rows:
         print(f"{name:<14} {l0:>12.6f} {l4:>12.6f} {us:>10.1f}")
-    print(f"\nparameters after 5 steps bitwise equal: {same}")
+    print(f"\nthe same per-device gradients all-reduced, bitwise equal: {same_sums}")
+    print("parameters after 5 steps: " + ("bitwise equal" if diff == 0 else
+          f"max difference {diff:.1e} of the largest (XLA fuses the update differently)"))
     print(f"auto picks for the gradients: "
           f"{jax_gin.explain(jax.ShapeDtypeStruct((256 * 256,), jnp.float32), nranks=n)}")
-    return 0 if same else 1
+    return 0 if same_sums and diff < 1e-5 else 1
 
 
 if __name__ == "__main__":
