@@ -11,37 +11,67 @@
 #include "jax_gin/message.h"
 #include "jax_gin/schedule.h"
 
+#include <type_traits>
+
+
 namespace jax_gin {
 namespace gpu {
 
-// One lane (CTA) of a message `io` of `count` elements (message.h: one buffer, or several).
-template <class T, class Op, class Peers, class IO>
+// One lane (CTA) of a message `io` of `count` elements (message.h: one buffer, or several),
+// with the flat algorithm A (Algorithm).
+template <class T, class Op, class Peers, int A, class IO>
 __device__ __forceinline__ void allreduce_lane(const Peers& peers, const LaneParams& p,
-                                               int algorithm, const IO& io, size_t count) {
+                                               const IO& io, size_t count) {
   const int lane = blockIdx.x;
-  const Algorithm algo = Algorithm(algorithm);
+  constexpr Algorithm algo = Algorithm(A);
   const schedule::Range mine = schedule::piece(count, gridDim.x, lane, schedule::align_elems(sizeof(T)));
   const size_t slot_bytes = schedule::slot_elems(algo, p.nranks, p.lane_bytes, sizeof(T)) * sizeof(T);
   GpuTransport<Peers> tp(peers, p, lane, slot_bytes);
   run_recorded_lane(p, lane, tp, [&](uint64_t& round) {
-    run_lane<T, Op>(tp, algo, io.at(mine.offset), mine.count, p.lane_bytes, round);
+    run_lane<T, Op, A>(tp, algo, io.at(mine.offset), mine.count, p.lane_bytes, round);
   });
 }
 
-template <class T, class Op, class Peers>
-__global__ void __launch_bounds__(512)
-    allreduce_kernel(Peers peers, LaneParams p, int algorithm, const T* __restrict__ in,
-                     T* __restrict__ out, size_t count) {
-  allreduce_lane<T, Op>(peers, p, algorithm, Contiguous<T>{in, out}, count);
+// One kernel per algorithm A: each holds only its schedule's code, so it keeps fewer values
+// live and spills less than one kernel that switches at run time (docs/performance.md).
+// __launch_bounds__(512, 2): at most 64 registers per thread, so that a lane takes at most
+// half of its SM's registers and leaves the rest to other kernels' blocks (the compute that
+// an overlapped all-reduce runs beside).
+template <class T, class Op, class Peers, int A>
+__global__ void __launch_bounds__(512, 2)
+    allreduce_kernel(Peers peers, LaneParams p, const T* __restrict__ in, T* __restrict__ out,
+                     size_t count) {
+  allreduce_lane<T, Op, Peers, A>(peers, p, Contiguous<T>{in, out}, count);
 }
 
 // Several buffers of one dtype as one message (a pytree bucket): the segment table travels in
 // the kernel's parameters (__grid_constant__: read in place, never copied per thread).
-template <class T, class Op, class Peers>
-__global__ void __launch_bounds__(512)
-    allreduce_multi_kernel(Peers peers, LaneParams p, int algorithm,
-                           const __grid_constant__ SegmentTable table, size_t count) {
-  allreduce_lane<T, Op>(peers, p, algorithm, Segmented<T>{table.seg, table.n, 0}, count);
+template <class T, class Op, class Peers, int A>
+__global__ void __launch_bounds__(512, 2)
+    allreduce_multi_kernel(Peers peers, LaneParams p, const __grid_constant__ SegmentTable table,
+                           size_t count) {
+  allreduce_lane<T, Op, Peers, A>(peers, p, Segmented<T>{table.seg, table.n, 0}, count);
+}
+
+// f(std::integral_constant<int, A>) for the flat algorithm A == algo (the public ones, codes
+// 0 .. kNumAlgorithms - 1); `fail` for any other.
+template <int A = 0, class R, class F>
+__host__ R with_flat_algorithm(Algorithm algo, R fail, F&& f) {
+  if constexpr (A < kNumAlgorithms) {
+    return int(algo) == A ? f(std::integral_constant<int, A>{})
+                          : with_flat_algorithm<A + 1>(algo, fail, f);
+  } else {
+    return fail;
+  }
+}
+// f(A) for every flat algorithm, stopping at the first error.
+template <class F>
+__host__ cudaError_t for_each_flat_algorithm(F&& f) {
+  for (int a = 0; a < kNumAlgorithms; ++a) {
+    const cudaError_t e = with_flat_algorithm(Algorithm(a), cudaErrorInvalidValue, f);
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
 }
 
 // hierarchical (groups that span nodes): run_lane_hierarchical over HierTransport, which
@@ -265,8 +295,11 @@ cudaError_t launch_typed(const Peers& peers, const LaneParams& p, int lanes, int
     one_shot_ll_kernel<T, Op, Peers><<<lanes, threads, 0, s>>>(
         peers, p, static_cast<const T*>(in), static_cast<T*>(out), count);
   } else {
-    allreduce_kernel<T, Op, Peers><<<lanes, threads, 0, s>>>(
-        peers, p, int(algo), static_cast<const T*>(in), static_cast<T*>(out), count);
+    return with_flat_algorithm(algo, cudaErrorInvalidValue, [&](auto a) {
+      allreduce_kernel<T, Op, Peers, decltype(a)::value><<<lanes, threads, 0, s>>>(
+          peers, p, static_cast<const T*>(in), static_cast<T*>(out), count);
+      return cudaGetLastError();
+    });
   }
   return cudaGetLastError();
 }
@@ -277,7 +310,11 @@ cudaError_t launch_multi_typed(const Peers& peers, const LaneParams& p, int lane
   if (p.ll) {
     one_shot_ll_multi_kernel<T, Op, Peers><<<lanes, threads, 0, s>>>(peers, p, table, count);
   } else {
-    allreduce_multi_kernel<T, Op, Peers><<<lanes, threads, 0, s>>>(peers, p, int(algo), table, count);
+    return with_flat_algorithm(algo, cudaErrorInvalidValue, [&](auto a) {
+      allreduce_multi_kernel<T, Op, Peers, decltype(a)::value><<<lanes, threads, 0, s>>>(
+          peers, p, table, count);
+      return cudaGetLastError();
+    });
   }
   return cudaGetLastError();
 }
@@ -329,7 +366,10 @@ cudaError_t table_occupancy(Algorithm algo, int threads, int* per_sm) {
         algo == Algorithm::kHierarchical
             ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(
                   &n, hierarchical_kernel<T, Op, TablePeers, EmulatedGinRail>, threads, 0)
-            : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, allreduce_kernel<T, Op, TablePeers>, threads, 0);
+            : with_flat_algorithm(algo, cudaErrorInvalidValue, [&](auto a) {
+                return cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                    &n, allreduce_kernel<T, Op, TablePeers, decltype(a)::value>, threads, 0);
+              });
     if (q == cudaSuccess && (fewest < 0 || n < fewest)) fewest = n;
     return q;
   });
@@ -343,7 +383,9 @@ cudaError_t preload_type() {
   return for_each_redop(cudaSuccess, [](auto red) {
     using Op = decltype(red);
     cudaFuncAttributes a;
-    cudaError_t e = cudaFuncGetAttributes(&a, allreduce_kernel<T, Op, Peers>);
+    cudaError_t e = for_each_flat_algorithm([&](auto alg) {
+      return cudaFuncGetAttributes(&a, allreduce_kernel<T, Op, Peers, decltype(alg)::value>);
+    });
     return e != cudaSuccess ? e : cudaFuncGetAttributes(&a, one_shot_ll_kernel<T, Op, Peers>);
   });
 }
@@ -353,7 +395,9 @@ cudaError_t preload_multi_type() {
   return for_each_redop(cudaSuccess, [](auto red) {
     using Op = decltype(red);
     cudaFuncAttributes a;
-    cudaError_t e = cudaFuncGetAttributes(&a, allreduce_multi_kernel<T, Op, Peers>);
+    cudaError_t e = for_each_flat_algorithm([&](auto alg) {
+      return cudaFuncGetAttributes(&a, allreduce_multi_kernel<T, Op, Peers, decltype(alg)::value>);
+    });
     return e != cudaSuccess ? e : cudaFuncGetAttributes(&a, one_shot_ll_multi_kernel<T, Op, Peers>);
   });
 }

@@ -451,9 +451,12 @@ JG_HD bool hierarchical_round(Tp& tp, const T* in, T* out, size_t n, size_t slot
 // ---------------------------------------------------------------------------------------
 // One lane's whole message: rounds of at most `capacity` elements through the lane's window.
 // `round` is the lane's persistent round counter; it advances by the number of rounds run.
-template <class T, class Op, class Tp, class IO>
-JG_HD bool run_lane(Tp& tp, Algorithm algo, const IO& io, size_t count, size_t lane_bytes,
+// kAlgo >= 0: the algorithm is fixed at compile time (a GPU kernel per algorithm, which keeps
+// only that schedule's code, and so fewer live values), and `algo` must equal it.
+template <class T, class Op, int kAlgo = -1, class Tp, class IO>
+JG_HD bool run_lane(Tp& tp, Algorithm algo_arg, const IO& io, size_t count, size_t lane_bytes,
                     uint64_t& round) {
+  const Algorithm algo = kAlgo >= 0 ? Algorithm(kAlgo) : algo_arg;
   if (tp.nranks() == 1) {
     io.each(0, count, [&](size_t, const T* in, T* out, size_t m) { tp.copy(out, in, m); });
     return true;
