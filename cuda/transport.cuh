@@ -136,10 +136,12 @@ __device__ inline void state_wait(const LaneParams& p, int peer, int step, uint6
 }
 
 __device__ inline RecEntry* rec_begin(const LaneParams& p, uint64_t round0, RecEntry* local) {
+  // Both control words in one load (one memory round trip), issued before the state block's
+  // stores and load, so that its latency overlaps theirs.
+  uint64_t on = 0, calls = 0;
+  if (p.rec_ctl != nullptr)
+    asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(on), "=l"(calls) : "l"(p.rec_ctl));
   state_begin(p);
-  if (p.rec_ctl == nullptr) return nullptr;
-  uint64_t on, calls;  // both control words in one load: one memory round trip
-  asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(on), "=l"(calls) : "l"(p.rec_ctl));
   if (on == 0) return nullptr;
   const uint64_t seq = calls + 1;
   p.rec_ctl[1] = seq;
