@@ -243,10 +243,11 @@ struct Layout {
 
 // --add-rmsnorm 1: psum_add_rmsnorm's and psum_add_layernorm's one-kernel LL path
 // (launch_add_norm_ll) against its two-kernel composition (one_shot, then launch_add_norm),
-// bit for bit on every rank, and the normed rows equal across ranks. Returns the number of
-// failures (printed).
+// bit for bit on every rank, and the normed rows equal across ranks. With time_iters > 0, also
+// times the one kernel, the two kernels and the all-reduce alone (time_calls). Returns the
+// number of failures (printed).
 long check_add_norm(std::vector<Rank>& rk, int N, size_t lane_bytes, double timeout_s,
-                       const std::vector<std::string>& dtypes) {
+                    const std::vector<std::string>& dtypes, int time_iters, bool time_graph) {
   struct Shape { size_t rows, d; };
   const Shape shapes[] = {{8, 4096}, {3, 1000}, {32, 1024}, {1, 7}, {5, 2048}};
   long failures = 0;
@@ -291,18 +292,49 @@ long check_add_norm(std::vector<Rank>& rk, int N, size_t lane_bytes, double time
         ++rk[r].calls;
       }
       bool ok = supported;
-      if (supported) {
+      // every rank's one kernel; every rank's all-reduce, and with `epilogue` the epilogue
+      auto one_kernel = [&]() -> cudaError_t {
         for (int r = 0; r < N; ++r) {
-          CK(cudaSetDevice(rk[r].dev));
-          CK(gpu::launch_allreduce(gpu::PeerAccess{nullptr, rk[r].table}, cfg[r], dt->dt, RedOp::kSum,
-                                   Algorithm::kOneShot, b[r].x, b[r].nr2, n, rk[r].stream));
+          cudaError_t e = cudaSetDevice(rk[r].dev);
+          if (e == cudaSuccess)
+            e = gpu::launch_add_norm_ll(gpu::PeerAccess{nullptr, rk[r].table}, cfg[r], dt->dt,
+                                        b[r].x, b[r].res, b[r].nr1, b[r].w, layer ? b[r].b : nullptr,
+                                        b[r].out1, sh.rows, sh.d, eps, rk[r].stream);
+          if (e != cudaSuccess) return e;
           ++rk[r].calls;
         }
+        return cudaSuccess;
+      };
+      auto two_kernels = [&](bool epilogue) -> cudaError_t {
         for (int r = 0; r < N; ++r) {
-          CK(cudaSetDevice(rk[r].dev));
-          CK(gpu::launch_add_norm(dt->dt, b[r].res, b[r].nr2, b[r].w, layer ? b[r].b : nullptr,
-                                  b[r].out2, sh.rows, sh.d, eps, rk[r].stream));
+          cudaError_t e = cudaSetDevice(rk[r].dev);
+          if (e == cudaSuccess)
+            e = gpu::launch_allreduce(gpu::PeerAccess{nullptr, rk[r].table}, cfg[r], dt->dt, RedOp::kSum,
+                                      Algorithm::kOneShot, b[r].x, b[r].nr2, n, rk[r].stream);
+          if (e != cudaSuccess) return e;
+          ++rk[r].calls;
         }
+        for (int r = 0; epilogue && r < N; ++r) {
+          cudaError_t e = cudaSetDevice(rk[r].dev);
+          if (e == cudaSuccess)
+            e = gpu::launch_add_norm(dt->dt, b[r].res, b[r].nr2, b[r].w, layer ? b[r].b : nullptr,
+                                     b[r].out2, sh.rows, sh.d, eps, rk[r].stream);
+          if (e != cudaSuccess) return e;
+        }
+        return cudaSuccess;
+      };
+      if (supported && time_iters > 0) {  // timed first, so that the check covers these calls too
+        double one = 0, two = 0, alone = 0;
+        CK(time_calls(rk, N, time_iters, time_graph, one_kernel, &one));
+        CK(time_calls(rk, N, time_iters, time_graph, [&] { return two_kernels(true); }, &two));
+        CK(time_calls(rk, N, time_iters, time_graph, [&] { return two_kernels(false); }, &alone));
+        std::printf("time%s %s ranks=%d dtype=%s rows=%zu d=%zu: one kernel %.2f us, all-reduce "
+                    "then epilogue %.2f us, all-reduce alone %.2f us\n",
+                    time_graph ? "(graph)" : "", layer ? "add_layernorm" : "add_rmsnorm", N,
+                    dt->name, sh.rows, sh.d, one, two, alone);
+      }
+      if (supported) {
+        CK(two_kernels(true));
         std::vector<char> a(bytes), c(bytes), first(bytes);
         for (int r = 0; r < N; ++r) {
           CK(cudaSetDevice(rk[r].dev));
@@ -319,6 +351,7 @@ long check_add_norm(std::vector<Rank>& rk, int N, size_t lane_bytes, double time
       }
       for (int r = 0; r < N; ++r) {
         CK(cudaSetDevice(rk[r].dev));
+        CK(cudaStreamSynchronize(rk[r].stream));
         for (void* q : {b[r].x, b[r].res, b[r].w, b[r].b, b[r].nr1, b[r].out1, b[r].nr2, b[r].out2}) cudaFree(q);
       }
       std::printf("%s %s ranks=%d dtype=%s rows=%zu d=%zu%s\n", ok ? "ok" : "FAIL",
@@ -769,7 +802,7 @@ int main(int argc, char** argv) {
       std::printf("ranks=%d: collectives %ld passed, %ld failed\n", N, n - bad, bad);
     }
     if (add_rmsnorm) {
-      const long bad = check_add_norm(rk, N, lane_bytes, timeout_s, dtypes_s);
+      const long bad = check_add_norm(rk, N, lane_bytes, timeout_s, dtypes_s, time_iters, time_graph);
       failures += bad;
       ++cases;
     }
