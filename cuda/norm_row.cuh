@@ -32,9 +32,8 @@ __device__ __forceinline__ float norm_block_sum(float acc) {
 }
 
 // Elements of a row that each of the kNormThreads threads keeps in registers: a row of up to
-// kNormThreads * kNormCache elements is read once, with all of a thread's loads in flight at
-// once, rather than once per pass with each load waiting for the one before (a row of 4096
-// took 8 us that way, latency-bound).
+// kNormThreads * kNormCache elements is read once, with all of a thread's loads issued
+// together, rather than once per pass.
 constexpr int kNormCache = 32;
 constexpr size_t kNormCachedMax = size_t(kNormThreads) * kNormCache;
 
