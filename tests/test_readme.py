@@ -1,4 +1,5 @@
-"""The documentation's Python snippets run as written, and the README stays short.
+"""The documentation's Python snippets run as written, the README stays short, and the demo
+runs.
 
 Every ```python fenced block of README.md and docs/global-view.md runs alone in a fresh
 interpreter, with cwd the repository root, JAX_PLATFORMS=cpu and
@@ -65,3 +66,15 @@ def test_snippet_runs(where, code):
     assert proc.returncode == 0, (
         f"{where}: exit status {proc.returncode}\n--- code ---\n{code}"
         f"--- stderr ---\n{proc.stderr[-6000:]}")
+
+
+def test_demo_runs():
+    """`make demo`'s script, on the platform the suite runs on (8 CPU devices, or the GPUs
+    under JAX_PLATFORMS=cuda): exit status 0, and it says the two all-reduces agree."""
+    try:
+        proc = subprocess.run([sys.executable, "examples/demo.py"], cwd=ROOT, env=dict(os.environ),
+                              capture_output=True, text=True, timeout=2 * TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"examples/demo.py still running after {2 * TIMEOUT_S} s\n{e.stderr}")
+    assert proc.returncode == 0, f"exit status {proc.returncode}\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    assert "all-reduced, bitwise equal: True" in proc.stdout, proc.stdout
