@@ -20,7 +20,8 @@
 // whose reduction uses at most --max-lanes CTAs (--ce-serial 1: all on one stream); its rounds share lane 0's flags with the
 // other algorithms', which the default list interleaves.
 // --add-rmsnorm 1 checks psum_add_rmsnorm's and psum_add_layernorm's one-kernel LL path
-// against their two-kernel form.
+// against their two-kernel form; with --time-iters it also times the one kernel, the two
+// kernels and the all-reduce alone.
 // --collectives 1 checks reduce-scatter and all-gather (launch_collective) after each rank
 // count's all-reduces, --collectives only instead of them: every --dtypes type, one_shot and
 // ring (those of --algos, if given), blocks of each of --block-bytes (multiples of 16; default
