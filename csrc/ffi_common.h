@@ -2,6 +2,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 
 #include "jax_gin/common.h"
 #include "host_types.h"
@@ -135,6 +136,26 @@ inline xla::ffi::Error check_norm_buffers(const xla::ffi::AnyBuffer& x,
   *d = size_t(dims[dims.size() - 1]);
   *rows = *d == 0 ? 0 : x.element_count() / *d;
   return ffi::Error::Success();
+}
+
+// The fused norms' FFI binding, written once for both platforms. After the platform's own head
+// (its contexts, the partition id and the order token): x, residual, weight; LayerNorm then
+// adds its bias as one more operand. After the order token result: the rest below.
+template <class Binding>
+auto norm_operands(Binding b) {
+  return std::move(b)
+      .template Arg<xla::ffi::AnyBuffer>()   // x (..., d): summed over the group
+      .template Arg<xla::ffi::AnyBuffer>()   // residual (..., d)
+      .template Arg<xla::ffi::AnyBuffer>();  // weight (d,)
+}
+template <class Binding>
+auto norm_results(Binding b) {
+  return std::move(b)
+      .template Ret<xla::ffi::AnyBuffer>()  // normed (..., d)
+      .template Ret<xla::ffi::AnyBuffer>()  // new residual (..., d)
+      .template Attr<int64_t>("comm")       // communicator id (runtime)
+      .template Attr<int32_t>("algorithm")
+      .template Attr<float>("eps");
 }
 
 }  // namespace jax_gin

@@ -154,24 +154,16 @@ ffi::Error CpuAddLayerNormImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token, f
                       algorithm, eps);
 }
 
-// The fused norms' bindings, one list for both: this head, then LayerNorm's bias, then the tail.
+// The fused norms' bindings, one list for both: this head, then LayerNorm's bias, then the tail
+// (norm_operands and norm_results, ffi_common.h).
 auto norm_binding_head() {
-  return ffi::Ffi::Bind()
-      .Arg<ffi::Buffer<ffi::U32>>()  // partition id (logical id)
-      .Arg<ffi::Token>()             // order token of the previous call
-      .Arg<ffi::AnyBuffer>()         // x (..., d): summed over the group
-      .Arg<ffi::AnyBuffer>()         // residual (..., d)
-      .Arg<ffi::AnyBuffer>();        // weight (d,)
+  return norm_operands(ffi::Ffi::Bind()
+                           .Arg<ffi::Buffer<ffi::U32>>()  // partition id (logical id)
+                           .Arg<ffi::Token>());           // order token of the previous call
 }
 template <class Binding>
 auto norm_binding_tail(Binding b) {
-  return std::move(b)
-      .template Ret<ffi::Token>()      // order token for the next call
-      .template Ret<ffi::AnyBuffer>()  // normed (..., d)
-      .template Ret<ffi::AnyBuffer>()  // new residual (..., d)
-      .template Attr<int64_t>("comm")  // communicator id (runtime)
-      .template Attr<int32_t>("algorithm")
-      .template Attr<float>("eps");
+  return norm_results(std::move(b).template Ret<ffi::Token>());  // order token for the next call
 }
 
 // psum_scatter and all_gather (collectives.h): one buffer in, one out.

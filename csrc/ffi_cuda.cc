@@ -272,26 +272,19 @@ ffi::Error CudaAddLayerNormImpl(cudaStream_t stream, int32_t device, ffi::Buffer
                        algorithm, eps);
 }
 
-// The fused norms' bindings, one list for both: this head, then LayerNorm's bias, then the tail.
+// The fused norms' bindings, one list for both: this head, then LayerNorm's bias, then the tail
+// (norm_operands and norm_results, ffi_common.h).
 auto norm_binding_head() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
-      .Ctx<ffi::DeviceOrdinal>()                 // local CUDA ordinal
-      .Arg<ffi::Buffer<ffi::U32>>()              // partition id (unused on GPU)
-      .Arg<ffi::Buffer<ffi::U32>>()              // order token of the previous call
-      .Arg<ffi::AnyBuffer>()                     // x (..., d): summed over the group
-      .Arg<ffi::AnyBuffer>()                     // residual (..., d)
-      .Arg<ffi::AnyBuffer>();                    // weight (d,)
+  return norm_operands(ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
+                           .Ctx<ffi::DeviceOrdinal>()                 // local CUDA ordinal
+                           .Arg<ffi::Buffer<ffi::U32>>()   // partition id (unused on GPU)
+                           .Arg<ffi::Buffer<ffi::U32>>());  // order token of the previous call
 }
 template <class Binding>
 auto norm_binding_tail(Binding b) {
-  return std::move(b)
-      .template Ret<ffi::Buffer<ffi::U32>>()  // order token for the next call
-      .template Ret<ffi::AnyBuffer>()         // normed (..., d)
-      .template Ret<ffi::AnyBuffer>()         // new residual (..., d)
-      .template Attr<int64_t>("comm")         // communicator id (runtime)
-      .template Attr<int32_t>("algorithm")
-      .template Attr<float>("eps");
+  // order token for the next call
+  return norm_results(std::move(b).template Ret<ffi::Buffer<ffi::U32>>());
 }
 
 }  // namespace
