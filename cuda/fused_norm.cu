@@ -18,16 +18,6 @@ add_norm_kernel(const T* __restrict__ res, T* nr, const T* __restrict__ w,
   res += row * d;
   nr += row * d;
   out += row * d;
-  if (d <= kNormCachedMax) {  // the add in the same pass as the row's one read
-    norm_row_cached<T>(
-        [&](size_t i) {
-          const T r = add_residual(res[i], nr[i]);
-          nr[i] = r;
-          return r;
-        },
-        w, b, out, d, eps);
-    return;
-  }
   // each thread reads back, in norm_row, only the elements it writes here
   for (size_t i = threadIdx.x; i < d; i += kNormThreads) nr[i] = add_residual(res[i], nr[i]);
   norm_row(nr, w, b, out, d, eps);

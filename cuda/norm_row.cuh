@@ -31,60 +31,11 @@ __device__ __forceinline__ float norm_block_sum(float acc) {
   return total;
 }
 
-// Elements of a row that each of the kNormThreads threads keeps in registers: a row of up to
-// kNormThreads * kNormCache elements is read once, with all of a thread's loads issued
-// together, rather than once per pass.
-constexpr int kNormCache = 32;
-constexpr size_t kNormCachedMax = size_t(kNormThreads) * kNormCache;
-
-// The norm of a row of d <= kNormCachedMax elements into `out` (norm.h), whose new residual's
-// element i is load(i) (load may also write it). Thread t holds elements t, t + kNormThreads,
-// ..., and sums them in that order, as norm_row's loops do, so both give the same bits.
-template <class T, class Load>
-__device__ __forceinline__ void norm_row_cached(Load&& load, const T* w, const T* b, T* out,
-                                                size_t d, float eps) {
-  const bool mine = threadIdx.x < kNormThreads;
-  float v[kNormCache];
-#pragma unroll
-  for (int k = 0; k < kNormCache; ++k) {
-    const size_t i = threadIdx.x + size_t(k) * kNormThreads;
-    v[k] = mine && i < d ? Widen<T>::up(load(i)) : 0.0f;
-  }
-  float mean = 0.0f;
-  if (b != nullptr) {
-    float acc = 0.0f;
-#pragma unroll
-    for (int k = 0; k < kNormCache; ++k)
-      if (mine && threadIdx.x + size_t(k) * kNormThreads < d) acc += v[k];
-    mean = norm_block_sum(acc) / float(d);
-  }
-  float acc = 0.0f;
-#pragma unroll
-  for (int k = 0; k < kNormCache; ++k)
-    if (mine && threadIdx.x + size_t(k) * kNormThreads < d) {
-      const float c = v[k] - mean;
-      acc += c * c;
-    }
-  const float inv = inv_rms(norm_block_sum(acc), d, eps);
-#pragma unroll
-  for (int k = 0; k < kNormCache; ++k) {
-    const size_t i = threadIdx.x + size_t(k) * kNormThreads;
-    if (mine && i < d) {
-      const float c = v[k] - mean;
-      out[i] = b != nullptr ? scale_shift(c, inv, w[i], b[i]) : scale(c, inv, w[i]);
-    }
-  }
-}
-
 // The norm of the row whose new residual is `nr` (d elements) into `out` (norm.h): RMSNorm
 // times `w`, or with a bias `b` LayerNorm, whose mean is one more sum over the block before
 // the sum of squares. Called by every thread of the block; threads >= kNormThreads only wait.
 template <class T>
 __device__ void norm_row(const T* nr, const T* w, const T* b, T* out, size_t d, float eps) {
-  if (d <= kNormCachedMax) {
-    norm_row_cached<T>([&](size_t i) { return nr[i]; }, w, b, out, d, eps);
-    return;
-  }
   float mean = 0.0f;
   if (b != nullptr) {
     float acc = 0.0f;
