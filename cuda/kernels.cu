@@ -14,6 +14,7 @@
 // same way: one CTA per lane, over the same windows, flags and round counters
 // (collectives_impl.cuh).
 #include "kernels.h"
+#include "norm_row.cuh"
 #include "transport.cuh"
 
 #include "jax_gin/collectives.h"
@@ -281,13 +282,16 @@ cudaError_t launch_add_norm_ll(const PeerAccess& peers, const LaunchConfig& cfg,
   const size_t row_bytes = d * dtype_size(dtype), bytes = rows * row_bytes;
   if (rows == 0 || d == 0 || row_bytes > kLLLanePayload || !use_ll(cfg, Algorithm::kOneShot, bytes))
     return cudaErrorNotSupported;
-  const size_t rows_per_lane = kLLLanePayload / row_bytes;
-  const size_t lanes = (rows + rows_per_lane - 1) / rows_per_lane;
-  if (lanes > size_t(kLLMaxLanes)) return cudaErrorNotSupported;
   LaneParams p = lane_params(cfg, int32_t(RedOp::kSum), Algorithm::kOneShot, dtype, rows * d);
   p.ll = 1;
   return with_type(dtype, [&](auto t) {
     using T = typename decltype(t)::type;
+    // a lane takes as many rows as fit both its payload and its block's norm groups, so that it
+    // normalizes them all at once
+    const size_t fit = kLLLanePayload / row_bytes, groups = size_t(kNormBlock / norm_row_threads<T>(d));
+    const size_t rows_per_lane = fit < groups ? fit : groups;
+    const size_t lanes = (rows + rows_per_lane - 1) / rows_per_lane;
+    if (lanes > size_t(kLLMaxLanes)) return cudaErrorNotSupported;
     if (peers.table != nullptr)
       return launch_ll_add_norm<T>(TablePeers{peers.table}, p, int(lanes), x, residual,
                                    new_residual, weight, bias, normed, rows, d, rows_per_lane, eps,

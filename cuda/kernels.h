@@ -177,8 +177,9 @@ cudaError_t launch_add_norm(DType dtype, const void* residual, void* new_residua
 // The same of x (rows x d) in one one_shot kernel over the LL protocol: the sum, the residual
 // add and the norm (norm_row.cuh), the same bits as launch_allreduce (one_shot) then
 // launch_add_norm. cudaErrorNotSupported where it does not apply (one_shot would not take LL,
-// a row is larger than an LL lane's 8 KiB, or the rows need more than its 32 lanes): the
-// caller then runs those two.
+// a row is larger than an LL lane's 8 KiB, or the rows need more than its 32 lanes, a lane
+// taking the rows that fit both its 8 KiB and its block's norm groups): the caller then runs
+// those two.
 cudaError_t launch_add_norm_ll(const PeerAccess& peers, const LaunchConfig& cfg, DType dtype,
                                const void* x, const void* residual, void* new_residual,
                                const void* weight, const void* bias, void* normed, size_t rows,

@@ -221,12 +221,12 @@ __device__ __forceinline__ void one_shot_ll_lane(const Peers& peers, const LaneP
 }
 
 // psum_add_rmsnorm (b null) or psum_add_layernorm in one kernel over the LL protocol (norm.h,
-// norm_row.cuh): lane l owns rows
-// [l * rows_per_lane, ...) of x, whose bytes fit one LL lane's payload; it sums each line of
-// them over the ranks, adds the residual into new_residual, then normalizes its rows exactly
-// as the epilogue kernel does (fused_norm.cu), so that the results are the same bits.
+// norm_row.cuh): lane l owns rows [l * rows_per_lane, ...) of x, whose bytes fit one LL lane's
+// payload and whose norm groups fit its block; it sums each line of them over the ranks, adds
+// the residual into new_residual, then normalizes its rows, all at once, exactly as the
+// epilogue kernel does (fused_norm.cu), so that the results are the same bits.
 template <class T, class Peers>
-__global__ void __launch_bounds__(512)
+__global__ void __launch_bounds__(kNormBlock)
     ll_add_norm_kernel(Peers peers, LaneParams p, const T* __restrict__ x,
                        const T* __restrict__ res, T* nr, const T* __restrict__ w,
                        const T* __restrict__ b, T* __restrict__ out, size_t rows, size_t d,
@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(512)
   }
   if (threadIdx.x == 0) p.rounds[kMaxLanes + lane] = round;
   __syncthreads();  // the lane's new residual rows are written (visible to the block)
-  for (size_t row = row0; row < row1; ++row) norm_row(nr + row * d, w, b, out + row * d, d, eps);
+  norm_rows(static_cast<const T*>(nullptr), nr, w, b, out, row0, row1, d, eps);
   if (p.rec_ctl != nullptr) __syncthreads();  // the lane's end, for the recorder
   rec_end(p, rec, 1);
 }
@@ -264,7 +264,7 @@ cudaError_t launch_ll_add_norm(const Peers& peers, const LaneParams& p, int lane
                                size_t rows, size_t d, size_t rows_per_lane, float eps,
                                cudaStream_t s) {
   if constexpr (NormElem<T>::ok) {
-    ll_add_norm_kernel<T, Peers><<<lanes, 512, 0, s>>>(
+    ll_add_norm_kernel<T, Peers><<<lanes, kNormBlock, 0, s>>>(
         peers, p, static_cast<const T*>(x), static_cast<const T*>(res), static_cast<T*>(nr),
         static_cast<const T*>(w), static_cast<const T*>(b), static_cast<T*>(out), rows, d,
         rows_per_lane, eps);
