@@ -55,8 +55,8 @@ __device__ __forceinline__ float norm_group_sum(float acc, int threads) {
 }
 
 // Chunk c of a row of d elements: one 16-byte access where `vec` (d a multiple of the chunk and
-// every row pointer 16-byte aligned), else element by element, with a bounds check only in the
-// row's last, partial chunk; past d, zeros are loaded and nothing is stored.
+// every row pointer 16-byte aligned), else element by element; past d, zeros are loaded and
+// nothing is stored. (Leaving the bounds check out of a row's full chunks measured no faster.)
 template <class T>
 __device__ __forceinline__ NormChunk<T> load_chunk(const T* row, size_t c, size_t d, bool vec) {
   constexpr int V = NormChunk<T>::V;
@@ -64,9 +64,6 @@ __device__ __forceinline__ NormChunk<T> load_chunk(const T* row, size_t c, size_
   const T* p = row + c * V;
   if (vec) {
     *reinterpret_cast<uint4*>(x.e) = *reinterpret_cast<const uint4*>(p);
-  } else if ((c + 1) * V <= d) {
-#pragma unroll
-    for (int j = 0; j < V; ++j) x.e[j] = p[j];
   } else {
 #pragma unroll
     for (int j = 0; j < V; ++j) x.e[j] = c * V + j < d ? p[j] : T{};
@@ -79,9 +76,6 @@ __device__ __forceinline__ void store_chunk(T* row, size_t c, size_t d, bool vec
   T* p = row + c * V;
   if (vec) {
     *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(x.e);
-  } else if ((c + 1) * V <= d) {
-#pragma unroll
-    for (int j = 0; j < V; ++j) p[j] = x.e[j];
   } else {
 #pragma unroll
     for (int j = 0; j < V; ++j)
