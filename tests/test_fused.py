@@ -81,8 +81,9 @@ def _check(got, x, res, w, dtype):
 def test_bitwise_1d(dtype, algo, check_vma):
     n = ndev()
     mesh = mesh_1d()
-    # rows odd, d odd, a single row, a 3-D input, and rows longer than a CTA on the GPU
-    for k, local in enumerate([(3, 5), (1, 127), (2, 3, 33), (3, 1031)]):
+    # rows odd, d odd, a single row, a 3-D input, rows longer than a CTA on the GPU, and rows of
+    # whole 16-byte chunks, several to an LL lane, with a partly filled last lane on the GPU
+    for k, local in enumerate([(3, 5), (1, 127), (2, 3, 33), (3, 1031), (5, 1024)]):
         shape = (n * local[0],) + local[1:]
         x, res = _exact(shape, dtype, seed=k), _exact(shape, dtype, seed=10 + k)
         w = _weight(local[-1], dtype, seed=k)
