@@ -19,7 +19,7 @@
 namespace jax_gin {
 namespace gpu {
 
-constexpr int kNormBlock = 512;  // the most threads on one row; a block of norm_rows' callers
+constexpr int kNormBlock = 512;  // the most threads on one row, and the LL kernel's block
 
 template <class T> struct NormChunk {
   static constexpr int V = 16 / int(sizeof(T));  // elements in a 16-byte chunk
