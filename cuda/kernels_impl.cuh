@@ -13,7 +13,6 @@
 
 #include <type_traits>
 
-
 namespace jax_gin {
 namespace gpu {
 
