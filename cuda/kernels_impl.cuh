@@ -224,6 +224,17 @@ __device__ __forceinline__ void one_shot_ll_lane(const Peers& peers, const LaneP
 // payload and whose norm groups fit its block; it sums each line of them over the ranks, adds
 // the residual into new_residual, then normalizes its rows, all at once, exactly as the
 // epilogue kernel does (fused_norm.cu), so that the results are the same bits.
+//
+// Where every row is a whole number of 16-byte chunks (and every pointer aligned), and the lane
+// has more lines than its block has threads, thread l of group g exchanges the two LL lines of
+// chunk l of the lane's row g itself, and keeps the chunk, its residual, weight and bias in
+// registers for the norm: a row of at most 8 KiB has at most as many chunks as its group has
+// threads (norm_row_threads), so a thread holds one chunk at most. Its loads of residual, weight
+// and bias are issued before the exchange, and the norm reads nothing back from memory.
+// Otherwise the threads take the lane's lines in turn, and norm_rows reads the new residual
+// back: where that is one line a thread, it is the faster (rows of 24 elements, 16 a lane, cost
+// about 1 us more in registers on an H200, where most of a block's threads hold no chunk).
+static_assert(kLLLanePayload / 16 <= size_t(kNormBlock), "a row of one lane: one chunk a thread");
 template <class T, class Peers>
 __global__ void __launch_bounds__(kNormBlock)
     ll_add_norm_kernel(Peers peers, LaneParams p, const T* __restrict__ x,
@@ -237,22 +248,61 @@ __global__ void __launch_bounds__(kNormBlock)
   RecEntry* rec = lane == 0 && threadIdx.x == 0 ? rec_begin(p, round, &s_rec) : nullptr;
   const size_t row0 = size_t(lane) * rows_per_lane;
   const size_t row1 = row0 + rows_per_lane < rows ? row0 + rows_per_lane : rows;
-  const size_t nbytes = (row1 - row0) * d * sizeof(T);
-  const char* xb = reinterpret_cast<const char*>(x + row0 * d);
-  const char* rb = reinterpret_cast<const char*>(res + row0 * d);
-  char* nb = reinterpret_cast<char*>(nr + row0 * d);
-  constexpr int E = 8 / sizeof(T);
-  for (size_t i = threadIdx.x; i < (nbytes + 7) / 8; i += blockDim.x) {
-    union { uint64_t u; T e[E]; } sum, rl;
-    sum.u = ll_reduce_line<T, Sum>(peers, p, lane, i, ll_load8(xb, i, nbytes), round);
-    rl.u = ll_load8(rb, i, nbytes);
+  constexpr int V = NormChunk<T>::V;
+  const size_t lines = ((row1 - row0) * d * sizeof(T) + 7) / 8;
+  const bool in_registers = d % V == 0 && lines > blockDim.x && aligned16(x) && aligned16(res) &&
+                            aligned16(nr) && aligned16(w) && aligned16(out) &&
+                            (b == nullptr || aligned16(b));
+  if (in_registers) {
+    const int threads = norm_row_threads<T>(d);
+    const size_t row = row0 + threadIdx.x / threads, c = threadIdx.x % threads;
+    const bool on = row < row1 && c < d / V;
+    union Line2 { NormChunk<T> chunk; uint64_t u[2]; };
+    Line2 v;
+    NormChunk<T> rv{}, wv{}, bv{};
+    if (on) {
+      v.chunk = load_chunk(x + row * d, c, d, true);
+      rv = load_chunk(res + row * d, c, d, true);
+      wv = load_chunk(w, c, d, true);
+      if (b != nullptr) bv = load_chunk(b, c, d, true);
+      // the chunk's first line in the lane's payload
+      const size_t line = ((row - row0) * d + c * V) * sizeof(T) / 8;
 #pragma unroll
-    for (int j = 0; j < E; ++j) sum.e[j] = add_residual(rl.e[j], sum.e[j]);
-    ll_store8(nb, i, nbytes, sum.u);
+      for (int h = 0; h < 2; ++h)
+        v.u[h] = ll_reduce_line<T, Sum>(peers, p, lane, line + h, v.u[h], round);
+#pragma unroll
+      for (int j = 0; j < V; ++j) v.chunk.e[j] = add_residual(rv.e[j], v.chunk.e[j]);
+      store_chunk(nr + row * d, c, d, true, v.chunk);
+    }
+    if (threadIdx.x == 0) p.rounds[kMaxLanes + lane] = round;
+    float acc = 0.0f;
+    if (on) norm_accumulate(acc, v.chunk, c, d, b != nullptr ? NormSum::kPlain : NormSum::kSquares, 0.0f);
+    float mean = 0.0f;
+    if (b != nullptr) {
+      mean = norm_group_sum(acc, threads) / float(d);
+      acc = 0.0f;
+      if (on) norm_accumulate(acc, v.chunk, c, d, NormSum::kCentred, mean);
+    }
+    const float inv = inv_rms(norm_group_sum(acc, threads), d, eps);
+    if (on) store_chunk(out + row * d, c, d, true, norm_output(v.chunk, wv, b != nullptr, bv, inv, mean));
+  } else {
+    const size_t nbytes = (row1 - row0) * d * sizeof(T);
+    const char* xb = reinterpret_cast<const char*>(x + row0 * d);
+    const char* rb = reinterpret_cast<const char*>(res + row0 * d);
+    char* nb = reinterpret_cast<char*>(nr + row0 * d);
+    constexpr int E = 8 / sizeof(T);
+    for (size_t i = threadIdx.x; i < (nbytes + 7) / 8; i += blockDim.x) {
+      union { uint64_t u; T e[E]; } sum, rl;
+      sum.u = ll_reduce_line<T, Sum>(peers, p, lane, i, ll_load8(xb, i, nbytes), round);
+      rl.u = ll_load8(rb, i, nbytes);
+#pragma unroll
+      for (int j = 0; j < E; ++j) sum.e[j] = add_residual(rl.e[j], sum.e[j]);
+      ll_store8(nb, i, nbytes, sum.u);
+    }
+    if (threadIdx.x == 0) p.rounds[kMaxLanes + lane] = round;
+    __syncthreads();  // the lane's new residual rows are written (visible to the block)
+    norm_rows(static_cast<const T*>(nullptr), nr, w, b, out, row0, row1, d, eps);
   }
-  if (threadIdx.x == 0) p.rounds[kMaxLanes + lane] = round;
-  __syncthreads();  // the lane's new residual rows are written (visible to the block)
-  norm_rows(static_cast<const T*>(nullptr), nr, w, b, out, row0, row1, d, eps);
   if (p.rec_ctl != nullptr) __syncthreads();  // the lane's end, for the recorder
   rec_end(p, rec, 1);
 }

@@ -87,6 +87,32 @@ __device__ __forceinline__ bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
+// The per-chunk arithmetic, shared by norm_rows and the LL kernel's rows held in registers
+// (kernels_impl.cuh), so that both run each sum in the same order.
+enum class NormSum { kPlain, kSquares, kCentred };  // f, f², (f − mean)² with f = float(x)
+template <class T>
+__device__ __forceinline__ void norm_accumulate(float& acc, const NormChunk<T>& x, size_t c,
+                                                size_t d, NormSum what, float mean) {
+#pragma unroll
+  for (int j = 0; j < NormChunk<T>::V; ++j)
+    if (c * NormChunk<T>::V + j < d) {
+      const float f = Widen<T>::up(x.e[j]) - (what == NormSum::kCentred ? mean : 0.0f);
+      acc += what == NormSum::kPlain ? f : f * f;
+    }
+}
+// normed of new_residual chunk x: LayerNorm with the bias bb, or RMSNorm (bb unused) (norm.h)
+template <class T>
+__device__ __forceinline__ NormChunk<T> norm_output(const NormChunk<T>& x, const NormChunk<T>& ww,
+                                                    bool layer, const NormChunk<T>& bb, float inv,
+                                                    float mean) {
+  NormChunk<T> o;
+#pragma unroll
+  for (int j = 0; j < NormChunk<T>::V; ++j)
+    o.e[j] = layer ? scale_shift(Widen<T>::up(x.e[j]) - mean, inv, ww.e[j], bb.e[j])
+                   : scale(Widen<T>::up(x.e[j]), inv, ww.e[j]);
+  return o;
+}
+
 // Rows [r0, r1) of the matrices (d columns) `nr` (new_residual) and `out`: RMSNorm times `w`,
 // or with a bias `b` LayerNorm, whose mean is one more sum before the sum of squares. With
 // `res`, nr holds the rows' sums on entry and each element first becomes res + nr, as norm.h
@@ -102,6 +128,7 @@ __device__ void norm_rows(const T* res, T* nr, const T* w, const T* b, T* out, s
   const size_t l = threadIdx.x % threads, chunks = (d + V - 1) / V;
   const bool vec = d % V == 0 && aligned16(nr) && aligned16(w) && aligned16(out) &&
                    (b == nullptr || aligned16(b)) && (res == nullptr || aligned16(res));
+  const NormSum first_sum = b != nullptr ? NormSum::kPlain : NormSum::kSquares;
   // the loop runs the same number of times on every thread, since every one takes part in the
   // group sums; a group past r1 adds nothing
   for (size_t first = r0; first < r1; first += size_t(groups)) {
@@ -118,43 +145,24 @@ __device__ void norm_rows(const T* res, T* nr, const T* w, const T* b, T* out, s
           for (int j = 0; j < V; ++j) x.e[j] = add_residual(q.e[j], x.e[j]);
           store_chunk(rn, c, d, vec, x);
         }
-#pragma unroll
-        for (int j = 0; j < V; ++j)
-          if (c * V + j < d) {
-            const float f = Widen<T>::up(x.e[j]);
-            acc += b != nullptr ? f : f * f;
-          }
+        norm_accumulate(acc, x, c, d, first_sum, 0.0f);
       }
     float mean = 0.0f;
     if (b != nullptr) {
       mean = norm_group_sum(acc, threads) / float(d);
       acc = 0.0f;
       if (on)
-        for (size_t c = l; c < chunks; c += threads) {
-          const NormChunk<T> x = load_chunk(rn, c, d, vec);
-#pragma unroll
-          for (int j = 0; j < V; ++j)
-            if (c * V + j < d) {
-              const float f = Widen<T>::up(x.e[j]) - mean;
-              acc += f * f;
-            }
-        }
+        for (size_t c = l; c < chunks; c += threads)
+          norm_accumulate(acc, load_chunk(rn, c, d, vec), c, d, NormSum::kCentred, mean);
     }
     const float inv = inv_rms(norm_group_sum(acc, threads), d, eps);
     if (on)
       for (size_t c = l; c < chunks; c += threads) {
-        NormChunk<T> x = load_chunk(rn, c, d, vec);
-        const NormChunk<T> ww = load_chunk(w, c, d, vec);
-        if (b != nullptr) {
-          const NormChunk<T> bb = load_chunk(b, c, d, vec);
-#pragma unroll
-          for (int j = 0; j < V; ++j)
-            x.e[j] = scale_shift(Widen<T>::up(x.e[j]) - mean, inv, ww.e[j], bb.e[j]);
-        } else {
-#pragma unroll
-          for (int j = 0; j < V; ++j) x.e[j] = scale(Widen<T>::up(x.e[j]), inv, ww.e[j]);
-        }
-        store_chunk(out + row * d, c, d, vec, x);
+        NormChunk<T> bb{};
+        if (b != nullptr) bb = load_chunk(b, c, d, vec);
+        store_chunk(out + row * d, c, d, vec,
+                    norm_output(load_chunk(rn, c, d, vec), load_chunk(w, c, d, vec),
+                                b != nullptr, bb, inv, mean));
       }
   }
 }
