@@ -250,8 +250,10 @@ struct Layout {
 long check_add_norm(std::vector<Rank>& rk, int N, size_t lane_bytes, double timeout_s,
                     const std::vector<std::string>& dtypes, int time_iters, bool time_graph) {
   struct Shape { size_t rows, d; };
-  // element-wise chunks ({1, 7}, {4, 1001}), several rows per lane ({32, 1024}, {64, 24})
-  const Shape shapes[] = {{8, 4096}, {3, 1000}, {32, 1024}, {1, 7}, {5, 2048}, {4, 1001}, {64, 24}};
+  // element-wise chunks ({1, 7}, {4, 1001}, {16, 1001}), several rows per lane ({32, 1024},
+  // {64, 24}, {16, 1001}), lanes of one call on both paths of the LL kernel (float32 {3, 1000})
+  const Shape shapes[] = {{8, 4096}, {3, 1000}, {32, 1024}, {1, 7},
+                          {5, 2048}, {4, 1001}, {64, 24},   {16, 1001}};
   long failures = 0;
   for (const auto& ds : dtypes) {
     const DT* dt = nullptr;
