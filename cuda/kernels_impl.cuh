@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(512)
                                p.ranks_per_node, round);
   tp.finish();
   if (threadIdx.x == 0) p.rounds[lane] = round;
-  rec_end_block(p, rec, round + 1 - round0);
+  rec_end(p, rec, round + 1 - round0);
 }
 
 // one_shot over the LL protocol (transport.cuh). Purpose: the smallest latency for messages up
@@ -203,10 +203,7 @@ __device__ __forceinline__ void one_shot_ll_lane(const Peers& peers, const LaneP
                                                  const IO& io, size_t count) {
   const int lane = blockIdx.x;
   const uint64_t round = ll_round(p, lane);
-  // LL has no flags of its own to note: the recorder keeps the call's start and end. Thread 0
-  // alone stores the entry into the ring (rec_end): on an H200, at 4 KiB, warp 0 storing it
-  // (rec_end_block) cost 0.1 us with the recorder off, and the entry kept in the ring itself
-  // cost more with it on.
+  // LL has no flags of its own to note: the recorder keeps the call's start and end
   __shared__ __align__(16) RecEntry s_rec;
   RecEntry* rec = lane == 0 && threadIdx.x == 0 ? rec_begin(p, round, &s_rec) : nullptr;
   const size_t total = count * sizeof(T);
@@ -246,8 +243,7 @@ __global__ void __launch_bounds__(kNormBlock)
                        size_t rows_per_lane, float eps) {
   const int lane = blockIdx.x;
   const uint64_t round = ll_round(p, lane);
-  // recorded as its all-reduce (a psum, one_shot), as the CPU backend records it, and as
-  // one_shot_ll_lane does
+  // recorded as its all-reduce (a psum, one_shot), as the CPU backend records it
   __shared__ __align__(16) RecEntry s_rec;
   RecEntry* rec = lane == 0 && threadIdx.x == 0 ? rec_begin(p, round, &s_rec) : nullptr;
   const size_t row0 = size_t(lane) * rows_per_lane;

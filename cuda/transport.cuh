@@ -159,8 +159,9 @@ __device__ inline RecEntry* rec_current(const LaneParams& p) {
   RecEntry* e = p.rec_ring + (p.rec_ctl[1] - 1) % p.rec_entries;
   return e->seq == p.rec_ctl[1] && e->status == kRecRunning ? e : nullptr;
 }
-// Closes entry e (of rec_begin or rec_current), and marks the call returned in the state block.
-__device__ inline void rec_close(const LaneParams& p, RecEntry* e, uint64_t rounds) {
+// Closes entry e (of rec_begin or rec_current); a local one is stored into the ring, header
+// and the events it holds.
+__device__ inline void rec_end(const LaneParams& p, RecEntry* e, uint64_t rounds) {
   if (p.state != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
     volatile RecState* st = p.state;
     st->done = st->seq;
@@ -169,50 +170,21 @@ __device__ inline void rec_close(const LaneParams& p, RecEntry* e, uint64_t roun
   e->rounds = uint32_t(rounds);
   e->status = kRecDone;
   e->t_end = globaltimer_ns();
-}
-// The 16-byte pieces of a local entry to store into the ring: its header and the events it
-// holds (0 where e is the ring's entry itself).
-__device__ inline size_t rec_pieces(const LaneParams& p, const RecEntry* e, RecEntry** ring_entry) {
+  RecEntry* g = p.rec_ring + (e->seq - 1) % p.rec_entries;
+  if (g == e) return;
   constexpr size_t kHeader = offsetof(RecEntry, events);
   static_assert(kHeader % 16 == 0 && sizeof(RecEntry) % 16 == 0, "16-byte copies");
-  *ring_entry = p.rec_ring + (e->seq - 1) % p.rec_entries;
-  return *ring_entry == e ? 0 : (kHeader + size_t(e->nevents) * sizeof(RecEvent) + 15) / 16;
-}
-// rec_close, then a local entry is stored into the ring by the one thread that holds it (the
-// LL kernels, and the copy-engine path's single-thread kernels, whose entry is the ring's).
-__device__ inline void rec_end(const LaneParams& p, RecEntry* e, uint64_t rounds) {
-  rec_close(p, e, rounds);
-  if (e == nullptr) return;
-  RecEntry* g;
-  const size_t n = rec_pieces(p, e, &g);
+  const size_t n = (kHeader + size_t(e->nevents) * sizeof(RecEvent) + 15) / 16;
   const uint4* src = reinterpret_cast<const uint4*>(e);
   uint4* dst = reinterpret_cast<uint4*>(g);
 #pragma unroll 4
   for (size_t i = 0; i < n; ++i) dst[i] = src[i];
 }
-// The same, where every thread of the block calls it, lane 0's thread 0 with its entry and the
-// others with null: warp 0 stores the entry, a piece a thread. With the recorder on, this
-// takes 0.2-0.4 us less than thread 0 alone from two_shot and ring at 4 KiB - 1 MiB on an
-// H200, whose entries hold phase events; the LL kernels keep rec_end (see one_shot_ll_lane).
-__device__ inline void rec_end_block(const LaneParams& p, RecEntry* e, uint64_t rounds) {
-  if (threadIdx.x >= 32) return;
-  const unsigned mask = blockDim.x >= 32 ? 0xffffffffu : (1u << blockDim.x) - 1u;
-  e = reinterpret_cast<RecEntry*>(
-      __shfl_sync(mask, static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(e)), 0));
-  if (threadIdx.x == 0) rec_close(p, e, rounds);
-  if (e == nullptr) return;
-  __syncwarp(mask);  // thread 0's closing stores, before the others read the entry
-  RecEntry* g;
-  const size_t n = rec_pieces(p, e, &g);
-  const uint4* src = reinterpret_cast<const uint4*>(e);
-  uint4* dst = reinterpret_cast<uint4*>(g);
-  for (size_t i = threadIdx.x; i < n; i += 32) dst[i] = src[i];
-}
 
 // One call's rounds in lane `lane`: body(round) runs them from the lane's persistent round
 // counter, of which every thread keeps a copy (all threads follow the same control flow, so
 // the copies agree) and thread 0 writes it back; lane 0's thread 0 records the call (rec_begin
-// .. rec_end_block) and, through `tp` (GpuTransport::record_into), its signals and waits.
+// .. rec_end) and, through `tp` (GpuTransport::record_into), its signals and waits.
 template <class Tp, class Body>
 __device__ __forceinline__ void run_recorded_lane(const LaneParams& p, int lane, Tp& tp, Body&& body) {
   uint64_t round = p.rounds[lane];
@@ -222,7 +194,7 @@ __device__ __forceinline__ void run_recorded_lane(const LaneParams& p, int lane,
   tp.record_into(rec, round0);
   body(round);
   if (threadIdx.x == 0) p.rounds[lane] = round;
-  rec_end_block(p, rec, round + 1 - round0);
+  rec_end(p, rec, round + 1 - round0);
 }
 
 __device__ inline void record_timeout(const LaneParams& p, int lane, int peer, int step,
