@@ -308,8 +308,11 @@ std::set<std::string>& linked_names() {
 }  // namespace
 
 Workspace::Workspace(int nranks, size_t lane_bytes, int record_entries)
-    : nranks_(nranks), lane_bytes_(lane_bytes), record_entries_(record_entries < 1 ? 1 : record_entries),
+    : nranks_(nranks), lane_bytes_(lane_bytes), record_entries_(record_entries),
       local_(size_t(nranks), false) {
+  if (!rec_entries_ok(record_entries))
+    throw std::invalid_argument("jax_gin: record_entries must be a power of two from 1 to " +
+                                std::to_string(kRecMaxEntries) + ", got " + std::to_string(record_entries));
   lay_out();
 }
 
@@ -629,7 +632,7 @@ std::string run_call(Comm& comm, int group, int rank, DType dtype, int op, Algor
   store_release(st.seq, seq);
   RecEntry* entry = nullptr;
   if (g_record.load(std::memory_order_relaxed)) {
-    entry = ws.rec_ring(rank) + (seq - 1) % uint64_t(ws.record_entries());
+    entry = ws.rec_ring(rank) + rec_slot(seq, uint64_t(ws.record_entries()));
     store_release(entry->seq, uint64_t(0));  // a reader skips the slot while it is rewritten
     rec_open(*entry, now_ns(), uint64_t(bytes), round + 1, int(comm.id), group, rank, op,
              int(algo), int(dtype), 0);

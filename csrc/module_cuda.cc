@@ -11,6 +11,7 @@
 #include <string>
 
 #include "ffi_cuda.h"
+#include "jax_gin/recorder.h"
 #include "kernels.h"
 #include "nccl_runtime.h"
 #include "recorder_dict.h"
@@ -26,8 +27,9 @@ gpu::LaunchSettings launch_settings(std::optional<int> max_lanes, OptBytes lane_
                                     OptBytes chunk_bytes, OptBytes one_shot_chunk_bytes,
                                     OptBytes ll_max_bytes, bool experimental_gin,
                                     int record_entries) {
-  if (record_entries < 1 || record_entries > 65536)
-    throw nb::value_error("jax_gin: record_entries must be 1 to 65536");
+  if (!rec_entries_ok(record_entries))
+    throw nb::value_error(("jax_gin: record_entries must be a power of two from 1 to " +
+                           std::to_string(kRecMaxEntries)).c_str());
   if (max_lanes && (*max_lanes < 1 || *max_lanes > kMaxLanes))
     throw nb::value_error(("jax_gin: max_lanes must be 1 to " + std::to_string(kMaxLanes)).c_str());
   if (lane_grain_bytes && *lane_grain_bytes == 0)

@@ -145,7 +145,7 @@ __device__ inline RecEntry* rec_begin(const LaneParams& p, uint64_t round0, RecE
   if (on == 0) return nullptr;
   const uint64_t seq = calls + 1;
   p.rec_ctl[1] = seq;
-  RecEntry* e = local ? local : p.rec_ring + (seq - 1) % p.rec_entries;
+  RecEntry* e = local ? local : p.rec_ring + rec_slot(seq, p.rec_entries);
   if (!local) e->seq = 0;
   rec_open(*e, globaltimer_ns(), p.bytes, round0, p.rec_comm, p.group, p.rank, p.op, p.algorithm,
            p.dtype, 0);
@@ -156,7 +156,7 @@ __device__ inline RecEntry* rec_begin(const LaneParams& p, uint64_t round0, RecE
 // (the copy-engine path); null if none is open.
 __device__ inline RecEntry* rec_current(const LaneParams& p) {
   if (p.rec_ctl == nullptr || p.rec_ctl[1] == 0) return nullptr;
-  RecEntry* e = p.rec_ring + (p.rec_ctl[1] - 1) % p.rec_entries;
+  RecEntry* e = p.rec_ring + rec_slot(p.rec_ctl[1], p.rec_entries);
   return e->seq == p.rec_ctl[1] && e->status == kRecRunning ? e : nullptr;
 }
 // Closes entry e (of rec_begin or rec_current); a local one is stored into the ring, header
@@ -170,15 +170,18 @@ __device__ inline void rec_end(const LaneParams& p, RecEntry* e, uint64_t rounds
   e->rounds = uint32_t(rounds);
   e->status = kRecDone;
   e->t_end = globaltimer_ns();
-  RecEntry* g = p.rec_ring + (e->seq - 1) % p.rec_entries;
+  RecEntry* g = p.rec_ring + rec_slot(e->seq, p.rec_entries);
   if (g == e) return;
-  constexpr size_t kHeader = offsetof(RecEntry, events);
-  static_assert(kHeader % 16 == 0 && sizeof(RecEntry) % 16 == 0, "16-byte copies");
-  const size_t n = (kHeader + size_t(e->nevents) * sizeof(RecEvent) + 15) / 16;
+  // the header in unrolled 16-byte pieces, then the events it holds: these stores are the
+  // kernel's last, so each one is on the call's path
+  constexpr int kHeader = int(offsetof(RecEntry, events)) / 16;
+  static_assert(offsetof(RecEntry, events) % 16 == 0 && sizeof(RecEntry) % 16 == 0, "16-byte copies");
   const uint4* src = reinterpret_cast<const uint4*>(e);
   uint4* dst = reinterpret_cast<uint4*>(g);
-#pragma unroll 4
-  for (size_t i = 0; i < n; ++i) dst[i] = src[i];
+#pragma unroll
+  for (int i = 0; i < kHeader; ++i) dst[i] = src[i];
+  const int n = kHeader + (int(e->nevents) * int(sizeof(RecEvent)) + 15) / 16;
+  for (int i = kHeader; i < n; ++i) dst[i] = src[i];
 }
 
 // One call's rounds in lane `lane`: body(round) runs them from the lane's persistent round

@@ -37,6 +37,9 @@ _DEFAULT_OVERLAP_LANES = 32  # CTAs of an asynchronous call on a GPU (Settings.o
 _DEFAULT_OVERLAP_COPY_ENGINE_BYTES = 32 << 20
 
 MAX_LANES = int(_native.cpu.MAX_LANES)  # the most lanes of one call (common.h kMaxLanes)
+# The most calls a flight-recorder ring keeps (recorder.h kRecMaxEntries); a ring's count is a
+# power of two, so that the kernels find a call's slot with a mask.
+REC_MAX_ENTRIES = int(_native.cpu.REC_MAX_ENTRIES)
 # The CUDA kernels hold the timeout in uint64 nanoseconds; 1e9 s (~31 years) stays well inside.
 _MAX_TIMEOUT_S = 1e9
 
@@ -59,7 +62,7 @@ _RULES = {
     "ll_max_bytes": ("JAX_GIN_LL_MAX_BYTES", "an integer number of bytes, 0 or more (0: no LL)"),
     "experimental_gin": ("JAX_GIN_EXPERIMENTAL_GIN", "1 or 0 (True or False)"),
     "record": ("JAX_GIN_RECORD", "1 or 0 (True or False)"),
-    "record_entries": ("JAX_GIN_RECORD_ENTRIES", "an integer from 1 to 65536"),
+    "record_entries": ("JAX_GIN_RECORD_ENTRIES", f"a power of two from 1 to {REC_MAX_ENTRIES}"),
 }
 # Fields whose None means "the kernels' default".
 _OPTIONAL = ("max_lanes", "lane_grain_bytes", "chunk_bytes", "one_shot_chunk_bytes", "ll_max_bytes")
@@ -89,7 +92,7 @@ def _valid(field: str, value):
     if field in ("overlap_lanes", "max_lanes"):
         return value if 1 <= value <= MAX_LANES else None
     if field == "record_entries":
-        return value if 1 <= value <= 65536 else None
+        return value if 1 <= value <= REC_MAX_ENTRIES and value & (value - 1) == 0 else None
     return value if value >= (0 if field in _ZERO_OK else 1) else None
 
 
@@ -152,8 +155,8 @@ class Settings:
         (JAX_GIN_RECORD=1; jax_gin.trace turns it on for its block; on GPUs, lane 0's phases).
         Off by default; on CPU the state block that hang reports read (which call, which
         wait) is kept either way.
-    record_entries: calls the recorder keeps per rank (JAX_GIN_RECORD_ENTRIES, default 64),
-        fixed when a communicator is created; the processes of a group must agree.
+    record_entries: calls the recorder keeps per rank, a power of two (JAX_GIN_RECORD_ENTRIES,
+        default 64), fixed when a communicator is created; the processes of a group must agree.
 
     GPU launch settings, fixed when a communicator is created; None is the kernels' default
     (cuda/kernels.h). The processes of a group must agree on them (gpu_launch_settings).

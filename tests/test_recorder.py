@@ -48,6 +48,7 @@ def test_record_off_by_default(fresh):
 def test_settings_checked(monkeypatch):
     s = _runtime.settings
     for bad in (("record", 2), ("record_entries", 0), ("record_entries", 1 << 20),
+                ("record_entries", 3), ("record_entries", 100),
                 ("fault_mode", "sometimes")):
         with pytest.raises(ValueError):
             setattr(s, *bad)
@@ -101,14 +102,14 @@ def test_entries_content_and_order(fresh, monkeypatch):
 
 def test_ring_keeps_the_last_calls(fresh, monkeypatch):
     monkeypatch.setattr(_runtime.settings, "record", True)
-    monkeypatch.setattr(_runtime.settings, "record_entries", 3)
+    monkeypatch.setattr(_runtime.settings, "record_entries", 4)
     before = set(_runtime.comm_devices)
     f = _fn("psum", "one_shot")
-    for _ in range(5):
+    for _ in range(7):
         jax.block_until_ready(f(exact_input((8,), ndev(), "float32")))
     (comm,) = _new_comms(before)
     seqs = [e["seq"] for e in C.cpu_recorder_entries(comm) if e["rank"] == 0]
-    assert seqs == [3, 4, 5]
+    assert seqs == [4, 5, 6, 7]
 
 
 def _spans(doc):
