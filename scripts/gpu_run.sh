@@ -9,6 +9,10 @@
 #                                      all_gather; fault injection),
 #                                      compute-sanitizer, the GPU pytest suite and the
 #                                      2-process GPU tests
+#   bash scripts/gpu_run.sh native     test's native harness and compute-sanitizer alone
+#   bash scripts/gpu_run.sh pytest     test's GPU pytest suite and 2-process tests alone (with
+#                                      native, test in two calls of a machine that limits each
+#                                      command's time)
 #   bash scripts/gpu_run.sh record     the results of record: the op sweep (auto and lax, float32,
 #                                      4 KiB - 1 GiB) and the whole-step workloads
 #                                      (dp-train, fsdp, tp-train, tp-decode, overlap at 256 and
@@ -20,8 +24,8 @@
 #   bash scripts/gpu_run.sh ceiling    NVLink ceilings (copy engines, SM push and pull by CTAs)
 set -uo pipefail
 MODE=${1:-test}
-case "$MODE" in test|record|workloads|collectives|ceiling) ;;
-  *) echo "usage: bash scripts/gpu_run.sh test|record|workloads|collectives|ceiling (got '$MODE')" >&2; exit 2 ;;
+case "$MODE" in test|native|pytest|record|workloads|collectives|ceiling) ;;
+  *) echo "usage: bash scripts/gpu_run.sh test|native|pytest|record|workloads|collectives|ceiling (got '$MODE')" >&2; exit 2 ;;
 esac
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
@@ -129,6 +133,8 @@ workloads() {
 
 case "$MODE" in
   test) harness; sanitizer; pytests ;;
+  native) harness; sanitizer ;;
+  pytest) pytests ;;
   record) sweep; workloads ;;
   workloads) workloads ;;
   collectives) collectives ;;
