@@ -166,8 +166,8 @@ def _start_lowering(ctx, *xs, axes, algorithm, invariant, slot, lanes, platform)
     _open(ctx).append(call)
     if call is None:  # XLA's own all-reduce, which XLA runs asynchronously itself
         return [mlir.ir_constant(np.uint32(0)),
-                *_compat.xla_allreduce_lowering(ctx.replace(avals_out=ctx.avals_out[1:]),
-                                                xs, "sum", axes)]
+                *_primitive.xla_allreduce(ctx.replace(avals_out=ctx.avals_out[1:]), xs, "sum",
+                                          axes)]
     if call.partial:  # a partially-manual shard_map: synchronous (see _lower_partial)
         tok = mlir.ir_constant(np.uint32(0))
         return [tok, *_primitive._lower_partial(ctx.replace(avals_out=ctx.avals_out[1:]), xs,

@@ -323,7 +323,7 @@ def _batch(axis_data, vals_in, dims_in, *, axes, op, algorithm, invariant, overl
 def _lowering(ctx, *xs, axes, op, algorithm, invariant, overlap, platform):
     call = resolve_call(ctx, ctx.avals_in, axes, op, algorithm, platform)
     if call is None:
-        return _compat.xla_allreduce_lowering(ctx, xs, op, axes)
+        return xla_allreduce(ctx, xs, op, axes)
     with call.named(OP_API_NAMES[op], platform, len(xs), overlap):
         return _lower_call(ctx, call, xs, op, overlap, platform)
 
@@ -420,6 +420,22 @@ def resolve_call(ctx, avals, axes, op, algorithm, platform) -> Call | None:
     code = _runtime.algorithm_code(platform, comm, requested, algorithm, api)
     attrs = dict(comm=np.int64(comm), op=np.int32(OP_CODES[op]), algorithm=np.int32(code))
     return Call(comm, attrs, partial, layout.nranks, nbytes, np.dtype(avals[0].dtype).name)
+
+
+def one_device(ctx, axes) -> bool:
+    """Whether mesh `axes` of the shard_map being lowered hold one device."""
+    shape = ctx.module_context.axis_context.mesh.shape
+    return all(int(shape[a]) == 1 for a in axes)
+
+
+def xla_allreduce(ctx, xs, op: str, axes: tuple) -> list:
+    """XLA's own all-reduce of `xs`, where `auto` chose it: over one device (a group of one
+    rank) the operands themselves, which is what it computes, and which also works inside a
+    partially-manual shard_map, where XLA's partitioner rejects an all-reduce over a manual
+    axis of size 1 (jax 0.11.2)."""
+    if one_device(ctx, axes):
+        return list(xs)
+    return _compat.xla_allreduce_lowering(ctx, xs, op, axes)
 
 
 def check_cuda_module(platform: str, api: str) -> None:

@@ -302,8 +302,11 @@ def _lowering(api, ctx, x, *, axes, nranks, algorithm, platform):
                     f"own {api} there")
             comm = None
     if comm is None:
-        # a partially-manual shard_map, a group that spans nodes, or auto's choice from a
-        # tuning table: XLA's own collective
+        # a partially-manual shard_map, a group that spans nodes, or auto's choice (from a
+        # tuning table, or for a group of one rank): XLA's own collective, which over one
+        # device is the operand itself
+        if nranks == 1 and aval.shape == ctx.avals_out[0].shape:
+            return [x]
         return _compat.xla_collective_lowering(ctx, x, api, axes, 0, True)
     _primitive.check_no_open_start(ctx, api)
     attrs = dict(comm=np.int64(comm), op=np.int32(_native.COLLECTIVE_OPS[api]),
