@@ -304,8 +304,8 @@ def _lowering(api, ctx, x, *, axes, nranks, algorithm, platform):
     if comm is None:
         # a partially-manual shard_map, a group that spans nodes, or auto's choice (from a
         # tuning table, or for a group of one rank): XLA's own collective, which over one
-        # device is the operand itself
-        if nranks == 1 and aval.shape == ctx.avals_out[0].shape:
+        # device is the operand itself (of the result's shape: (n // 1,) or (n * 1,))
+        if nranks == 1:
             return [x]
         return _compat.xla_collective_lowering(ctx, x, api, axes, 0, True)
     _primitive.check_no_open_start(ctx, api)
