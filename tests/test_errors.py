@@ -74,7 +74,8 @@ def test_cuda_lowering_without_cuda_build(monkeypatch):
     from jax_gin import _native
     monkeypatch.setattr(_native, "cuda", None)
     x = exact_input((4,), ndev(), "float32")
-    f = smap(lambda v: jax_gin.psum(v, "i"), mesh_1d(), P("i"))
+    # an explicit algorithm: over one device `auto` needs no kernel (test_group_of_one.py)
+    f = smap(lambda v: jax_gin.psum(v, "i", algorithm="one_shot"), mesh_1d(), P("i"))
     with pytest.raises(Exception, match="not compiled with CUDA support"):
         f.trace(x).lower(lowering_platforms=("cuda",))
 

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_gin
 from conftest import mesh_1d, mesh_2d, ndev
-from helpers import assert_bitwise
+from helpers import assert_bitwise, kernel_algorithm
 
 DTYPES = ["float32", "bfloat16", "float16"]
 ALGOS = jax_gin.ALGORITHMS + ("auto",)
@@ -65,12 +65,19 @@ def _fused_and_refs(mesh, specs, axes, algo, check_vma, eps=EPS):
                                  check_vma=check_vma))
 
 
-def _check(got, x, res, w, dtype):
+def _kernel_runs(algo) -> bool:
+    """Whether the op runs jax_gin's kernel over mesh_1d(): auto over one device is XLA's
+    composition (test_group_of_one.py), whose rsqrt is XLA's, not norm.h's."""
+    return algo != "auto" or ndev() > 1
+
+
+def _check(got, x, res, w, dtype, algo):
     normed, new_res, lax_res, jnp_normed, gin_res = got
     assert new_res.dtype == normed.dtype == np.dtype(dtype)
     assert_bitwise(new_res, lax_res)
     assert_bitwise(new_res, gin_res)
-    assert_bitwise(normed, _np_norm(new_res, np.asarray(w)))
+    if _kernel_runs(algo):
+        assert_bitwise(normed, _np_norm(new_res, np.asarray(w)))
     np.testing.assert_allclose(np.asarray(normed, np.float32), np.asarray(jnp_normed, np.float32),
                                rtol=NORM_RTOL[dtype], atol=0)
 
@@ -88,7 +95,7 @@ def test_bitwise_1d(dtype, algo, check_vma):
         x, res = _exact(shape, dtype, seed=k), _exact(shape, dtype, seed=10 + k)
         w = _weight(local[-1], dtype, seed=k)
         f = _fused_and_refs(mesh, (P("i"), P("i"), P()), "i", algo, check_vma)
-        _check(f(x, res, w), x, res, w, dtype)
+        _check(f(x, res, w), x, res, w, dtype, algo)
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
@@ -203,7 +210,8 @@ def test_vmap(weight_batched):
         return jax.jit(jax.shard_map(body(fn), mesh=mesh, in_specs=(P(None, "i"), P(None, "i"), P()),
                                      out_specs=(P(None, "i"), P(None, "i"))))(x, res, w_in)
 
-    normed, new_res = run(lambda x, r, w: jax_gin.psum_add_rmsnorm(x, r, w, "i"))
+    normed, new_res = run(lambda x, r, w: jax_gin.psum_add_rmsnorm(x, r, w, "i",
+                                                                algorithm=kernel_algorithm()))
     _, want_res = run(lambda x, r, w: _unfused(x, r, w, "i"))
     assert_bitwise(new_res, want_res)
     ws = np.asarray(w) if weight_batched else np.broadcast_to(np.asarray(w[0]), w.shape)
@@ -424,7 +432,7 @@ def test_layernorm_bitwise_1d(dtype, algo, check_vma):
         normed, new_res, lax_res, jnp_normed = f(x, res, w, b)
         assert normed.dtype == new_res.dtype == np.dtype(dtype)
         assert_bitwise(new_res, lax_res)
-        if local[-1] <= 32 or jax.default_backend() == "cpu":
+        if _kernel_runs(algo) and (local[-1] <= 32 or jax.default_backend() == "cpu"):
             assert_bitwise(normed, _np_layernorm(new_res, w, b))
         _ln_close(normed, jnp_normed, dtype, exact_sums=local[-1] <= 32)
 
@@ -488,7 +496,8 @@ def test_layernorm_vmap(batched):
                                      in_specs=(P(None, "i"), P(None, "i"), P(), P()),
                                      out_specs=(P(None, "i"), P(None, "i"))))(x, res, w_in, b_in)
 
-    normed, new_res = run(lambda x, r, w, b: jax_gin.psum_add_layernorm(x, r, w, b, "i"))
+    normed, new_res = run(lambda x, r, w, b: jax_gin.psum_add_layernorm(
+        x, r, w, b, "i", algorithm=kernel_algorithm()))
     _, want_res = run(lambda x, r, w, b: _ln_unfused(x, r, w, b, "i"))
     assert_bitwise(new_res, want_res)
     for k in range(B):

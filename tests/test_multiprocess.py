@@ -118,10 +118,11 @@ def test_multiprocess_job_without_initialize(monkeypatch):
 
     import jax_gin
     from conftest import mesh_1d, ndev
-    from helpers import exact_input, smap
+    from helpers import exact_input, kernel_algorithm, smap
 
     x = exact_input((4,), ndev(), "float32")
-    f = smap(lambda v: jax_gin.psum(v, "i"), mesh_1d(), P("i"))
+    # a call that needs a communicator (over one device auto needs none)
+    f = smap(lambda v: jax_gin.psum(v, "i", algorithm=kernel_algorithm()), mesh_1d(), P("i"))
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:12345")
     try:
         f.lower(x)

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_gin
 from conftest import mesh_1d, ndev
-from helpers import assert_bitwise, exact_input, smap
+from helpers import assert_bitwise, exact_input, kernel_algorithm, smap
 
 OPS = {"psum": (jax_gin.psum, lax.psum), "pmax": (jax_gin.pmax, lax.pmax),
        "pmin": (jax_gin.pmin, lax.pmin)}
@@ -29,8 +29,8 @@ def test_lowered_as_start_done_pair():
     x = exact_input((8,), ndev(), "float32")
     tree = {"a": x, "b": x}
     spec = {"a": P("i"), "b": P("i")}
-    f = jax.jit(jax.shard_map(lambda t: jax_gin.psum(t, "i", overlap=True), mesh=mesh_1d(),
-                              in_specs=(spec,), out_specs=spec))
+    f = jax.jit(jax.shard_map(lambda t: jax_gin.psum(t, "i", overlap=True, algorithm=kernel_algorithm()),
+                              mesh=mesh_1d(), in_specs=(spec,), out_specs=spec))
     text = f.lower(tree).as_text()
     starts = [l for l in text.splitlines() if "jax_gin_all_reduce_start" in l]
     dones = [l for l in text.splitlines() if "jax_gin_all_reduce_done" in l]

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_gin
 from conftest import mesh_1d, mesh_2d, ndev
-from helpers import assert_bitwise, exact_input
+from helpers import assert_bitwise, exact_input, kernel_algorithm
 
 
 def chain(m, w):
@@ -59,7 +59,8 @@ def test_pytree_of_several_buckets_and_dtypes():
 
     def ours(g, m, w):
         tree = {"a": g, "b": g[:77].astype(jnp.bfloat16), "c": g[5:] * 2, "d": 3.0}
-        return jax_gin.psum_overlapping(tree, "i", chain, m, w, bucket_bytes=4096)
+        return jax_gin.psum_overlapping(tree, "i", chain, m, w, bucket_bytes=4096,
+                                        algorithm=kernel_algorithm())
 
     def ref(g, m, w):
         tree = {"a": g, "b": g[:77].astype(jnp.bfloat16), "c": g[5:] * 2, "d": 3.0}
@@ -76,7 +77,8 @@ def test_start_before_fn_and_done_after_it(check_vma):
     """In the compiled program every start precedes fn's matmuls and every done follows
     them, whatever XLA's scheduler prefers."""
     g, m, w = inputs(1000, "float32")
-    f = run(lambda g, m, w: jax_gin.psum_overlapping(g, "i", chain, m, w),
+    f = run(lambda g, m, w: jax_gin.psum_overlapping(g, "i", chain, m, w,
+                                                     algorithm=kernel_algorithm()),
             lambda g, m, w: (lax.psum(g, "i"), chain(m, w)), (g, m, w), check_vma)
     text = f.lower(g, m, w).compile().as_text()
     entry = text[text.index("ENTRY"):]
@@ -103,7 +105,8 @@ def test_grad(check_vma):
             return jnp.sum(s * g) + jnp.sum(y * y)
         return f
 
-    ours = loss(lambda g, m, w: jax_gin.psum_overlapping(g, "i", chain, m, w))
+    ours = loss(lambda g, m, w: jax_gin.psum_overlapping(g, "i", chain, m, w,
+                                                         algorithm=kernel_algorithm()))
     ref = loss(lambda g, m, w: (lax.psum(g, "i"), chain(m, w)))
     grads = lambda f: lambda g, m, w: jax.grad(f, argnums=(0, 1, 2))(g, m, w)
     specs = (P("i"), P("i"), P())
@@ -165,12 +168,15 @@ def test_errors():
     g, m, w = inputs(16, "float32")
     call = lambda body: jax.jit(jax.shard_map(body, mesh=mesh_1d(), in_specs=(P("i"), P("i"), P()),
                                               out_specs=(P(), P("i"))))(g, m, w)
+    algo = kernel_algorithm()  # a start in flight: one that launched a kernel
     with pytest.raises(ValueError, match="in flight"):
         call(lambda g, m, w: jax_gin.psum_overlapping(
-            g, "i", lambda m, w: jax_gin.psum(chain(m, w), "i"), m, w))
+            g, "i", lambda m, w: jax_gin.psum(chain(m, w), "i", algorithm=algo), m, w,
+            algorithm=algo))
     with pytest.raises(ValueError, match="in flight"):
         call(lambda g, m, w: jax_gin.psum_overlapping(
-            g, "i", lambda m, w: jax_gin.psum_overlapping(m, "i", chain, m, w)[1], m, w))
+            g, "i", lambda m, w: jax_gin.psum_overlapping(m, "i", chain, m, w, algorithm=algo)[1],
+            m, w, algorithm=algo))
     with pytest.raises(TypeError, match="callable"):
         call(lambda g, m, w: jax_gin.psum_overlapping(g, "i", 3, m, w))
     with pytest.raises(ValueError, match="lanes"):
