@@ -102,16 +102,16 @@ def main():
 
     same_sums = all(np.array_equal(a, b) for a, b in zip(*reduced.values()))
     # Inside a step, XLA may fuse the arithmetic around a custom call differently than around
-    # its own all-reduce (on one device it removes lax's all-reduce altogether), so the
-    # parameters after several inexact updates may differ in the last bits.
+    # its own all-reduce, so the parameters after several inexact updates may differ in the
+    # last bits.
     diff = max(float(np.max(np.abs(a - b))) / max(float(np.max(np.abs(b))), 1e-30)
                for a, b in zip(*results.values()))
     print(f"\n{'all-reduce':<14} {'loss step 1':>12} {'loss step 5':>12} {'us/step':>10}")
     for name, l0, l4, us in rows:
         print(f"{name:<14} {l0:>12.6f} {l4:>12.6f} {us:>10.1f}")
     if n == 1:
-        print("(one device: XLA removes lax.psum's all-reduce, while jax_gin.psum still makes "
-              "its call, a copy)")
+        print("(one device: a group of one rank, where lax.psum and jax_gin.psum both return "
+              "their input and no all-reduce runs)")
     print(f"\nthe same per-device gradients all-reduced, bitwise equal: {same_sums}")
     print("parameters after 5 steps: " + ("bitwise equal" if diff == 0 else
           f"max difference {diff:.1e} of the largest (XLA fuses the update differently)"))

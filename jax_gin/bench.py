@@ -48,9 +48,10 @@ psum_scatter and all_gather return another shape than they take, so their chain 
             every device's block), as lax's rows are.
 
 main() returns 0, or 1 when any result was wrong or any configuration failed (the failure is
-printed in its row and the sweep goes on). With one device on the reduced axis every
-all-reduce is a copy: main() exits with a message naming how to get 8 CPU devices, unless
---one-device is given (then no vs_lax ratios are computed).
+printed in its row and the sweep goes on). With one device on the reduced axis no
+all-reduce reduces (auto and lax return the input, an explicit algorithm copies it): main()
+exits with a message naming how to get 8 CPU devices, unless --one-device is given (then no
+vs_lax ratios are computed).
 """
 from __future__ import annotations
 
@@ -171,8 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, default=None,
                    help="use the first N devices (default all)")
     p.add_argument("--one-device", action="store_true",
-                   help="run even when the reduced axis has one device, where every "
-                        "all-reduce is a copy: no vs_lax ratios or geomean (refused without it)")
+                   help="run even when the reduced axis has one device, where no all-reduce "
+                        "reduces: no vs_lax ratios or geomean (refused without it)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of time and busbw (needs matplotlib)")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
@@ -251,8 +252,9 @@ def init_distributed(args) -> None:
 
 
 ONE_DEVICE_REFUSAL = (
-    "jax_gin.bench: the reduced axis has one device, where every all-reduce (jax_gin's and "
-    "lax's) is a copy, so the times and vs_lax ratios say nothing about all-reduce. For 8 CPU "
+    "jax_gin.bench: the reduced axis has one device, where no all-reduce reduces (auto and "
+    "lax return the input, an explicit algorithm copies it), so the times and vs_lax ratios "
+    "say nothing about all-reduce. For 8 CPU "
     "devices run with JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8; "
     "pass --one-device to run on one device anyway (no vs_lax ratios).")
 
@@ -319,7 +321,7 @@ def run_table(mesh, dtype: str, op: str, sizes: list, args, platform, progress, 
                                                   collective, kind))
                    for algo in collective_algorithms(args, collective)]
         measure_size(mesh, inputs, at_size, args, device_args, progress)
-        if nranks > 1:  # on one device both sides only copy: the ratio means nothing
+        if nranks > 1:  # on one device neither side reduces: the ratio means nothing
             fill_vs_lax(at_size)
         for rec in at_size:
             emit(format_row(rec))
@@ -367,7 +369,8 @@ def main(argv=None) -> int:
     for line in header_lines(meta):
         emit(line)
     if len(devices) == 1:
-        say("# note: one device (--one-device): every all-reduce is a copy; no vs_lax ratios")
+        say("# note: one device (--one-device): no all-reduce reduces (auto and lax return the "
+            "input, an explicit algorithm copies it); no vs_lax ratios")
     records = []
     try:
         for collective in args.collective:

@@ -133,7 +133,7 @@ def check_devices(r: Report, devices: list, gpu: bool) -> None:
     f.update(backend=jax.default_backend(), count=len(devices), kind=devices[0].device_kind)
     r.line(f"{f['backend']}: {f['count']} x {f['kind']}")
     if len(devices) == 1:
-        r.line("collectives are trivial with one device (every all-reduce is a copy)")
+        r.line("collectives are trivial with one device (an all-reduce returns its input)")
         if not gpu:
             r.line(CPU_DEVICES_HINT)
     if gpu:

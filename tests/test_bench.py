@@ -191,7 +191,7 @@ def test_bench_two_processes(tmp_path):
 
 
 def test_one_device_is_refused(capsys):
-    """One device on the reduced axis: every all-reduce is a copy, so the sweep refuses and
+    """One device on the reduced axis: no all-reduce reduces, so the sweep refuses and
     names how to get 8 CPU devices; --one-device runs it without vs_lax ratios or geomean."""
     with pytest.raises(SystemExit) as info:
         bench.main(TINY + ["-e", "1K", "--devices", "1"])
