@@ -56,8 +56,9 @@ def test_positional_axis_rejected():
 
 def test_workspace_too_small(monkeypatch):
     needs_devices(2)  # a group of one device needs no workspace
-    monkeypatch.setattr(jax_gin.runtime.settings, "cpu_workspace_bytes", 64)
-    monkeypatch.setattr(jax_gin.runtime.settings, "gpu_workspace_bytes", 64)
+    # one_shot needs a 16-byte slot per rank: 16 bytes are too few for two ranks or more
+    monkeypatch.setattr(jax_gin.runtime.settings, "cpu_workspace_bytes", 16)
+    monkeypatch.setattr(jax_gin.runtime.settings, "gpu_workspace_bytes", 16)
     x = exact_input((4,), ndev(), "float32")
     f = smap(lambda v: jax_gin.psum(v, "i", algorithm="one_shot"), mesh_1d(), P("i"))
     with pytest.raises(ValueError, match="workspace too small"):

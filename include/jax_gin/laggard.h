@@ -120,8 +120,8 @@ inline std::string laggard_text(const std::vector<Seen>& s, int group, int self)
         other_steps.push_back(x.wstep);
       }
     }
-    if (!others.empty()) os << (w.empty() ? "; " : ", and ") << ranks_word(others) << " wait in that call "
-                            << steps_text(other_steps);
+    if (!others.empty()) os << (w.empty() ? "; " : ", and ") << ranks_word(others) << " wait"
+                            << (others.size() == 1 ? "s" : "") << " in that call " << steps_text(other_steps);
     if (lb.seq == 0) os << "; it made no call on this communicator";
     else if (lb.in_call()) os << "; it is still in its " << call_name(lb.seq, lb.op, lb.algo)
                              << (lb.waiting() ? ", " + wait_text(lb) : std::string(", not waiting"));
