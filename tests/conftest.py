@@ -1,4 +1,6 @@
-"""Test setup: 8 CPU devices by default; the same suite runs on GPUs with JAX_PLATFORMS=cuda."""
+"""Test setup: 8 CPU devices by default, another count with
+XLA_FLAGS=--xla_force_host_platform_device_count=N (tests that need more devices skip); the
+same suite runs on GPUs with JAX_PLATFORMS=cuda."""
 import os
 
 _platform = os.environ.get("JAX_PLATFORMS", "cpu")

@@ -61,6 +61,7 @@ def test_settings_checked(monkeypatch):
 
 
 def test_entries_content_and_order(fresh, monkeypatch):
+    needs_devices(2)  # a group of one rank runs no rounds
     monkeypatch.setattr(_runtime.settings, "record", True)
     x = exact_input((1000,), ndev(), "float32")
     before = set(_runtime.comm_devices)
@@ -117,6 +118,7 @@ def _spans(doc):
 
 
 def test_trace_json(fresh, tmp_path):
+    needs_devices(2)  # over one device auto launches nothing to trace
     path = tmp_path / "t.json"
     x = exact_input((300,), ndev(), "float32")
     calls = [(api, algo) for api in ("psum", "pmax", "pmin") for algo in jax_gin.ALGORITHMS]
@@ -181,6 +183,7 @@ def test_merge(fresh, tmp_path):
 
 
 def _fault(monkeypatch, algo, mode, timeout):
+    needs_devices(2)  # a fault needs a peer to wait for
     monkeypatch.setattr(_runtime.settings, "timeout_s", timeout)
     monkeypatch.setattr(_runtime.settings, "fault_rank", 1)
     monkeypatch.setattr(_runtime.settings, "fault_mode", mode)

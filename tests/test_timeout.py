@@ -8,12 +8,13 @@ from jax.sharding import PartitionSpec as P
 
 import jax_gin
 from jax_gin import _native
-from conftest import mesh_1d, ndev
+from conftest import mesh_1d, ndev, needs_devices
 from helpers import exact_input, smap
 
 
 @pytest.mark.parametrize("algo", jax_gin.ALGORITHMS)
 def test_fault_injection_times_out(monkeypatch, algo):
+    needs_devices(2)  # a fault needs a peer to wait for
     if jax.default_backend() != "cpu":
         pytest.skip("the GPU fault test runs in the native harness (a trap kills the context)")
     # A communicator that timed out is never reused; a distinct timeout gives each case its own.
@@ -37,6 +38,7 @@ def test_fault_injection_times_out(monkeypatch, algo):
 
 def test_recovery_after_a_failure(monkeypatch):
     """What the refusal says works: reset(), then a freshly jitted function."""
+    needs_devices(2)  # a fault needs a peer to wait for
     if jax.default_backend() != "cpu":
         pytest.skip("on a GPU a timed-out kernel aborts the CUDA context (harness)")
     monkeypatch.setattr(jax_gin.runtime.settings, "timeout_s", 0.37)
@@ -52,6 +54,7 @@ def test_recovery_after_a_failure(monkeypatch):
 
 
 def test_fault_only_affects_its_communicator(monkeypatch):
+    needs_devices(2)  # a fault needs a peer to wait for
     if jax.default_backend() != "cpu":
         pytest.skip("CPU only")
     x = exact_input((10,), ndev(), "float32")
