@@ -43,6 +43,12 @@ def platform():
     return jax.default_backend()
 
 
+def table_group_sizes() -> list:
+    """The group sizes the tuning-table fixtures write tables for: this mesh's and its
+    sub-meshes' (a 2-D mesh's axes)."""
+    return sorted({2, 4, 8, ndev()})
+
+
 @pytest.fixture
 def cpu_table_with_xla(tmp_path, monkeypatch):
     """A tuning table for this CPU mesh: one_shot up to 1 KiB, XLA's all-reduce above."""
@@ -53,7 +59,7 @@ def cpu_table_with_xla(tmp_path, monkeypatch):
     from jax_gin import _select, tune
 
     kind = jax.devices()[0].device_kind
-    for n in sorted({2, 4, 8, ndev()}):  # the groups of this mesh and its sub-meshes
+    for n in table_group_sizes():
         table = {"device_kind": kind, "nranks": n, "measured": "2026-11-30", "entries": [
             {"max_bytes": 1024, "algorithm": "one_shot"}, {"max_bytes": 1 << 40, "algorithm": "xla"}]}
         (tmp_path / tune.table_name(kind, n)).write_text(json.dumps(table))

@@ -16,11 +16,17 @@ def exact_input(shape_per_device, ndevices, dtype, seed=0):
     return jnp.asarray(vals.astype(np.float64)).astype(dtype)
 
 
+def auto_runs_kernel() -> bool:
+    """Whether `auto` runs jax_gin's kernel over the 1-D mesh of every device: where it holds
+    two or more; over one device auto returns the input and launches nothing (a group of one
+    rank)."""
+    return len(jax.devices()) > 1
+
+
 def kernel_algorithm() -> str:
-    """The algorithm for a test that must run jax_gin's kernel over the 1-D mesh of every
-    device: `auto` where that mesh holds two or more; over one device auto returns the input
-    and launches nothing (a group of one rank), so an explicit algorithm."""
-    return "auto" if len(jax.devices()) > 1 else "one_shot"
+    """The algorithm for a test that must run jax_gin's kernel over that mesh: `auto` where it
+    does (auto_runs_kernel), else an explicit one."""
+    return "auto" if auto_runs_kernel() else "one_shot"
 
 
 def smap(f, mesh, spec, check_vma=True, out_spec=None):

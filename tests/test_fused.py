@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_gin
 from conftest import mesh_1d, mesh_2d, ndev
-from helpers import assert_bitwise, kernel_algorithm
+from helpers import assert_bitwise, auto_runs_kernel, kernel_algorithm
 
 DTYPES = ["float32", "bfloat16", "float16"]
 ALGOS = jax_gin.ALGORITHMS + ("auto",)
@@ -68,7 +68,7 @@ def _fused_and_refs(mesh, specs, axes, algo, check_vma, eps=EPS):
 def _kernel_runs(algo) -> bool:
     """Whether the op runs jax_gin's kernel over mesh_1d(): auto over one device is XLA's
     composition (test_group_of_one.py), whose rsqrt is XLA's, not norm.h's."""
-    return algo != "auto" or ndev() > 1
+    return algo != "auto" or auto_runs_kernel()
 
 
 def _check(got, x, res, w, dtype, algo):
