@@ -2,6 +2,7 @@
 // the runtime's communicator calls, and the schedules (for unit tests).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/array.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
@@ -9,6 +10,7 @@
 
 #include <sys/mman.h>
 
+#include <array>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -259,6 +261,15 @@ NB_MODULE(_jax_gin, m) {
           return cpu::laggard_report(*comm->groups[group]->ws, group, rank);
         }, nb::arg("comm"), nb::arg("group"), nb::arg("rank"));
   m.attr("RECORD_EVENTS") = kRecEvents;
+  // An entry filled by rec_note (include/jax_gin/recorder.h, the code the kernels run) from
+  // notes (kind, step, peer, value, t), with round0 1, as entry_dict reads it.
+  m.def("rec_notes", [](const std::vector<std::array<int64_t, 5>>& notes) {
+          RecEntry e{};
+          rec_open(e, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0);
+          for (const auto& n : notes)
+            rec_note(e, uint8_t(n[0]), int(n[1]), int(n[2]), uint64_t(n[3]), 1, uint64_t(n[4]));
+          return entry_dict(e);
+        }, nb::arg("notes"));
   // The hang report's diagnosis from the ranks' states (include/jax_gin/laggard.h), as the
   // CPU backend and the GPU's reports write it; each state is (seq, done, wait_seq,
   // wait_round, wait_peer, wait_step, op, algorithm, failed).

@@ -248,3 +248,74 @@ def test_laggard_text_of_a_cycle():
                            "other in a cycle; rank 1 is the one most waited for (by ranks 0, 2, "
                            "3, at step 0): its signals may not have arrived."), text
     assert "rank 1: #1 psum/two_shot, waiting for rank 2 at step 1 of round 1" in text, text
+
+
+# RecEventKind (include/jax_gin/recorder.h), by the names entry_dict gives them
+_KINDS = {1: "send", 2: "wait", 3: "credit", 4: "credit_wait"}
+
+
+def _note_round(kind, step, value):
+    """The round, relative to round0 = 1, that a note of this flag value records (common.h)."""
+    rd = value if kind == 3 else value + 1 if step < 0 else (value - 1) >> 16
+    return min(max(rd - 1, 0), 0xFFFF)
+
+
+def _runs_reference(notes):
+    """An entry's runs after these notes, as the recorder defines them: a note extends the run
+    of the same kind, step and round among the last 4 runs, else starts a run, or counts as
+    dropped when the entry holds RECORD_EVENTS runs."""
+    runs, dropped = [], 0
+    for kind, step, peer, value, t in notes:
+        rnd = _note_round(kind, step, value)
+        for run in reversed(runs[-4:]):
+            if (run[0], run[1], run[3]) == (_KINDS[kind], step, rnd):
+                run[2], run[5], run[6] = peer, t, min(run[6] + 1, 255)
+                break
+        else:
+            if len(runs) < C.RECORD_EVENTS:
+                runs.append([_KINDS[kind], step, peer, rnd, t, t, 1])
+            else:
+                dropped += 1
+    return [tuple(r) for r in runs], dropped
+
+
+def _tag(round_, step):
+    return (round_ << 16) + step + 1
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_notes_coalesce_into_runs(seed):
+    """rec_note, the code that lane 0's thread 0 runs on a GPU and every rank runs on the CPU:
+    the entry holds the runs of the definition, whatever the order and number of notes (beyond
+    the entry's room, beyond 255 a run). A note's place in the entry is an implementation's
+    choice; what the entry reads as (entry_dict) is what this pins down."""
+    rng = np.random.default_rng(seed)
+    n = [3, 39, 40, 41, 80, 600][seed % 6]
+    notes, t = [], 1000
+    for _ in range(n):
+        kind = int(rng.integers(1, 5))
+        step = -1 if kind >= 3 else int(rng.integers(0, 3 if seed < 6 else 40))
+        round_ = int(rng.integers(1, 3))
+        value = round_ if kind == 3 else round_ - 1 if kind == 4 else _tag(round_, step)
+        t += int(rng.integers(0, 50))
+        notes.append((kind, step, int(rng.integers(0, 8)), value, t))
+    e = C.rec_notes(notes)
+    runs, dropped = _runs_reference(notes)
+    assert [tuple(r) for r in e["events"]] == runs and e["dropped"] == dropped
+    assert sum(r[6] for r in runs) + dropped <= len(notes)
+
+
+def test_notes_of_chunked_steps():
+    """A step sent and awaited in 300 chunks, for 60 steps: one send and one wait run per step
+    while the entry has room (counts saturate at 255), and the rest dropped."""
+    notes, t = [], 0
+    for step in range(60):
+        for _ in range(300):
+            t += 1
+            notes.append((1, step, 1, _tag(1, step), t))
+            notes.append((2, step, 1, _tag(1, step), t))
+    e = C.rec_notes(notes)
+    runs, dropped = _runs_reference(notes)
+    assert [tuple(r) for r in e["events"]] == runs and e["dropped"] == dropped
+    assert len(runs) == C.RECORD_EVENTS and runs[0][6] == 255 and runs[0][:4] == ("send", 0, 1, 0)
+    assert dropped == (60 - C.RECORD_EVENTS // 2) * 600
