@@ -22,10 +22,12 @@
 #   bash scripts/gpu_run.sh collectives  the psum_scatter and all_gather sweep (auto and lax,
 #                                      float32 and bfloat16, 4 KiB - 1 GiB on the larger side)
 #   bash scripts/gpu_run.sh ceiling    NVLink ceilings (copy engines, SM push and pull by CTAs)
+#   bash scripts/gpu_run.sh recorder   the flight recorder's cost, kernels alone: no recorder,
+#                                      off and on, in turns (the table of docs/design.md)
 set -uo pipefail
 MODE=${1:-test}
-case "$MODE" in test|native|pytest|record|workloads|collectives|ceiling) ;;
-  *) echo "usage: bash scripts/gpu_run.sh test|native|pytest|record|workloads|collectives|ceiling (got '$MODE')" >&2; exit 2 ;;
+case "$MODE" in test|native|pytest|record|workloads|collectives|ceiling|recorder) ;;
+  *) echo "usage: bash scripts/gpu_run.sh test|native|pytest|record|workloads|collectives|ceiling|recorder (got '$MODE')" >&2; exit 2 ;;
 esac
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
@@ -131,6 +133,37 @@ workloads() {
   done
 }
 
+# The recorder's cost: 2 ranks on the first GPU(s), float32 sum, 2000 calls as CUDA-graph
+# replays; no recorder (-1), off (0, as the runtime leaves it) and on (1) in turns, 4 runs;
+# recorder_cost.txt gives each one's best run and the others against no recorder.
+recorder() {
+  : > "$OUT/recorder_times.txt"
+  for run in 1 2 3 4; do
+    for rec in -1 0 1; do
+      $H --ranks 2 --algos one_shot,two_shot,ring,tree --counts 1024,262144,4194304 --dtypes f32 \
+        --ops sum --iters 1 --time-iters 2000 --time-graph 1 --record $rec 2>&1 | grep '^time' \
+        | sed "s/^/record=$rec /" >> "$OUT/recorder_times.txt"
+    done
+  done
+  $PY - "$OUT/recorder_times.txt" > "$OUT/recorder_cost.txt" <<'PYEOF'
+import re, sys
+best = {}
+for line in open(sys.argv[1]):
+    m = re.match(r"record=(-?\d) .* algo=(\S+) bytes=(\d+) .*: ([\d.]+) us/call", line)
+    if m:
+        key = (m[2], int(m[3]), int(m[1]))
+        best[key] = min(best.get(key, float("inf")), float(m[4]))
+print("| algorithm | bytes | no recorder | off | on |\n|---|---|---|---|---|")
+for algo, size in sorted({k[:2] for k in best}):
+    t = [best.get((algo, size, r)) for r in (-1, 0, 1)]
+    if None not in t:
+        cells = [f"{t[0]:.2f}"] + [f"{x:.2f} ({100 * (x / t[0] - 1):+.1f}%)" for x in t[1:]]
+        print(f"| {algo} | {size} | " + " | ".join(cells) + " |")
+PYEOF
+  log "recorder cost rc=$?"
+  cat "$OUT/recorder_cost.txt"
+}
+
 case "$MODE" in
   test) harness; sanitizer; pytests ;;
   native) harness; sanitizer ;;
@@ -139,5 +172,6 @@ case "$MODE" in
   workloads) workloads ;;
   collectives) collectives ;;
   ceiling) build/gpu/jax_gin_nvlink_bw > "$OUT/ceiling.txt" 2>&1; log "nvlink_bw rc=$?"; cat "$OUT/ceiling.txt" ;;
+  recorder) recorder ;;
 esac
 log "done"
