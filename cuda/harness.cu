@@ -8,7 +8,7 @@
 //                        [--dtypes f32,bf16,...] [--ops sum,max,min] [--iters K]
 //                        [--lane-bytes B] [--chunk-bytes B] [--timeout-s T] [--fault-rank R]
 //                        [--ranks-per-node L,...] [--max-lanes K]
-//                        [--collectives 0|1|only] [--block-bytes B,...]
+//                        [--collectives 0|1|only] [--block-bytes B,...] [--segments S]
 // --ranks-per-node runs the hierarchical kernel of groups that span nodes (algorithm
 // "hierarchical", the default algos then) for every L that divides N and is smaller: ranks
 // node*L .. node*L+L-1 play a node, reached by load/store, and the rail between nodes goes
@@ -27,6 +27,9 @@
 // ring (those of --algos, if given), blocks of each of --block-bytes (multiples of 16; default
 // 16,48,1008,65584,1048592: 1, 3, 63, 4099 and 65537 vectors). With --time-iters it also
 // prints each call's time and nccl-tests' algbw and busbw.
+// --segments S (2 to 64) passes each all-reduce as S buffers of uneven counts in one call, the
+// multi-operand kernels that reduce a pytree's leaves in one launch (message.h), each buffer at
+// a 16-byte boundary as XLA's are (copy_engine takes one buffer; counts below S take fewer).
 // --record 1 turns each rank's flight recorder on and checks its entries after each rank count;
 // 0 (the default) leaves it off, as the runtime does; -1 gives the kernels no recorder at all
 // (no ring, no switch to read), to measure what the recorder costs when it is off.
@@ -511,6 +514,7 @@ int main(int argc, char** argv) {
   int ce_serial = 0;  // --ce-serial 1: copy_engine without its second stream
   int record = 0;     // --record 1: the flight recorder on, checked after each rank count (-1: none)
   int add_rmsnorm = 0;  // --add-rmsnorm 1: the fused norms' one-kernel path, after each rank count
+  int segments = 1;     // --segments S: each all-reduce as S buffers in one call
   std::string collectives = "0";  // --collectives 1 | only
   std::vector<std::string> block_bytes_s = {"16", "48", "1008", "65584", "1048592"};
   size_t lane_bytes = 256 << 10;
@@ -540,6 +544,7 @@ int main(int argc, char** argv) {
     else if (k == "--ce-serial") ce_serial = std::atoi(v.c_str());
     else if (k == "--record") record = std::atoi(v.c_str());
     else if (k == "--add-rmsnorm") add_rmsnorm = std::atoi(v.c_str());
+    else if (k == "--segments") segments = std::atoi(v.c_str());
     else if (k == "--collectives") collectives = v;
     else if (k == "--block-bytes") block_bytes_s = split(v);
     else if (k == "--lane-grain") lane_grain = std::strtoull(v.c_str(), nullptr, 10);
@@ -555,6 +560,10 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "hierarchical needs --ranks-per-node L,...\n");
       return 2;
     }
+  }
+  if (segments < 1 || segments > kMaxSegments) {
+    std::fprintf(stderr, "--segments takes 1 to %d\n", kMaxSegments);
+    return 2;
   }
   if (collectives != "0" && collectives != "1" && collectives != "only") {
     std::fprintf(stderr, "--collectives takes 0, 1 or only\n");
@@ -637,8 +646,9 @@ int main(int argc, char** argv) {
       CK(cudaHostAlloc(&R.diag_host, sizeof(HangReport), cudaHostAllocMapped | cudaHostAllocPortable));
       std::memset(R.diag_host, 0, sizeof(HangReport));
       CK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&R.diag_dev), R.diag_host, 0));
-      CK(cudaMalloc(&R.in, max_count * 8 + 16));
-      CK(cudaMalloc(&R.out, max_count * 8 + 16));
+      // (16 bytes of room per --segments buffer, for their alignment)
+      CK(cudaMalloc(&R.in, max_count * 8 + 16 + size_t(kMaxSegments) * kAlignBytes));
+      CK(cudaMalloc(&R.out, max_count * 8 + 16 + size_t(kMaxSegments) * kAlignBytes));
       CK(cudaStreamCreateWithFlags(&R.stream, cudaStreamNonBlocking));
       if (record >= 0) {  // as a communicator of the runtime: a ring and its switch
         CK(cudaMalloc(&R.rec_ring, kHarnessRecEntries * sizeof(RecEntry)));
@@ -719,13 +729,35 @@ int main(int argc, char** argv) {
                   acc = with_redop(op, 0.0, [&](auto red) { return decltype(red)::apply(acc, vals[r][i]); });
                 ref[i] = acc;
               }
+              // Buffer k holds elements first[k] .. first[k + 1] of the message and lies at element
+              // phys[k] of the rank's in and out (one buffer, or --segments of them).
+              const size_t nbuf = copy_engine ? 1 : std::max<size_t>(1, std::min<size_t>(segments, count));
+              std::vector<size_t> first(nbuf + 1), phys(nbuf);
+              // uneven counts, most not whole 16-byte vectors: boundaries on a parabola plus k, each
+              // buffer at least one element
+              for (size_t k = 0; k <= nbuf; ++k)
+                first[k] = k == nbuf ? count : std::min(count * k * k / (nbuf * nbuf) + k, count - (nbuf - k));
+              const size_t align = kAlignBytes / dt->size;
+              size_t plen = 0;  // elements of in and out in use
+              for (size_t k = 0; k < nbuf; ++k) {
+                phys[k] = (plen + align - 1) / align * align;
+                plen = phys[k] + first[k + 1] - first[k];
+              }
+              auto place = [&](const std::vector<char>& logical) {
+                std::vector<char> p(plen * dt->size, 0);
+                for (size_t k = 0; k < nbuf; ++k)
+                  std::memcpy(p.data() + phys[k] * dt->size, logical.data() + first[k] * dt->size,
+                              (first[k + 1] - first[k]) * dt->size);
+                return p;
+              };
               std::vector<char> host(count * dt->size), want(count * dt->size);
               for (size_t i = 0; i < count; ++i) encode(dt->dt, ref[i], want.data() + i * dt->size);
               for (int r = 0; r < N; ++r) {
                 for (size_t i = 0; i < count; ++i) encode(dt->dt, vals[r][i], host.data() + i * dt->size);
+                const std::vector<char> placed = place(host);
                 CK(cudaSetDevice(rk[r].dev));
-                CK(cudaMemcpy(rk[r].in, host.data(), count * dt->size, cudaMemcpyHostToDevice));
-                CK(cudaMemset(rk[r].out, 0xff, count * dt->size));  // poison
+                CK(cudaMemcpy(rk[r].in, placed.data(), placed.size(), cudaMemcpyHostToDevice));
+                CK(cudaMemset(rk[r].out, 0xff, plen * dt->size));  // poison
               }
               // One launch of every rank. All ranks are launched before any is synchronized (a
               // blocking call before the last launch would leave the others spinning).
@@ -742,13 +774,20 @@ int main(int argc, char** argv) {
                   // --chunk-bytes alone (tiny-chunk runs) sets one_shot's chunk too
                   cfg.one_shot_chunk_bytes = one_shot_chunk_set ? one_shot_chunk : std::min(one_shot_chunk, chunk_bytes);
                   cfg.fault_rank = fault_rank;
-                  if (count > 0) ++R.calls;  // a call of no elements launches nothing
+                  // a call of no elements launches nothing; hierarchical launches once per buffer
+                  if (count > 0) R.calls += algo == Algorithm::kHierarchical ? long(nbuf) : 1;
+                  std::vector<Segment> seg(nbuf);
+                  for (size_t k = 0; k < nbuf; ++k)
+                    seg[k] = Segment{0, first[k + 1] - first[k], static_cast<char*>(R.in) + phys[k] * dt->size,
+                                     static_cast<char*>(R.out) + phys[k] * dt->size};
                   e = copy_engine
                           ? gpu::launch_allreduce_copy_engine(gpu::PeerAccess{nullptr, R.table}, bases.data(),
                                                               cfg, dt->dt, op, R.in, R.out, count, max_lanes,
                                                               R.stream, ce_serial ? nullptr : &R.ce_aux)
-                          : gpu::launch_allreduce(gpu::PeerAccess{nullptr, R.table}, cfg, dt->dt, op, algo,
-                                                  R.in, R.out, count, R.stream);
+                      : nbuf > 1 ? gpu::launch_allreduce(gpu::PeerAccess{nullptr, R.table}, cfg, dt->dt, op,
+                                                         algo, seg.data(), int(nbuf), R.stream)
+                                 : gpu::launch_allreduce(gpu::PeerAccess{nullptr, R.table}, cfg, dt->dt, op, algo,
+                                                         R.in, R.out, count, R.stream);
                   if (e != cudaSuccess) return e;
                 }
                 return cudaSuccess;
@@ -757,16 +796,21 @@ int main(int argc, char** argv) {
               if (time_iters > 0) {
                 double us_per_iter = 0;
                 CK(time_calls(rk, N, time_iters, time_graph, launch_all, &us_per_iter));
-                std::printf("time%s ranks=%d%s dtype=%s op=%s algo=%s bytes=%zu: %.2f us/call\n",
+                std::printf("time%s ranks=%d%s dtype=%s op=%s algo=%s bytes=%zu%s: %.2f us/call\n",
                             time_graph ? "(graph)" : "", N,
                             rpn ? (" ranks_per_node=" + std::to_string(rpn)).c_str() : "", dt->name,
-                            os_.c_str(), as.c_str(), count * dt->size, us_per_iter);
+                            os_.c_str(), as.c_str(), count * dt->size,
+                            nbuf > 1 ? (" buffers=" + std::to_string(nbuf)).c_str() : "", us_per_iter);
               }
               if (!wait_all(rk, N)) return 3;
               long bad = 0;
+              std::vector<char> got(plen * dt->size);
               for (int r = 0; r < N; ++r) {
                 CK(cudaSetDevice(rk[r].dev));
-                CK(cudaMemcpy(host.data(), rk[r].out, count * dt->size, cudaMemcpyDeviceToHost));
+                CK(cudaMemcpy(got.data(), rk[r].out, got.size(), cudaMemcpyDeviceToHost));
+                for (size_t k = 0; k < nbuf; ++k)  // the buffers' elements, in message order
+                  std::memcpy(host.data() + first[k] * dt->size, got.data() + phys[k] * dt->size,
+                              (first[k + 1] - first[k]) * dt->size);
                 if (std::memcmp(host.data(), want.data(), count * dt->size) != 0) {
                   for (size_t i = 0; i < count; ++i)
                     bad += std::memcmp(host.data() + i * dt->size, want.data() + i * dt->size, dt->size) != 0;
@@ -775,8 +819,8 @@ int main(int argc, char** argv) {
               ++cases;
               if (bad) {
                 ++failures;
-                std::printf("FAIL ranks=%d ranks_per_node=%d dtype=%s op=%s algo=%s count=%zu wrong=%ld\n",
-                            N, rpn, dt->name, os_.c_str(), as.c_str(), count, bad);
+                std::printf("FAIL ranks=%d ranks_per_node=%d dtype=%s op=%s algo=%s count=%zu buffers=%zu wrong=%ld\n",
+                            N, rpn, dt->name, os_.c_str(), as.c_str(), count, nbuf, bad);
               }
             }
           }

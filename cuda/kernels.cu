@@ -227,7 +227,8 @@ cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, D
         return e;
     return cudaSuccess;
   }
-  if (int(algo) < 0 || int(algo) >= kNumAlgorithms || peers.win == nullptr) return cudaErrorInvalidValue;
+  if (int(algo) < 0 || int(algo) >= kNumAlgorithms || (peers.win == nullptr && peers.table == nullptr))
+    return cudaErrorInvalidValue;
   SegmentTable table;
   for (int s = 0; s < nseg; ++s) table.seg[s] = seg[s];
   table.n = nseg;
@@ -238,8 +239,10 @@ cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, D
   const int lanes = lanes_for(cfg, algo, bytes, p.ll);
   if (lanes == 0 || count == 0) return cudaSuccess;
   return with_type(dtype, [&](auto t) {
-    return launch_multi_op<typename decltype(t)::type>(op, NcclPeers{peers.win}, p, lanes, cfg.threads,
-                                                       algo, table, count, stream);
+    using T = typename decltype(t)::type;
+    if (peers.table != nullptr)
+      return launch_multi_op<T>(op, TablePeers{peers.table}, p, lanes, cfg.threads, algo, table, count, stream);
+    return launch_multi_op<T>(op, NcclPeers{peers.win}, p, lanes, cfg.threads, algo, table, count, stream);
   });
 }
 
@@ -302,7 +305,11 @@ cudaError_t launch_add_norm_ll(const PeerAccess& peers, const LaunchConfig& cfg,
 }
 
 cudaError_t preload_kernels() {
-  if (cudaError_t e = for_each_type([](auto t) { return preload_multi_type<typename decltype(t)::type, NcclPeers>(); }))
+  if (cudaError_t e = for_each_type([](auto t) {
+        using T = typename decltype(t)::type;
+        const cudaError_t m = preload_multi_type<T, NcclPeers>();
+        return m != cudaSuccess ? m : preload_multi_type<T, TablePeers>();
+      }))
     return e;
   if (cudaError_t e = for_each_type([](auto t) { return preload_ce_type<typename decltype(t)::type>(); }))
     return e;

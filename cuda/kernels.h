@@ -94,7 +94,8 @@ cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, D
 
 // Several buffers of one dtype reduced as one message (message.h), in one launch: `seg` holds
 // each buffer's count, in and out (their logical starts are filled in here). Over an NCCL
-// window only; 1 <= nseg <= kMaxSegments. kHierarchical launches once per buffer.
+// window, or the harness's table of peers; 1 <= nseg <= kMaxSegments. kHierarchical launches
+// once per buffer.
 cudaError_t launch_allreduce(const PeerAccess& peers, const LaunchConfig& cfg, DType dtype,
                              RedOp op, Algorithm algo, Segment* seg, int nseg,
                              cudaStream_t stream);

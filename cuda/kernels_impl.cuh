@@ -500,6 +500,10 @@ cudaError_t preload_ce_type() {
                                                      int, int, Algorithm, const SegmentTable&,   \
                                                      size_t, cudaStream_t);                      \
   template cudaError_t preload_multi_type<T, NcclPeers>();                                       \
+  template cudaError_t launch_multi_op<T, TablePeers>(RedOp, const TablePeers&,                  \
+                                                      const LaneParams&, int, int, Algorithm,    \
+                                                      const SegmentTable&, size_t, cudaStream_t);\
+  template cudaError_t preload_multi_type<T, TablePeers>();                                      \
   template cudaError_t preload_type<T, TablePeers>();                                            \
   template cudaError_t launch_hier_op<T, NcclNodePeers, GinRail>(                                \
       RedOp, const NcclNodePeers&, const GinRail&, const LaneParams&, int, int, const void*,     \

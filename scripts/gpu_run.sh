@@ -3,10 +3,10 @@
 # Uses the machine's own python3, nvcc, cmake and NCCL wheel; installs nothing. Logs and
 # results go under $OUT (default ./gpu_out).
 #
-#   bash scripts/gpu_run.sh test       native harness (N = 2, 3, 4, 8; GIN emulated; copy
-#                                      engines; flight recorder; psum_add_rmsnorm and
-#                                      psum_add_layernorm in one kernel; psum_scatter and
-#                                      all_gather; fault injection),
+#   bash scripts/gpu_run.sh test       native harness (N = 2, 3, 4, 8; several buffers a call;
+#                                      GIN emulated; copy engines; flight recorder;
+#                                      psum_add_rmsnorm and psum_add_layernorm in one kernel;
+#                                      psum_scatter and all_gather; fault injection),
 #                                      compute-sanitizer, the GPU pytest suite and the
 #                                      2-process GPU tests
 #   bash scripts/gpu_run.sh native     test's native harness and compute-sanitizer alone
@@ -62,6 +62,12 @@ harness() {
   log "harness rc=$? $(tail -1 "$OUT/harness.log")"
   $H --ranks 2,3,4,8 --dtypes f32,bf16,f64 --ops sum,max --iters 2 --chunk-bytes 256 >> "$OUT/harness.log" 2>&1
   log "harness, tiny chunks rc=$? $(tail -1 "$OUT/harness.log")"
+  $H --ranks 2,3,4,8 --dtypes f32,bf16,i32 --ops sum,max --iters 2 --segments 5 \
+    --counts 7,1000,4099,300001 >> "$OUT/harness.log" 2>&1
+  log "harness, 5 buffers a call (a pytree's leaves) rc=$? $(tail -1 "$OUT/harness.log")"
+  $H --ranks 2,3,4,8 --dtypes f32,bf16 --ops sum --iters 2 --segments 64 --counts 1000,300001 \
+    --lane-bytes 4096 --chunk-bytes 256 >> "$OUT/harness.log" 2>&1
+  log "harness, 64 buffers a call over several rounds rc=$? $(tail -1 "$OUT/harness.log")"
   $H --ranks 4,8 --ranks-per-node 2,4 --dtypes f32,bf16,f16,i32,f64 --iters 3 >> "$OUT/harness.log" 2>&1
   log "harness, hierarchical (GIN emulated over P2P) rc=$? $(tail -1 "$OUT/harness.log")"
   $H --ranks 2,3,4,8 --dtypes f32,bf16 --iters 2 --record 1 >> "$OUT/harness.log" 2>&1
