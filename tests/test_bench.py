@@ -302,8 +302,9 @@ def test_collective_wrong_results_fail(monkeypatch, capsys):
     rc = bench.main(TINY + ["-e", "1K", "-c", "psum_scatter", "-a", "ring"])
     text = capsys.readouterr().out
     assert rc == 1
-    row = next(ln for ln in text.splitlines() if ln.strip().startswith("1024"))
-    assert row.split("|")[1].split()[3] == str(1024 // 4)  # N blocks of 1024 / 4 / N elements
+    size = 1024 // (4 * ndev()) * 4 * ndev()  # N whole blocks of float32 (1020 bytes over 3)
+    row = next(ln for ln in text.splitlines() if ln.split() and ln.split()[0] == str(size))
+    assert row.split("|")[1].split()[3] == str(size // 4)  # every element wrong
     assert "FAILED" in text
 
 

@@ -92,9 +92,11 @@ def test_errors():
         workloads.check_config("tp-train", tiny("tp-train"), 3)
 
 
-# Explicit tiny sizes: the CLI's defaults on GPUs are the full ones.
-CLI_SIZES = ["--layers", "1", "--d-model", "64", "--heads", "8", "--ffn", "256", "--seq", "16",
-             "--batch", "2"]
+# Explicit tiny sizes: the CLI's defaults on GPUs are the full ones. Tensor parallelism splits
+# heads and ffn over the devices, so over a count that does not divide 8 they are multiples of it.
+_HEADS = 8 if 8 % ndev() == 0 else 2 * ndev()
+CLI_SIZES = ["--layers", "1", "--d-model", str(8 * _HEADS), "--heads", str(_HEADS),
+             "--ffn", str(256 if 256 % ndev() == 0 else 64 * ndev()), "--seq", "16", "--batch", "2"]
 
 
 @pytest.mark.parametrize("workload", STEPS)
