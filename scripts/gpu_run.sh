@@ -155,7 +155,7 @@ recorder() {
 import re, sys
 best = {}
 for line in open(sys.argv[1]):
-    m = re.match(r"record=(-?\d) .* algo=(\S+) bytes=(\d+) .*: ([\d.]+) us/call", line)
+    m = re.match(r"record=(-?\d) .* algo=(\S+) bytes=(\d+): ([\d.]+) us/call", line)
     if m:
         key = (m[2], int(m[3]), int(m[1]))
         best[key] = min(best.get(key, float("inf")), float(m[4]))
