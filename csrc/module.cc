@@ -261,15 +261,16 @@ NB_MODULE(_jax_gin, m) {
           return cpu::laggard_report(*comm->groups[group]->ws, group, rank);
         }, nb::arg("comm"), nb::arg("group"), nb::arg("rank"));
   m.attr("RECORD_EVENTS") = kRecEvents;
-  // An entry filled by rec_note (include/jax_gin/recorder.h, the code the kernels run) from
-  // notes (kind, step, peer, value, t), with round0 1, as entry_dict reads it.
-  m.def("rec_notes", [](const std::vector<std::array<int64_t, 5>>& notes) {
+  // An entry filled from notes (kind, step, peer, value, t), with round0 1, as entry_dict
+  // reads it: by rec_mark, as the GPU kernels note (raw), or by rec_note, as the CPU backend.
+  m.def("rec_notes", [](const std::vector<std::array<int64_t, 5>>& notes, bool raw) {
           RecEntry e{};
           rec_open(e, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0);
           for (const auto& n : notes)
-            rec_note(e, uint8_t(n[0]), int(n[1]), int(n[2]), uint64_t(n[3]), 1, uint64_t(n[4]));
+            (raw ? rec_mark : rec_note)(e, uint8_t(n[0]), int(n[1]), int(n[2]), uint64_t(n[3]), 1,
+                                        uint64_t(n[4]));
           return entry_dict(e);
-        }, nb::arg("notes"));
+        }, nb::arg("notes"), nb::arg("raw"));
   // The hang report's diagnosis from the ranks' states (include/jax_gin/laggard.h), as the
   // CPU backend and the GPU's reports write it; each state is (seq, done, wait_seq,
   // wait_round, wait_peer, wait_step, op, algorithm, failed).

@@ -153,7 +153,8 @@ long check_recorder(const Rank& R, int r) {
   }
   const uint64_t last = ctl[1], first = last > ring.size() ? last - ring.size() + 1 : 1;
   for (uint64_t seq = first; seq <= last; ++seq) {
-    const RecEntry& e = ring[rec_slot(seq, ring.size())];
+    RecEntry& e = ring[rec_slot(seq, ring.size())];
+    rec_settle(e);  // the kernels store phases raw
     bool ok = e.seq == seq && e.status == kRecDone && e.t_end >= e.t_start && e.rank == r &&
               e.nevents <= kRecEvents;
     for (int i = 0; ok && i < e.nevents; ++i)

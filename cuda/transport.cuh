@@ -106,8 +106,9 @@ struct TablePeers {
 
 // The flight recorder's device side. Lane 0's thread 0 records: it opens an entry when the
 // call starts (if recording is on: one load of a device word otherwise), notes each signal
-// and satisfied wait of lane 0 (rec_note, recorder.h), and closes it at the end; times are
-// %globaltimer ns. Calls of one rank are stream-ordered, so the counter needs no atomics.
+// and satisfied wait of lane 0 raw (rec_mark, recorder.h: readers fold them into runs), and
+// closes it at the end; times are %globaltimer ns. Calls of one rank are stream-ordered, so
+// the counter needs no atomics.
 // A kernel keeps its entry in `local` (shared memory: notes cost no global-memory round
 // trip) and stores it into the ring when it ends; the copy-engine path, whose call spans
 // several kernels, writes the ring's entry in place (local = null).
@@ -384,7 +385,7 @@ class GpuTransport {
       uint64_t* f = reinterpret_cast<uint64_t*>(peers_.base(peer) + p_.flags_offset) +
                     flag_index(lane_, p_.rank, kind, p_.nranks);
       st_release_sys(f, value);
-      if (rec_) rec_note(*rec_, kind == kCredit ? kRecCredit : kRecSend, step, peer, value, rec_round0_, globaltimer_ns());
+      if (rec_) rec_mark(*rec_, kind == kCredit ? kRecCredit : kRecSend, step, peer, value, rec_round0_, globaltimer_ns());
     }
   }
 
@@ -413,7 +414,7 @@ class GpuTransport {
           }
         }
       }
-      if (rec_) rec_note(*rec_, kind == kCredit ? kRecCreditWait : kRecWait, step, peer, value, rec_round0_, globaltimer_ns());
+      if (rec_) rec_mark(*rec_, kind == kCredit ? kRecCreditWait : kRecWait, step, peer, value, rec_round0_, globaltimer_ns());
     }
     __syncthreads();
     return true;

@@ -283,12 +283,14 @@ def _tag(round_, step):
     return (round_ << 16) + step + 1
 
 
+@pytest.mark.parametrize("raw", [True, False], ids=["gpu_raw", "cpu_runs"])
 @pytest.mark.parametrize("seed", range(12))
-def test_notes_coalesce_into_runs(seed):
-    """rec_note, the code that lane 0's thread 0 runs on a GPU and every rank runs on the CPU:
-    the entry holds the runs of the definition, whatever the order and number of notes (beyond
-    the entry's room, beyond 255 a run). A note's place in the entry is an implementation's
-    choice; what the entry reads as (entry_dict) is what this pins down."""
+def test_notes_coalesce_into_runs(seed, raw):
+    """What an entry reads as (entry_dict) holds the runs of the definition, whatever the order
+    and number of notes (beyond the entry's room, beyond 255 a run), whether the notes were
+    stored raw and folded by the reader (rec_mark, lane 0's thread 0 on a GPU) or folded as
+    they came (rec_note, every rank on the CPU). A note's place in the entry is an
+    implementation's choice; what the entry reads as is what this pins down."""
     rng = np.random.default_rng(seed)
     n = [3, 39, 40, 41, 80, 600][seed % 6]
     notes, t = [], 1000
@@ -299,13 +301,14 @@ def test_notes_coalesce_into_runs(seed):
         value = round_ if kind == 3 else round_ - 1 if kind == 4 else _tag(round_, step)
         t += int(rng.integers(0, 50))
         notes.append((kind, step, int(rng.integers(0, 8)), value, t))
-    e = C.rec_notes(notes)
+    e = C.rec_notes(notes, raw)
     runs, dropped = _runs_reference(notes)
     assert [tuple(r) for r in e["events"]] == runs and e["dropped"] == dropped
     assert sum(r[6] for r in runs) + dropped <= len(notes)
 
 
-def test_notes_of_chunked_steps():
+@pytest.mark.parametrize("raw", [True, False], ids=["gpu_raw", "cpu_runs"])
+def test_notes_of_chunked_steps(raw):
     """A step sent and awaited in 300 chunks, for 60 steps: one send and one wait run per step
     while the entry has room (counts saturate at 255), and the rest dropped."""
     notes, t = [], 0
@@ -314,7 +317,7 @@ def test_notes_of_chunked_steps():
             t += 1
             notes.append((1, step, 1, _tag(1, step), t))
             notes.append((2, step, 1, _tag(1, step), t))
-    e = C.rec_notes(notes)
+    e = C.rec_notes(notes, raw)
     runs, dropped = _runs_reference(notes)
     assert [tuple(r) for r in e["events"]] == runs and e["dropped"] == dropped
     assert len(runs) == C.RECORD_EVENTS and runs[0][6] == 255 and runs[0][:4] == ("send", 0, 1, 0)

@@ -24,6 +24,8 @@ enum RecEventKind : uint8_t {
 
 // One phase, or a run of equal phases (same kind, step and round: the chunks of a step, or
 // one step's sends to several peers), coalesced: first and last time, how many, last peer.
+// A GPU kernel stores its phases raw (rec_mark): count 0, t_last the flag value, round unset;
+// readers fold them into runs with rec_settle.
 struct RecEvent {
   uint64_t t_first;  // ns
   uint64_t t_last;   // ns
@@ -31,7 +33,7 @@ struct RecEvent {
   int16_t peer;      // the last peer of the run
   uint16_t round;    // round relative to the entry's first round (saturates)
   uint8_t kind;      // RecEventKind
-  uint8_t count;     // events in the run (saturates at 255)
+  uint8_t count;     // events in the run (saturates at 255); 0: a raw event
 };
 static_assert(sizeof(RecEvent) == 24, "RecEvent is a fixed 24 bytes");
 
@@ -148,6 +150,38 @@ JG_HD void rec_note(RecEntry& e, uint8_t kind, int step, int peer, uint64_t valu
   ev.round = round;
   ev.kind = kind;
   ev.count = 1;
+}
+
+// Folds entry e's raw events (rec_mark), which follow its runs, into runs: the entry then
+// reads as if every phase had gone through rec_note in order.
+JG_HD void rec_settle(RecEntry& e) {
+  const int n = e.nevents < kRecEvents ? int(e.nevents) : kRecEvents;
+  int i = 0;
+  while (i < n && e.events[i].count != 0) ++i;
+  e.nevents = uint16_t(i);
+  for (; i < n; ++i) {
+    const RecEvent raw = e.events[i];  // rec_note may write slot i itself
+    rec_note(e, raw.kind, raw.step, raw.peer, raw.t_last, e.round0, raw.t_first);
+  }
+}
+
+// rec_note's cheap half, for a kernel's critical path: stores the phase as it comes (a timer
+// read and a few shared-memory stores; no look-back, no round arithmetic). When the entry is
+// full it folds what it holds into runs and notes the phase as rec_note does.
+JG_HD void rec_mark(RecEntry& e, uint8_t kind, int step, int peer, uint64_t value,
+                    uint64_t round0, uint64_t t) {
+  if (e.nevents < kRecEvents) {
+    RecEvent& ev = e.events[e.nevents++];
+    ev.t_first = t;
+    ev.t_last = value;
+    ev.step = int16_t(step);
+    ev.peer = int16_t(peer);
+    ev.kind = kind;
+    ev.count = 0;
+    return;
+  }
+  rec_settle(e);
+  rec_note(e, kind, step, peer, value, round0, t);
 }
 
 }  // namespace jax_gin
