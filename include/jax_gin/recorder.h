@@ -3,9 +3,10 @@
 // it waits for, and a ring of the last N calls with per-phase timestamps. The CPU backend
 // (csrc/cpu_backend.cc) writes them into the group's workspace with a monotonic ns clock; the
 // CUDA kernels (cuda/transport.cuh) write lane 0's entries into device memory with
-// %globaltimer. Both fill entries with rec_open and rec_note below. Plain PODs: no std::atomic,
-// so that the header compiles with nvcc; writers publish with release stores of the marked
-// fields, readers load those with acquire and treat the rest as advisory.
+// %globaltimer. Both open entries with rec_open below; the CPU folds each phase into runs as
+// it comes (rec_note), a kernel stores it raw (rec_mark) and readers fold (rec_settle). Plain
+// PODs: no std::atomic, so that the header compiles with nvcc; writers publish with release
+// stores of the marked fields, readers load those with acquire and treat the rest as advisory.
 #pragma once
 
 #include <cstdint>
