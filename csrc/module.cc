@@ -335,8 +335,10 @@ NB_MODULE(_jax_gin, m) {
   // The largest group and the most lanes (CTAs) of one call (common.h), for Python's checks.
   m.attr("MAX_RANKS") = kMaxRanks;
   m.attr("MAX_LANES") = kMaxLanes;
-  // The most entries of a flight-recorder ring (recorder.h); the count is a power of two.
+  // The most entries of a flight-recorder ring, and whether a count is one the backends take
+  // (recorder.h: a power of two up to that).
   m.attr("REC_MAX_ENTRIES") = kRecMaxEntries;
+  m.def("rec_entries_ok", [](int64_t n) { return rec_entries_ok(n); }, nb::arg("n"));
 
   // Schedules (include/jax_gin/schedule.h), exposed for unit tests.
   nb::module_ s = m.def_submodule("schedule", "the shared schedule header, for tests");

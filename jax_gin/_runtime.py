@@ -91,8 +91,8 @@ def _valid(field: str, value):
     value = int(value)
     if field in ("overlap_lanes", "max_lanes"):
         return value if 1 <= value <= MAX_LANES else None
-    if field == "record_entries":
-        return value if 1 <= value <= REC_MAX_ENTRIES and value & (value - 1) == 0 else None
+    if field == "record_entries":  # the backends' own rule (recorder.h rec_entries_ok)
+        return value if abs(value) < 1 << 63 and _native.cpu.rec_entries_ok(value) else None
     return value if value >= (0 if field in _ZERO_OK else 1) else None
 
 

@@ -48,6 +48,7 @@ def test_record_off_by_default(fresh):
 def test_settings_checked(monkeypatch):
     s = _runtime.settings
     for bad in (("record", 2), ("record_entries", 0), ("record_entries", 1 << 20),
+                ("record_entries", -4), ("record_entries", 1 << 70),
                 ("record_entries", 3), ("record_entries", 100),
                 ("fault_mode", "sometimes")):
         with pytest.raises(ValueError):
