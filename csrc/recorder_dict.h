@@ -9,8 +9,8 @@
 
 namespace jax_gin {
 
-// One flight-recorder entry (recorder.h) as a dict, its phases folded into runs; events as (kind, step, peer, round,
-// t_first, t_last, count) tuples, round relative to round0.
+// One flight-recorder entry (recorder.h) as a dict, its phases folded into runs; events as
+// (kind, step, peer, round, t_first, t_last, count) tuples, round relative to round0.
 inline nanobind::dict entry_dict(const RecEntry& raw) {
   RecEntry e = raw;
   rec_settle(e);  // a GPU kernel's phases are stored raw
