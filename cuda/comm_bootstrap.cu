@@ -110,7 +110,7 @@ namespace {
 void quiesce_device(int device) {
   JG_CUDA(cudaSetDevice(device));
   JG_CUDA(cudaDeviceSynchronize());
-  JG_CUDA(preload_kernels());
+  JG_CUDA(preload_kernels(/*table_peers=*/false));
 }
 
 }  // namespace

@@ -601,7 +601,7 @@ int main(int argc, char** argv) {
   if (ngpu < 1) { std::fprintf(stderr, "no GPU\n"); return 2; }
   for (int a = 0; a < ngpu; ++a) {
     CK(cudaSetDevice(a));
-    CK(gpu::preload_kernels());
+    CK(gpu::preload_kernels(/*table_peers=*/true));
     for (int b = 0; b < ngpu; ++b) {
       if (a == b) continue;
       int ok = 0;

@@ -304,11 +304,11 @@ cudaError_t launch_add_norm_ll(const PeerAccess& peers, const LaunchConfig& cfg,
   });
 }
 
-cudaError_t preload_kernels() {
-  if (cudaError_t e = for_each_type([](auto t) {
+cudaError_t preload_kernels(bool table_peers) {
+  if (cudaError_t e = for_each_type([&](auto t) {
         using T = typename decltype(t)::type;
         const cudaError_t m = preload_multi_type<T, NcclPeers>();
-        return m != cudaSuccess ? m : preload_multi_type<T, TablePeers>();
+        return m != cudaSuccess || !table_peers ? m : preload_multi_type<T, TablePeers>();
       }))
     return e;
   if (cudaError_t e = for_each_type([](auto t) { return preload_ce_type<typename decltype(t)::type>(); }))
@@ -316,13 +316,13 @@ cudaError_t preload_kernels() {
   if (cudaError_t e = preload_copy_engine()) return e;
   cudaError_t e = preload_peers<NcclPeers>();
   if (e != cudaSuccess) return e;
-  if ((e = preload_peers<TablePeers>()) != cudaSuccess) return e;
+  if (table_peers && (e = preload_peers<TablePeers>()) != cudaSuccess) return e;
   if ((e = preload_hier<NcclNodePeers, GinRail>()) != cudaSuccess) return e;
-  if ((e = preload_hier<TablePeers, EmulatedGinRail>()) != cudaSuccess) return e;
-  return for_each_type([](auto t) {
+  if (table_peers && (e = preload_hier<TablePeers, EmulatedGinRail>()) != cudaSuccess) return e;
+  return for_each_type([&](auto t) {
     using T = typename decltype(t)::type;
     const cudaError_t c = preload_collective_type<T, NcclPeers>();
-    return c != cudaSuccess ? c : preload_collective_type<T, TablePeers>();
+    return c != cudaSuccess || !table_peers ? c : preload_collective_type<T, TablePeers>();
   });
 }
 

@@ -140,8 +140,9 @@ size_t copy_engine_slot_elems(const LaunchConfig& cfg, size_t elem_size);
 cudaError_t lsa_window_bases(ncclWindow_t win, int nranks, char** bases);
 
 // Loads every kernel on the current device now, so that no lazy module load (which takes a
-// global lock) happens while a peer's kernel spins.
-cudaError_t preload_kernels();
+// global lock) happens while a peer's kernel spins: those over NCCL windows, and with
+// `table_peers` those over the native harness's table of peers too.
+cudaError_t preload_kernels(bool table_peers);
 
 // Window layout of one rank: flags, then the LL area, then kMaxLanes data areas of lane_bytes.
 // A group that spans nodes (0 < ranks_per_node < nranks, ranks_per_node dividing nranks) has
