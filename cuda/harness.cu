@@ -760,6 +760,13 @@ int main(int argc, char** argv) {
                 CK(cudaMemcpy(rk[r].in, placed.data(), placed.size(), cudaMemcpyHostToDevice));
                 CK(cudaMemset(rk[r].out, 0xff, plen * dt->size));  // poison
               }
+              // Each rank's buffers as segments (launch_allreduce fills in their logical starts).
+              std::vector<std::vector<Segment>> segs(N, std::vector<Segment>(nbuf));
+              for (int r = 0; r < N; ++r)
+                for (size_t k = 0; k < nbuf; ++k)
+                  segs[r][k] = Segment{0, first[k + 1] - first[k],
+                                       static_cast<char*>(rk[r].in) + phys[k] * dt->size,
+                                       static_cast<char*>(rk[r].out) + phys[k] * dt->size};
               // One launch of every rank. All ranks are launched before any is synchronized (a
               // blocking call before the last launch would leave the others spinning).
               auto launch_all = [&]() -> cudaError_t {
@@ -777,16 +784,12 @@ int main(int argc, char** argv) {
                   cfg.fault_rank = fault_rank;
                   // a call of no elements launches nothing; hierarchical launches once per buffer
                   if (count > 0) R.calls += algo == Algorithm::kHierarchical ? long(nbuf) : 1;
-                  std::vector<Segment> seg(nbuf);
-                  for (size_t k = 0; k < nbuf; ++k)
-                    seg[k] = Segment{0, first[k + 1] - first[k], static_cast<char*>(R.in) + phys[k] * dt->size,
-                                     static_cast<char*>(R.out) + phys[k] * dt->size};
                   e = copy_engine
                           ? gpu::launch_allreduce_copy_engine(gpu::PeerAccess{nullptr, R.table}, bases.data(),
                                                               cfg, dt->dt, op, R.in, R.out, count, max_lanes,
                                                               R.stream, ce_serial ? nullptr : &R.ce_aux)
                       : nbuf > 1 ? gpu::launch_allreduce(gpu::PeerAccess{nullptr, R.table}, cfg, dt->dt, op,
-                                                         algo, seg.data(), int(nbuf), R.stream)
+                                                         algo, segs[r].data(), int(nbuf), R.stream)
                                  : gpu::launch_allreduce(gpu::PeerAccess{nullptr, R.table}, cfg, dt->dt, op, algo,
                                                          R.in, R.out, count, R.stream);
                   if (e != cudaSuccess) return e;
