@@ -266,9 +266,14 @@ NB_MODULE(_jax_gin, m) {
   m.def("rec_notes", [](const std::vector<std::array<int64_t, 5>>& notes, bool raw) {
           RecEntry e{};
           rec_open(e, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0);
-          for (const auto& n : notes)
-            (raw ? rec_mark : rec_note)(e, uint8_t(n[0]), int(n[1]), int(n[2]), uint64_t(n[3]), 1,
-                                        uint64_t(n[4]));
+          int k = 0;  // rec_mark's count
+          for (const auto& n : notes) {
+            if (raw)
+              k = rec_mark(e, k, uint8_t(n[0]), int(n[1]), int(n[2]), uint64_t(n[3]), uint64_t(n[4]));
+            else
+              rec_note(e, uint8_t(n[0]), int(n[1]), int(n[2]), uint64_t(n[3]), 1, uint64_t(n[4]));
+          }
+          if (raw) rec_marked(e, k);
           return entry_dict(e);
         }, nb::arg("notes"), nb::arg("raw"));
   // The hang report's diagnosis from the ranks' states (include/jax_gin/laggard.h), as the

@@ -139,7 +139,7 @@ gpu::LaunchConfig rank_config(const Rank& R, int r, int N, size_t lane_bytes, in
 }
 
 // --record 1: rank R's recorder counted every call, and its last entries are whole: in order,
-// done, with their phases inside [t_start, t_end]. Returns the number of problems (printed).
+// done, with their phases inside [t_start, t_end], and the phases their algorithm has. Returns the number of problems (printed).
 long check_recorder(const Rank& R, int r) {
   uint64_t ctl[2];
   std::vector<RecEntry> ring(kHarnessRecEntries);
@@ -157,9 +157,24 @@ long check_recorder(const Rank& R, int r) {
     rec_settle(e);  // the kernels store phases raw
     bool ok = e.seq == seq && e.status == kRecDone && e.t_end >= e.t_start && e.rank == r &&
               e.nevents <= kRecEvents;
-    for (int i = 0; ok && i < e.nevents; ++i)
-      ok = e.events[i].t_first >= e.t_start && e.events[i].t_last <= e.t_end &&
-           e.events[i].t_first <= e.events[i].t_last;
+    // every phase inside the call; ring, two_shot and tree (flags at every rank count) sent
+    // and awaited; ring's waits in schedule order (a lost mark count would overwrite events)
+    bool sent = false, awaited = false;
+    long last_wait = -1;
+    for (int i = 0; ok && i < e.nevents; ++i) {
+      const RecEvent& ev = e.events[i];
+      ok = ev.t_first >= e.t_start && ev.t_last <= e.t_end && ev.t_first <= ev.t_last;
+      sent |= ev.kind == kRecSend;
+      awaited |= ev.kind == kRecWait;
+      if (ok && ev.kind == kRecWait && e.algorithm == int8_t(Algorithm::kRing)) {
+        const long at = long(ev.round) << 16 | long(ev.step);
+        ok = at >= last_wait;
+        last_wait = at;
+      }
+    }
+    const bool flags = e.algorithm == int8_t(Algorithm::kRing) ||
+                       e.algorithm == int8_t(Algorithm::kTwoShot) || e.algorithm == int8_t(Algorithm::kTree);
+    ok = ok && (!flags || (sent && awaited));
     if (!ok) {
       std::printf("FAIL recorder rank %d: entry %llu (seq %llu, status %d, %d events)\n", r,
                   (unsigned long long)seq, (unsigned long long)e.seq, int(e.status), int(e.nevents));

@@ -89,12 +89,12 @@ __global__ void __launch_bounds__(512)
   uint64_t round = p.rounds[lane];
   const uint64_t round0 = round + 1;
   __shared__ __align__(16) RecEntry s_rec;
-  RecEntry* rec = lane == 0 && threadIdx.x == 0 ? rec_begin(p, round0, &s_rec) : nullptr;
+  const LaneRecord rec = rec_open_lane(p, lane, round0, s_rec);
   run_lane_hierarchical<T, Op>(tp, in + mine.offset, out + mine.offset, mine.count, p.lane_bytes,
                                p.ranks_per_node, round);
   tp.finish();
   if (threadIdx.x == 0) p.rounds[lane] = round;
-  rec_end(p, rec, round + 1 - round0);
+  rec_close_lane(p, rec, s_rec, round + 1 - round0);
 }
 
 // one_shot over the LL protocol (transport.cuh). Purpose: the smallest latency for messages up
@@ -205,7 +205,7 @@ __device__ __forceinline__ void one_shot_ll_lane(const Peers& peers, const LaneP
   const uint64_t round = ll_round(p, lane);
   // LL has no flags of its own to note: the recorder keeps the call's start and end
   __shared__ __align__(16) RecEntry s_rec;
-  RecEntry* rec = lane == 0 && threadIdx.x == 0 ? rec_begin(p, round, &s_rec) : nullptr;
+  const LaneRecord rec = rec_open_lane(p, lane, round, s_rec);
   const size_t total = count * sizeof(T);
   const size_t lo = size_t(lane) * kLLLanePayload;
   const size_t nbytes = total > lo ? (total - lo < kLLLanePayload ? total - lo : kLLLanePayload) : 0;
@@ -216,7 +216,7 @@ __device__ __forceinline__ void one_shot_ll_lane(const Peers& peers, const LaneP
   }
   if (threadIdx.x == 0) p.rounds[kMaxLanes + lane] = round;
   if (p.rec_ctl != nullptr) __syncthreads();  // the lane's end, for the recorder
-  rec_end(p, rec, 1);
+  rec_close_lane(p, rec, s_rec, 1);
 }
 
 // psum_add_rmsnorm (b null) or psum_add_layernorm in one kernel over the LL protocol (norm.h,
@@ -245,7 +245,7 @@ __global__ void __launch_bounds__(kNormBlock)
   const uint64_t round = ll_round(p, lane);
   // recorded as its all-reduce (a psum, one_shot), as the CPU backend records it
   __shared__ __align__(16) RecEntry s_rec;
-  RecEntry* rec = lane == 0 && threadIdx.x == 0 ? rec_begin(p, round, &s_rec) : nullptr;
+  const LaneRecord rec = rec_open_lane(p, lane, round, s_rec);
   const size_t row0 = size_t(lane) * rows_per_lane;
   const size_t row1 = row0 + rows_per_lane < rows ? row0 + rows_per_lane : rows;
   constexpr int V = NormChunk<T>::V;
@@ -304,7 +304,7 @@ __global__ void __launch_bounds__(kNormBlock)
     norm_rows(static_cast<const T*>(nullptr), nr, w, b, out, row0, row1, d, eps);
   }
   if (p.rec_ctl != nullptr) __syncthreads();  // the lane's end, for the recorder
-  rec_end(p, rec, 1);
+  rec_close_lane(p, rec, s_rec, 1);
 }
 
 template <class T, class Peers>

@@ -166,23 +166,31 @@ JG_HD void rec_settle(RecEntry& e) {
   }
 }
 
-// rec_note's cheap half, for a kernel's critical path: stores the phase as it comes (a timer
-// read and a few shared-memory stores; no look-back, no round arithmetic). When the entry is
-// full it folds what it holds into runs and notes the phase as rec_note does.
-JG_HD void rec_mark(RecEntry& e, uint8_t kind, int step, int peer, uint64_t value,
-                    uint64_t round0, uint64_t t) {
-  if (e.nevents < kRecEvents) {
-    RecEvent& ev = e.events[e.nevents++];
+// rec_note's cheap half, for a kernel's critical path: stores the entry's n-th phase raw (a
+// timer read and a few stores; no loads: the writer keeps n, which starts at 0 for an open
+// entry) and returns the next n. When the entry is full it folds what it holds into runs
+// and notes the phase as rec_note does, from then on (n > kRecEvents: e.nevents is the count).
+// rec_marked(e, n) closes the count.
+JG_HD int rec_mark(RecEntry& e, int n, uint8_t kind, int step, int peer, uint64_t value, uint64_t t) {
+  if (n < kRecEvents) {
+    RecEvent& ev = e.events[n];
     ev.t_first = t;
     ev.t_last = value;
     ev.step = int16_t(step);
     ev.peer = int16_t(peer);
     ev.kind = kind;
     ev.count = 0;
-    return;
+    return n + 1;
   }
-  rec_settle(e);
-  rec_note(e, kind, step, peer, value, round0, t);
+  if (n == kRecEvents) {
+    e.nevents = uint16_t(kRecEvents);
+    rec_settle(e);
+  }
+  rec_note(e, kind, step, peer, value, e.round0, t);
+  return kRecEvents + 1;
+}
+JG_HD void rec_marked(RecEntry& e, int n) {
+  if (n <= kRecEvents) e.nevents = uint16_t(n);
 }
 
 }  // namespace jax_gin
