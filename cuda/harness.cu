@@ -209,11 +209,15 @@ cudaError_t time_calls(std::vector<Rank>& rk, int N, int time_iters, bool graph,
   // Capture every rank's stream at once (relaxed mode: cudaSetDevice between launches is
   // allowed), then replay one graph per rank, all in flight together.
   std::vector<cudaGraphExec_t> execs(N);
+  std::vector<long> calls0(N);
   for (int r = 0; r < N; ++r) {
+    calls0[r] = rk[r].calls;
     CE(cudaSetDevice(rk[r].dev));
     CE(cudaStreamBeginCapture(rk[r].stream, cudaStreamCaptureModeRelaxed));
   }
   for (int it = 0; it < time_iters; ++it) CE(launch_all());
+  // launch_all counted each captured call once; the graph runs twice (warm-up, then timed)
+  for (int r = 0; r < N; ++r) rk[r].calls += rk[r].calls - calls0[r];
   for (int r = 0; r < N; ++r) {
     cudaGraph_t g;
     CE(cudaSetDevice(rk[r].dev));

@@ -147,7 +147,7 @@ recorder() {
   for run in 1 2 3 4; do
     for rec in -1 0 1; do
       $H --ranks 2 --algos one_shot,two_shot,ring,tree --counts 1024,262144,4194304 --dtypes f32 \
-        --ops sum --iters 1 --time-iters 2000 --time-graph 1 --record $rec 2>&1 | grep '^time' \
+        --ops sum --iters 1 --time-iters 2000 --time-graph 1 --record $rec 2>&1 | grep -E '^(time|FAIL)' \
         | sed "s/^/record=$rec /" >> "$OUT/recorder_times.txt"
     done
   done
@@ -166,7 +166,7 @@ for algo, size in sorted({k[:2] for k in best}):
         cells = [f"{t[0]:.2f}"] + [f"{x:.2f} ({100 * (x / t[0] - 1):+.1f}%)" for x in t[1:]]
         print(f"| {algo} | {size} | " + " | ".join(cells) + " |")
 PYEOF
-  log "recorder cost rc=$?"
+  log "recorder cost rc=$?; recorder check failures (must be 0): $(grep -c FAIL "$OUT/recorder_times.txt")"
   cat "$OUT/recorder_cost.txt"
 }
 
