@@ -139,7 +139,8 @@ gpu::LaunchConfig rank_config(const Rank& R, int r, int N, size_t lane_bytes, in
 }
 
 // --record 1: rank R's recorder counted every call, and its last entries are whole: in order,
-// done, with their phases inside [t_start, t_end], and the phases their algorithm has. Returns the number of problems (printed).
+// done, with their phases inside [t_start, t_end], and the phases their algorithm has.
+// Returns the number of problems (printed).
 long check_recorder(const Rank& R, int r) {
   uint64_t ctl[2];
   std::vector<RecEntry> ring(kHarnessRecEntries);
