@@ -88,13 +88,12 @@ __global__ void __launch_bounds__(512)
   HierTransport<Peers, Rail> tp(peers, rail, p, lane, slot_bytes);
   uint64_t round = p.rounds[lane];
   const uint64_t round0 = round + 1;
-  __shared__ __align__(16) RecEntry s_rec;
-  const LaneRecord rec = rec_open_lane(p, lane, round0, s_rec);
+  const LaneRecord rec = rec_open_lane(p, lane, round0, nullptr);  // no phases: in place
   run_lane_hierarchical<T, Op>(tp, in + mine.offset, out + mine.offset, mine.count, p.lane_bytes,
                                p.ranks_per_node, round);
   tp.finish();
   if (threadIdx.x == 0) p.rounds[lane] = round;
-  rec_close_lane(p, rec, s_rec, round + 1 - round0);
+  rec_close_lane(p, rec, nullptr, round + 1 - round0);
 }
 
 // one_shot over the LL protocol (transport.cuh). Purpose: the smallest latency for messages up
@@ -203,9 +202,8 @@ __device__ __forceinline__ void one_shot_ll_lane(const Peers& peers, const LaneP
                                                  const IO& io, size_t count) {
   const int lane = blockIdx.x;
   const uint64_t round = ll_round(p, lane);
-  // LL has no flags of its own to note: the recorder keeps the call's start and end
-  __shared__ __align__(16) RecEntry s_rec;
-  const LaneRecord rec = rec_open_lane(p, lane, round, s_rec);
+  // LL has no flags of its own to note: the recorder keeps the call's start and end, in place
+  const LaneRecord rec = rec_open_lane(p, lane, round, nullptr);
   const size_t total = count * sizeof(T);
   const size_t lo = size_t(lane) * kLLLanePayload;
   const size_t nbytes = total > lo ? (total - lo < kLLLanePayload ? total - lo : kLLLanePayload) : 0;
@@ -216,7 +214,7 @@ __device__ __forceinline__ void one_shot_ll_lane(const Peers& peers, const LaneP
   }
   if (threadIdx.x == 0) p.rounds[kMaxLanes + lane] = round;
   if (p.rec_ctl != nullptr) __syncthreads();  // the lane's end, for the recorder
-  rec_close_lane(p, rec, s_rec, 1);
+  rec_close_lane(p, rec, nullptr, 1);
 }
 
 // psum_add_rmsnorm (b null) or psum_add_layernorm in one kernel over the LL protocol (norm.h,
@@ -244,8 +242,7 @@ __global__ void __launch_bounds__(kNormBlock)
   const int lane = blockIdx.x;
   const uint64_t round = ll_round(p, lane);
   // recorded as its all-reduce (a psum, one_shot), as the CPU backend records it
-  __shared__ __align__(16) RecEntry s_rec;
-  const LaneRecord rec = rec_open_lane(p, lane, round, s_rec);
+  const LaneRecord rec = rec_open_lane(p, lane, round, nullptr);  // no phases: in place
   const size_t row0 = size_t(lane) * rows_per_lane;
   const size_t row1 = row0 + rows_per_lane < rows ? row0 + rows_per_lane : rows;
   constexpr int V = NormChunk<T>::V;
@@ -304,7 +301,7 @@ __global__ void __launch_bounds__(kNormBlock)
     norm_rows(static_cast<const T*>(nullptr), nr, w, b, out, row0, row1, d, eps);
   }
   if (p.rec_ctl != nullptr) __syncthreads();  // the lane's end, for the recorder
-  rec_close_lane(p, rec, s_rec, 1);
+  rec_close_lane(p, rec, nullptr, 1);
 }
 
 template <class T, class Peers>

@@ -104,22 +104,29 @@ struct TablePeers {
   __device__ char* base(int peer) const { return bases[peer]; }
 };
 
-// The flight recorder's device side. Lane 0's thread 0 records: it opens an entry when the
-// call starts (if recording is on: one load of a device word otherwise), notes each signal
-// and satisfied wait of lane 0 raw (rec_mark, recorder.h: readers fold them into runs), and
-// closes it at the end; times are %globaltimer ns. Calls of one rank are stream-ordered, so
-// the counter needs no atomics.
-// A kernel keeps its entry in shared memory while it runs (a phase is a few stores, and an
-// entry that fills folds there) and lane 0's warp 0 stores it into the ring at the end, a
-// 16-byte piece a thread (rec_open_lane .. rec_close_lane): stored by one thread, each
-// piece's load waited for the store before it, about 0.3 us a call of 6 phases on an H200.
-// The copy-engine path, whose call spans several kernels, writes the ring's entry in place
-// (rec_begin with local = null, rec_current, rec_end).
+// The flight recorder's device side. Thread kRecThread (warp 1's first) of lane 0 records: it
+// opens an entry when the call starts (if recording is on: one load of a device word
+// otherwise), notes each signal and satisfied wait of lane 0 raw just after the barrier that
+// ends it (rec_mark, recorder.h: readers fold them into runs), and closes it at the end;
+// times are %globaltimer ns. Thread 0, which stores the flags and spins on them, runs no
+// recorder code, so a mark overlaps the other threads' data movement instead of delaying the
+// barrier they wait at (one H200, 2 ranks as streams, 4 KiB: marks by thread 0 cost two_shot
+// and ring 0.38-0.46 us a call and tree 0.68; by warp 1, at most 0.02 us; docs/design.md).
+// Every kernel that records runs at least 64 threads a block. Calls of one rank are
+// stream-ordered, so the counter needs no atomics.
+// A kernel that marks phases keeps its entry in shared memory while it runs (a phase is a few
+// stores, and an entry that fills folds there) and warp 1 of lane 0 stores it into the ring
+// at the end, a 16-byte piece a thread (rec_open_lane .. rec_close_lane): stored by one
+// thread, each piece's load waited for the store before it, about 0.3 us a call of 6 phases
+// on an H200. Kernels that mark none (LL, the fused norms, hierarchical) and the copy-engine
+// path, whose call spans several kernels, write the ring's entry in place (rec_open_lane with
+// s = null; rec_begin with local = null, rec_current, rec_end).
 // The state block (always on, whether or not the recorder is): the thread that opens a call
-// marks it entered; lane 0's thread 0 marks it returned when lane 0 is done; a wait that has
+// marks it entered, and marks it returned when lane 0 is done; a wait that has
 // spun for kWaitPublishNs says what it waits for. Plain volatile stores into the rank's own
 // window: peers read them only when a wait times out.
 constexpr uint64_t kWaitPublishNs = 1000000;
+constexpr int kRecThread = 32;  // lane 0's recording thread, and its warp stores the entry
 // The calls this rank has entered (state_calls), then the call marked entered (state_enter):
 // a kernel loads the count with the recorder's switch, before either is used, so that the
 // two loads' round trips overlap.
@@ -184,9 +191,10 @@ __device__ inline RecEntry* rec_current(const LaneParams& p) {
   return e->seq == p.rec_ctl[1] && e->status == kRecRunning ? e : nullptr;
 }
 // Closes entry e (of rec_begin or rec_current; null: not recording) and marks the call
-// returned. An entry in shared memory is stored by rec_close_lane.
+// returned; called by one thread of lane 0. An entry in shared memory is stored by
+// rec_close_lane.
 __device__ inline void rec_end(const LaneParams& p, RecEntry* e, uint64_t rounds) {
-  if (p.state != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+  if (p.state != nullptr) {
     volatile RecState* st = p.state;
     st->done = st->seq;
   }
@@ -196,44 +204,49 @@ __device__ inline void rec_end(const LaneParams& p, RecEntry* e, uint64_t rounds
   e->t_end = globaltimer_ns();
 }
 
-// A kernel's call as lane 0 records it into shared memory `s`. Every thread of lane 0's
-// warp 0 reads the switch (one warp-wide load: their copies agree), so that the warp knows
-// without a barrier whether it stores the entry at the end; thread 0 opens it.
+// A kernel's call as lane 0 records it: into shared memory `s`, for a kernel that marks phases,
+// or (s null) into the ring's entry in place, for one that marks none (its open and close
+// stores are all it writes, and then no copy is left for the end). Every thread of lane 0's
+// warp 1 reads the switch (one warp-wide load: their copies agree), so that the warp knows
+// without a barrier whether it stores the entry at the end; thread kRecThread opens it.
 struct LaneRecord {
-  RecEntry* e = nullptr;  // thread 0's open entry (null elsewhere, or when not recording)
+  RecEntry* e = nullptr;  // kRecThread's open entry (null elsewhere, or when not recording)
   bool store = false;     // this thread stores a share of the entry at the end
+  bool closes = false;    // this thread marks the call returned (kRecThread of lane 0)
 };
-__device__ inline LaneRecord rec_open_lane(const LaneParams& p, int lane, uint64_t round0, RecEntry& s) {
+__device__ inline LaneRecord rec_open_lane(const LaneParams& p, int lane, uint64_t round0, RecEntry* s) {
   LaneRecord r;
-  if (lane != 0 || threadIdx.x >= 32) return r;
-  // both loads by the whole warp, before it diverges: with thread 0's state-block load issued
-  // only after the warp had waited for the switch, the two round trips ran in sequence (one
-  // H200, recorder off, 4 KiB: 0.15-0.21 us more than without a recorder)
+  if (lane != 0 || threadIdx.x / 32 != kRecThread / 32) return r;
+  // both loads by the whole warp, before it diverges: with the state-block load issued only
+  // after the warp had waited for the switch, the two round trips ran in sequence (one H200,
+  // recorder off, 4 KiB: 0.15-0.21 us more than without a recorder)
   const RecSwitch w = rec_switch(p);
   const uint64_t calls = state_calls(p);
-  r.store = w.on != 0;
-  if (threadIdx.x == 0) {
+  r.store = w.on != 0 && s != nullptr;
+  if (threadIdx.x == kRecThread) {
+    r.closes = true;
     state_enter(p, calls);
-    r.e = rec_open_entry(p, round0, &s, w);
+    r.e = rec_open_entry(p, round0, s, w);
   }
   return r;
 }
-// Closes the call: thread 0 closes the entry (`nevents`: its rec_mark count, if it marked
-// phases) and marks the call returned; when recording, warp 0 then stores the header and the
-// events the entry holds into the ring, all pieces' loads before their stores.
-__device__ inline void rec_close_lane(const LaneParams& p, const LaneRecord& r, RecEntry& s,
+// Closes the call: kRecThread closes the entry (`nevents`: its rec_mark count, if it marked
+// phases) and marks the call returned; when recording into shared memory, its warp then stores
+// the header and the events the entry holds into the ring, all pieces' loads before their
+// stores.
+__device__ inline void rec_close_lane(const LaneParams& p, const LaneRecord& r, const RecEntry* s,
                                       uint64_t rounds, int nevents = 0) {
   if (r.e != nullptr) rec_marked(*r.e, nevents);
-  rec_end(p, r.e, rounds);
+  if (r.closes) rec_end(p, r.e, rounds);
   if (!r.store) return;
   __syncwarp();
   static_assert(offsetof(RecEntry, events) % 16 == 0 && sizeof(RecEntry) % 16 == 0, "16-byte copies");
   constexpr int kPieces = int(sizeof(RecEntry)) / 16;
   static_assert(kPieces <= 64, "two pieces a thread");
-  const int n = int(offsetof(RecEntry, events) + s.nevents * sizeof(RecEvent) + 15) / 16;
-  const uint4* src = reinterpret_cast<const uint4*>(&s);
-  uint4* dst = reinterpret_cast<uint4*>(p.rec_ring + rec_slot(s.seq, p.rec_entries));
-  const int i = int(threadIdx.x), j = i + 32;
+  const int n = int(offsetof(RecEntry, events) + s->nevents * sizeof(RecEvent) + 15) / 16;
+  const uint4* src = reinterpret_cast<const uint4*>(s);
+  uint4* dst = reinterpret_cast<uint4*>(p.rec_ring + rec_slot(s->seq, p.rec_entries));
+  const int i = int(threadIdx.x) % 32, j = i + 32;
   const uint4 a = src[i];  // the header's 4 pieces and the first events: n > i for i < 4
   uint4 b;
   if (j < n) b = src[j];
@@ -244,18 +257,18 @@ __device__ inline void rec_close_lane(const LaneParams& p, const LaneRecord& r, 
 // One call's rounds in lane `lane`: body(round) runs them from the lane's persistent round
 // counter, of which every thread keeps a copy (all threads follow the same control flow, so
 // the copies agree) and thread 0 writes it back; lane 0 records the call (rec_open_lane ..
-// rec_close_lane) and, through `tp` (GpuTransport::record_into), its thread 0 its signals and
-// waits.
+// rec_close_lane) and, through `tp` (GpuTransport::record_into), its kRecThread its signals
+// and waits.
 template <class Tp, class Body>
 __device__ __forceinline__ void run_recorded_lane(const LaneParams& p, int lane, Tp& tp, Body&& body) {
   uint64_t round = p.rounds[lane];
   const uint64_t round0 = round + 1;
   __shared__ __align__(16) RecEntry s_rec;  // lane 0's recorder entry while the call runs
-  const LaneRecord rec = rec_open_lane(p, lane, round0, s_rec);
+  const LaneRecord rec = rec_open_lane(p, lane, round0, &s_rec);
   tp.record_into(rec.e);
   body(round);
   if (threadIdx.x == 0) p.rounds[lane] = round;
-  rec_close_lane(p, rec, s_rec, round + 1 - round0, tp.recorded());
+  rec_close_lane(p, rec, &s_rec, round + 1 - round0, tp.recorded());
 }
 
 __device__ inline void record_timeout(const LaneParams& p, int lane, int peer, int step,
@@ -379,7 +392,7 @@ class GpuTransport {
   }
 
   __device__ size_t chunk_bytes() const { return p_.chunk_bytes; }
-  // Lane 0's thread 0 notes its signals and satisfied waits into `e` (rec_mark; null: none).
+  // Lane 0's kRecThread notes its signals and satisfied waits into `e` (rec_mark; null: none).
   __device__ void record_into(RecEntry* e) { rec_ = e, rec_n_ = 0; }
   __device__ int recorded() const { return rec_n_; }  // rec_mark's count (rec_marked)
   __device__ void sync() const { __syncthreads(); }
@@ -443,8 +456,8 @@ class GpuTransport {
       uint64_t* f = reinterpret_cast<uint64_t*>(peers_.base(peer) + p_.flags_offset) +
                     flag_index(lane_, p_.rank, kind, p_.nranks);
       st_release_sys(f, value);
-      if (rec_) rec_n_ = rec_mark(*rec_, rec_n_, kind == kCredit ? kRecCredit : kRecSend, step, peer, value, globaltimer_ns());
     }
+    if (rec_) rec_n_ = rec_mark(*rec_, rec_n_, kind == kCredit ? kRecCredit : kRecSend, step, peer, value, globaltimer_ns());
   }
 
   // Thread 0 spins on our own flag; on timeout it records who waited for whom and traps, so
@@ -472,9 +485,9 @@ class GpuTransport {
           }
         }
       }
-      if (rec_) rec_n_ = rec_mark(*rec_, rec_n_, kind == kCredit ? kRecCreditWait : kRecWait, step, peer, value, globaltimer_ns());
     }
     __syncthreads();
+    if (rec_) rec_n_ = rec_mark(*rec_, rec_n_, kind == kCredit ? kRecCreditWait : kRecWait, step, peer, value, globaltimer_ns());
     return true;
   }
 
@@ -487,7 +500,7 @@ class GpuTransport {
   LaneParams p_;
   int lane_;
   size_t slot_bytes_;
-  RecEntry* rec_ = nullptr;  // lane 0's thread 0 while recording
+  RecEntry* rec_ = nullptr;  // lane 0's kRecThread while recording
   mutable int rec_n_ = 0;    // phases marked (rec_mark), kept here so that a mark loads nothing
 };
 
