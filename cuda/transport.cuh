@@ -190,19 +190,26 @@ __device__ inline RecEntry* rec_current(const LaneParams& p) {
   RecEntry* e = p.rec_ring + rec_slot(p.rec_ctl[1], p.rec_entries);
   return e->seq == p.rec_ctl[1] && e->status == kRecRunning ? e : nullptr;
 }
-// Closes entry e (of rec_begin or rec_current; null: not recording) and marks the call
-// returned; called by one thread of lane 0. An entry in shared memory is stored by
-// rec_close_lane.
-__device__ inline void rec_end(const LaneParams& p, RecEntry* e, uint64_t rounds) {
-  if (p.state != nullptr) {
-    volatile RecState* st = p.state;
-    st->done = st->seq;
-  }
+// Closes entry e (of rec_begin or rec_current; null: not recording).
+__device__ inline void rec_end_entry(RecEntry* e, uint64_t rounds) {
   if (e == nullptr) return;
   e->rounds = uint32_t(rounds);
   e->status = kRecDone;
   e->t_end = globaltimer_ns();
 }
+// Closes entry e and marks the call returned, for the copy-engine path, whose last kernel
+// reads the call number from the state block (rec_close_lane keeps it).
+__device__ inline void rec_end(const LaneParams& p, RecEntry* e, uint64_t rounds) {
+  if (p.state != nullptr) {
+    volatile RecState* st = p.state;
+    st->done = st->seq;
+  }
+  rec_end_entry(e, rounds);
+}
+// The call number that lane 0's kRecThread marked entered, kept for its close in shared
+// memory: read back from the state block, a load after the lane's last barrier would hold the
+// kernel's end by one memory round trip.
+__shared__ uint64_t s_state_seq;
 
 // A kernel's call as lane 0 records it: into shared memory `s`, for a kernel that marks phases,
 // or (s null) into the ring's entry in place, for one that marks none (its open and close
@@ -226,6 +233,7 @@ __device__ inline LaneRecord rec_open_lane(const LaneParams& p, int lane, uint64
   if (threadIdx.x == kRecThread) {
     r.closes = true;
     state_enter(p, calls);
+    s_state_seq = calls + 1;
     r.e = rec_open_entry(p, round0, s, w);
   }
   return r;
@@ -237,7 +245,10 @@ __device__ inline LaneRecord rec_open_lane(const LaneParams& p, int lane, uint64
 __device__ inline void rec_close_lane(const LaneParams& p, const LaneRecord& r, const RecEntry* s,
                                       uint64_t rounds, int nevents = 0) {
   if (r.e != nullptr) rec_marked(*r.e, nevents);
-  if (r.closes) rec_end(p, r.e, rounds);
+  if (r.closes) {
+    if (p.state != nullptr) static_cast<volatile RecState*>(p.state)->done = s_state_seq;
+    rec_end_entry(r.e, rounds);
+  }
   if (!r.store) return;
   __syncwarp();
   static_assert(offsetof(RecEntry, events) % 16 == 0 && sizeof(RecEntry) % 16 == 0, "16-byte copies");
