@@ -201,9 +201,10 @@ template <class T, class Op, class Peers, class IO>
 __device__ __forceinline__ void one_shot_ll_lane(const Peers& peers, const LaneParams& p,
                                                  const IO& io, size_t count) {
   const int lane = blockIdx.x;
+  const LaneLoads loads = rec_lane_loads(p, lane);  // in flight while ll_round waits
   const uint64_t round = ll_round(p, lane);
   // LL has no flags of its own to note: the recorder keeps the call's start and end, in place
-  const LaneRecord rec = rec_open_lane(p, lane, round, nullptr);
+  const LaneRecord rec = rec_open_lane(p, lane, round, nullptr, loads);
   const size_t total = count * sizeof(T);
   const size_t lo = size_t(lane) * kLLLanePayload;
   const size_t nbytes = total > lo ? (total - lo < kLLLanePayload ? total - lo : kLLLanePayload) : 0;
@@ -213,7 +214,12 @@ __device__ __forceinline__ void one_shot_ll_lane(const Peers& peers, const LaneP
     ll_write(io, lo + 8 * i, total, sum);
   }
   if (threadIdx.x == 0) p.rounds[kMaxLanes + lane] = round;
-  if (p.rec_ctl != nullptr) __syncthreads();  // the lane's end, for the recorder
+  // The close follows the lane's data: where thread kRecThread reduced a line of its own, it
+  // has waited for every peer's data of this round, and it closes without a barrier (the
+  // entry's end is then that of its last line, which the other threads' come within a line's
+  // time of); where it had none, lane 0 ends at a barrier first. Lanes other than 0 record
+  // nothing and wait for none (one H200, 2 ranks as streams, 4 KiB: 0.04-0.05 us a call).
+  if (lane == 0 && p.rec_ctl != nullptr && nlines <= size_t(kRecThread)) __syncthreads();
   rec_close_lane(p, rec, nullptr, 1);
 }
 
@@ -240,9 +246,10 @@ __global__ void __launch_bounds__(kNormBlock)
                        const T* __restrict__ b, T* __restrict__ out, size_t rows, size_t d,
                        size_t rows_per_lane, float eps) {
   const int lane = blockIdx.x;
+  const LaneLoads loads = rec_lane_loads(p, lane);  // in flight while ll_round waits
   const uint64_t round = ll_round(p, lane);
   // recorded as its all-reduce (a psum, one_shot), as the CPU backend records it
-  const LaneRecord rec = rec_open_lane(p, lane, round, nullptr);  // no phases: in place
+  const LaneRecord rec = rec_open_lane(p, lane, round, nullptr, loads);  // no phases: in place
   const size_t row0 = size_t(lane) * rows_per_lane;
   const size_t row1 = row0 + rows_per_lane < rows ? row0 + rows_per_lane : rows;
   constexpr int V = NormChunk<T>::V;
@@ -300,7 +307,7 @@ __global__ void __launch_bounds__(kNormBlock)
     __syncthreads();  // the lane's new residual rows are written (visible to the block)
     norm_rows(static_cast<const T*>(nullptr), nr, w, b, out, row0, row1, d, eps);
   }
-  if (p.rec_ctl != nullptr) __syncthreads();  // the lane's end, for the recorder
+  if (lane == 0 && p.rec_ctl != nullptr) __syncthreads();  // lane 0's end, for the recorder
   rec_close_lane(p, rec, nullptr, 1);
 }
 

@@ -221,22 +221,38 @@ struct LaneRecord {
   bool store = false;     // this thread stores a share of the entry at the end
   bool closes = false;    // this thread marks the call returned (kRecThread of lane 0)
 };
-__device__ inline LaneRecord rec_open_lane(const LaneParams& p, int lane, uint64_t round0, RecEntry* s) {
+// What the recording warp loads to open a call: the switch and the state block's call count,
+// both by the whole warp, before it diverges (issued one after the other, the two round trips
+// ran in sequence: one H200, recorder off, 4 KiB, 0.15-0.21 us more than without a recorder).
+// A kernel that first waits at a barrier for another load (LL's round counter) issues these
+// before it, so that the round trips overlap (one H200, 2 ranks as streams, LL at 4 KiB:
+// 0.05-0.06 us a call with no recorder or with it on).
+struct LaneLoads {
+  RecSwitch w;
+  uint64_t calls = 0;
+};
+__device__ inline LaneLoads rec_lane_loads(const LaneParams& p, int lane) {
+  LaneLoads l;
+  if (lane != 0 || threadIdx.x / 32 != kRecThread / 32) return l;
+  l.w = rec_switch(p);
+  l.calls = state_calls(p);
+  return l;
+}
+__device__ inline LaneRecord rec_open_lane(const LaneParams& p, int lane, uint64_t round0, RecEntry* s,
+                                           const LaneLoads& l) {
   LaneRecord r;
   if (lane != 0 || threadIdx.x / 32 != kRecThread / 32) return r;
-  // both loads by the whole warp, before it diverges: with the state-block load issued only
-  // after the warp had waited for the switch, the two round trips ran in sequence (one H200,
-  // recorder off, 4 KiB: 0.15-0.21 us more than without a recorder)
-  const RecSwitch w = rec_switch(p);
-  const uint64_t calls = state_calls(p);
-  r.store = w.on != 0 && s != nullptr;
+  r.store = l.w.on != 0 && s != nullptr;
   if (threadIdx.x == kRecThread) {
     r.closes = true;
-    state_enter(p, calls);
-    s_state_seq = calls + 1;
-    r.e = rec_open_entry(p, round0, s, w);
+    state_enter(p, l.calls);
+    s_state_seq = l.calls + 1;
+    r.e = rec_open_entry(p, round0, s, l.w);
   }
   return r;
+}
+__device__ inline LaneRecord rec_open_lane(const LaneParams& p, int lane, uint64_t round0, RecEntry* s) {
+  return rec_open_lane(p, lane, round0, s, rec_lane_loads(p, lane));
 }
 // Closes the call: kRecThread closes the entry (`nevents`: its rec_mark count, if it marked
 // phases) and marks the call returned; when recording into shared memory, its warp then stores
