@@ -95,3 +95,24 @@ def test_bad_overlap_argument():
     x = exact_input((4,), ndev(), "float32")
     with pytest.raises(TypeError, match="overlap"):
         smap(lambda v: jax_gin.psum(v, "i", overlap="yes"), mesh_1d(), P("i"))(x)
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["consumed", "read-after-done"])
+def test_donated_input(reuse):
+    # A donated argument reduced asynchronously: the start reduces in place into the buffer XLA
+    # gives it and the done returns that buffer, so donation can neither free nor reuse it
+    # between the two. Where the program reads the input again after the done, XLA must copy
+    # it before the start; either way the result is lax's, and the argument is consumed.
+    x = exact_input((1000,), ndev(), "float32", seed=6)
+    sharding = jax.sharding.NamedSharding(mesh_1d(), P("i"))
+
+    def program(fn):
+        body = (lambda v: fn(v, "i") * 2 - v) if reuse else (lambda v: fn(v, "i"))
+        return jax.jit(jax.shard_map(body, mesh=mesh_1d(), in_specs=(P("i"),), out_specs=P("i")),
+                       donate_argnums=0)
+
+    want = program(lax.psum)(jax.device_put(x, sharding))
+    arg = jax.device_put(x, sharding)
+    got = program(lambda v, ax: jax_gin.psum(v, ax, overlap=True, algorithm=kernel_algorithm()))(arg)
+    assert_bitwise(got, want)
+    assert arg.is_deleted()
