@@ -307,7 +307,9 @@ __global__ void __launch_bounds__(kNormBlock)
     __syncthreads();  // the lane's new residual rows are written (visible to the block)
     norm_rows(static_cast<const T*>(nullptr), nr, w, b, out, row0, row1, d, eps);
   }
-  if (lane == 0 && p.rec_ctl != nullptr) __syncthreads();  // lane 0's end, for the recorder
+  // No barrier before the close: every thread's last norm sum (norm_group_sum) ends at a
+  // barrier of the whole block after its lines, so kRecThread has waited for every peer's data
+  // of the round, and the entry's end comes within a row's stores of the lane's.
   rec_close_lane(p, rec, nullptr, 1);
 }
 
