@@ -239,7 +239,8 @@ def _abstract_eval(*avals, axes, op, algorithm, invariant, overlap):
                     f"the reduced axes {axes}; it varies over {sorted(vma)}")
             outs.append(_compat.with_varying_axes(aval, vma - frozenset(axes)))
         else:
-            outs.append(aval)
+            # as lax without check_vma: a fresh array type, so a weak-typed input's sum is strong
+            outs.append(aval.update(weak_type=False))
     return outs, {_compat.NamedAxisEffect(a) for a in axes}
 
 

@@ -67,6 +67,47 @@ def test_jvp_and_linearity(check_vma):
     assert_bitwise(ty, ty2)
 
 
+_TYPED_OPS = {
+    "psum": lambda L, v: L.psum(v, "i"),
+    "pmax": lambda L, v: L.pmax(v, "i"),
+    "pmin": lambda L, v: L.pmin(v, "i"),
+    "all_gather": lambda L, v: L.all_gather(v, "i", tiled=True),
+    "psum_scatter": lambda L, v: L.psum_scatter(v, "i", tiled=True),
+}
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("op", list(_TYPED_OPS))
+def test_result_type_matches_lax(check_vma, op):
+    # weak-typed inputs (from Python scalars): the result's weak type, and so
+    # the dtype it promotes to beside a bfloat16 or int8 value, are lax's
+    mesh = mesh_1d()
+    n = ndev()
+
+    def f(x):
+        del x
+        outs = []
+        fin, iin = jnp.broadcast_to(lax.axis_index("i") * 1.0, (n,)), jnp.full((n,), 3)
+        assert jax.typeof(fin).weak_type and jax.typeof(iin).weak_type
+        for L in (jax_gin, lax):
+            fv, iv = _TYPED_OPS[op](L, fin), _TYPED_OPS[op](L, iin)
+            outs.append((jax.typeof(fv).weak_type, jax.typeof(iv).weak_type,
+                         fv + jnp.ones((), jnp.bfloat16), iv + jnp.int8(1)))
+        return outs
+
+    captured = []
+
+    def body(x):
+        captured.append(f(x))
+        return x
+
+    jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"),
+                          check_vma=check_vma)).lower(jnp.zeros(n * n))
+    ours, ref = captured[0]
+    assert ours[:2] == ref[:2]
+    assert (ours[2].dtype, ours[3].dtype) == (ref[2].dtype, ref[3].dtype)
+
+
 @pytest.mark.parametrize("op", ["pmax", "pmin"])
 def test_pmax_pmin_gradient(op):
     # lax.pmax has no derivative rule; jax_gin's matches jnp.max's: the winners share it.
