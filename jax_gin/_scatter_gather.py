@@ -81,6 +81,8 @@ def _apply(api, x, axis_name, dim, tiled, algorithm, bucket_bytes):
         raise TypeError(f"jax_gin.{api}: tiled must be True or False, got {tiled!r}")
     bucket_bytes = _primitive._check_bucket_bytes(bucket_bytes, api)
     axes = _primitive._normalize_axes(axis_name, api)
+    if not axes:  # no axis: the input, as lax's (and psum's) collective over ()
+        return x
     nranks = math.prod(_compat.axis_size(a) for a in axes)
     plan = _scatter_plan if api == "psum_scatter" else _gather_plan
     leaves, treedef = tree_util.tree_flatten(x)

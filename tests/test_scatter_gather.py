@@ -110,6 +110,16 @@ def test_parity_2d_mesh(op, axes, algo):
     _compare(op, x, axes, mesh, P("x", "y"), tiled=True, algo=algo)
 
 
+@pytest.mark.parametrize("tiled", [True, False])
+@pytest.mark.parametrize("op", list(OPS))
+def test_no_axis_returns_the_input(op, tiled):
+    # over the empty tuple of axes, lax's collectives (and psum) return the input unchanged
+    n = ndev()
+    x = exact_input((2, 3), n, "float32")
+    got = _compare(op, x, (), mesh_1d(), P("i"), tiled=tiled)
+    assert got.shape == (n, 2, 3)
+
+
 @pytest.mark.parametrize("algo", ("one_shot", "ring"))
 @pytest.mark.parametrize("dtype", ["float64", "int64"])
 def test_parity_x64(dtype, algo):
