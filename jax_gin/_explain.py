@@ -6,9 +6,11 @@ import math
 import numpy as np
 
 import jax
+import jax.numpy as jnp
+from jax import tree_util
 
-from . import _native, _scatter_gather, _select
-from ._ops import OP_API_NAMES
+from . import _native, _primitive, _scatter_gather, _select
+from ._ops import OP_API_NAMES, reduced_dtype
 
 MAX_RANKS = int(_native.cpu.MAX_RANKS)  # the largest group jax_gin runs (common.h kMaxRanks)
 PLATFORMS = ("cpu", "cuda", "gpu")  # 'gpu': jax.default_backend() and Device.platform on CUDA
@@ -18,20 +20,25 @@ COLLECTIVES = tuple(dict.fromkeys(OP_API_NAMES.values())) + _scatter_gather.API_
 
 
 def explain(x, axis_name=None, *, nranks: int | None = None, platform: str | None = None,
-            device_kind: str | None = None, collective: str = "psum") -> str:
+            device_kind: str | None = None, collective: str = "psum",
+            bucket_bytes: int | None = None) -> str:
     """Say which algorithm ``algorithm="auto"`` picks for `x`, and why.
 
     Call it inside shard_map with `axis_name`, or anywhere with `nranks` (the group size,
-    1 to 128). `x` may be an array, a ShapeDtypeStruct or anything with shape and dtype.
+    1 to 128); given both, they must agree. `x` is one device's input, as the collective
+    takes it: an array, a ShapeDtypeStruct, a scalar, or a pytree of them, whose dtypes are
+    taken as the collective takes them (under JAX's dtype rules, bool as int32 for the
+    all-reduces, complex as its parts).
     `platform`: 'cpu', or 'cuda' (also 'gpu', the name JAX gives CUDA devices); default the
     default backend's, and then `device_kind` defaults to the first device's (its tuning
     table, if any, decides).
     `collective`: 'psum' (default; pmax and pmin choose alike), 'pmax', 'pmin',
-    'psum_scatter' or 'all_gather'. `x` is one device's input, and the size reported is
-    the one `auto` decides on: for psum/pmax/pmin the bytes of `x`; for psum_scatter and
-    all_gather the larger side per device, as nccl-tests' `size`: psum_scatter's input,
-    all_gather's output (N times `x`), with each of the N blocks padded to 16 bytes as
-    jax_gin lays them out.
+    'psum_scatter' or 'all_gather'. The size reported is the one `auto` decides on: for
+    psum/pmax/pmin the bytes of `x`; for psum_scatter and all_gather the larger side per
+    device, as nccl-tests' `size`: psum_scatter's input, all_gather's output (N times `x`),
+    with each of the N blocks padded to 16 bytes as jax_gin lays them out.
+    A pytree is one call per dtype and bucket of at most `bucket_bytes` (as the collective
+    takes it), and the answer has a line per call.
     """
     if collective not in COLLECTIVES:
         raise ValueError(f"jax_gin.explain: unknown collective {collective!r}; expected one of "
@@ -44,41 +51,100 @@ def explain(x, axis_name=None, *, nranks: int | None = None, platform: str | Non
     if platform is not None and platform not in PLATFORMS:
         raise ValueError(f"jax_gin.explain: unknown platform {platform!r}; expected one of "
                          f"{', '.join(repr(p) for p in PLATFORMS)}")
-    if nranks is None:
-        if axis_name is None:
-            raise TypeError("jax_gin.explain needs axis_name (inside shard_map) or nranks")
+    if device_kind is not None and not isinstance(device_kind, str):
+        raise TypeError(f"jax_gin.explain: device_kind must be a string (a Device.device_kind, "
+                        f"such as 'NVIDIA H200'), got {device_kind!r}")
+    if axis_name is not None:
         from . import _compat
-        axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-        nranks = math.prod(_compat.axis_size(a) for a in axes)
-        if nranks > MAX_RANKS:
-            raise ValueError(f"jax_gin.explain: axis {axis_name!r} has {nranks} devices; "
+        axes = _primitive._normalize_axes(axis_name, "explain")
+        size = math.prod(_compat.axis_size(a) for a in axes)
+        if nranks is not None and nranks != size:
+            raise ValueError(f"jax_gin.explain: nranks={nranks} disagrees with axis "
+                             f"{axis_name!r}, which has {size} devices")
+        if size > MAX_RANKS:
+            raise ValueError(f"jax_gin.explain: axis {axis_name!r} has {size} devices; "
                              f"jax_gin runs groups of at most {MAX_RANKS}")
+        nranks = size
+    elif nranks is None:
+        raise TypeError("jax_gin.explain needs axis_name (inside shard_map) or nranks")
+    bucket_bytes = _primitive._check_bucket_bytes(bucket_bytes, "explain")
     if platform is None:
         platform = jax.default_backend()
         device_kind = device_kind or jax.devices()[0].device_kind
     nranks = int(nranks)
-    if collective in _scatter_gather.API_NAMES:
-        nbytes = _larger_side_bytes(x, collective, nranks)
-        algo, why = _select.choose_collective(platform, nbytes, nranks, device_kind,
-                                              api=collective)
-        return (f"{algo}: {why} (platform {platform}, {nranks} ranks, {collective} of "
-                f"{nbytes} bytes per device on the larger side)")
-    nbytes = int(np.prod(np.shape(x), dtype=np.int64)) * np.dtype(x.dtype).itemsize
-    algo, why = _select.choose(platform, nbytes, nranks, device_kind)
-    return f"{algo}: {why} (platform {platform}, {nranks} ranks, {nbytes} bytes per device)"
+    calls = _calls(x, collective, nranks, bucket_bytes)
+    lines = []
+    for dtype, leaves, nbytes in calls:
+        if collective in _scatter_gather.API_NAMES:
+            algo, why = _select.choose_collective(platform, nbytes, nranks, device_kind,
+                                                  api=collective)
+            what = f"{collective} of {nbytes} bytes per device on the larger side"
+        else:
+            algo, why = _select.choose(platform, nbytes, nranks, device_kind)
+            what = f"{nbytes} bytes per device"
+        line = f"{algo}: {why} (platform {platform}, {nranks} ranks, {what})"
+        lines.append(line if len(calls) == 1 else
+                     f"call {len(lines) + 1}, {dtype}, leaves {_ranges(leaves)}: {line}")
+    if len(calls) == 1:
+        return lines[0]
+    return "\n".join([f"{len(calls)} calls (a call per dtype and bucket of at most "
+                      f"{bucket_bytes} bytes):"] + lines)
 
 
-def _larger_side_bytes(x, api: str, nranks: int) -> int:
-    """N blocks of the flat layout _scatter_gather lowers `x` to: complex values move as
-    (real, imaginary) pairs, all_gather's bool as int32, and a block is padded to 16 bytes."""
-    dtype = np.dtype(x.dtype)
-    count = int(np.prod(np.shape(x), dtype=np.int64))
-    if np.issubdtype(dtype, np.complexfloating):
-        dtype, count = np.dtype(np.finfo(dtype).dtype), 2 * count
-    elif dtype == np.bool_:
-        dtype = np.dtype(np.int32)
+def _calls(x, collective: str, nranks: int, bucket_bytes: int) -> list:
+    """The calls the collective makes for pytree `x`: (dtype moved, leaf indices, the bytes
+    `auto` decides on), in the order the collective groups and buckets the leaves."""
+    leaves = tree_util.tree_leaves(x)
+    if not leaves:
+        raise ValueError("jax_gin.explain: the value has no leaves, so no call to explain")
+    groups: dict = {}  # dtype moved -> [(leaf index, bytes)]
+    for i, leaf in enumerate(leaves):
+        shape, dtype = _shape_dtype(leaf)
+        count = int(np.prod(shape, dtype=np.int64))
+        if collective in _scatter_gather.API_NAMES:
+            moved, _ = _scatter_gather.moved_dtype(dtype, collective)
+            nbytes = _larger_side_bytes(shape, dtype, collective, nranks)
+        else:
+            moved, per_value = reduced_dtype(dtype, collective)
+            nbytes = count * per_value * moved.itemsize
+        groups.setdefault(moved, []).append((i, nbytes))
+    calls = []
+    for dtype, members in groups.items():
+        sizes = [b for _, b in members]
+        limit = (_primitive.MAX_OPERANDS if collective not in _scatter_gather.API_NAMES
+                 else len(members))
+        for bucket in _primitive.buckets(sizes, bucket_bytes, max_operands=limit):
+            calls.append((dtype, [members[j][0] for j in bucket], sum(sizes[j] for j in bucket)))
+    return calls
+
+
+def _shape_dtype(leaf):
+    """A leaf's shape and dtype as the collective takes it (JAX's dtype rules: float64 is
+    float32 without x64, a Python scalar is its default type)."""
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return tuple(leaf.shape), np.dtype(jax.dtypes.canonicalize_dtype(leaf.dtype))
+    try:
+        spec = jax.eval_shape(jnp.asarray, leaf)
+    except TypeError as e:
+        raise TypeError(f"jax_gin.explain: {leaf!r} is not an array, a ShapeDtypeStruct or a "
+                        f"scalar") from e
+    return tuple(spec.shape), np.dtype(spec.dtype)
+
+
+def _ranges(indices) -> str:
+    """Leaf indices as a range where they are consecutive, else listed."""
+    if len(indices) > 1 and indices == list(range(indices[0], indices[-1] + 1)):
+        return f"{indices[0]}-{indices[-1]}"
+    return ", ".join(map(str, indices))
+
+
+def _larger_side_bytes(shape, dtype, api: str, nranks: int) -> int:
+    """N blocks of the flat layout _scatter_gather lowers a leaf to (moved_dtype's element
+    type, each block padded to 16 bytes)."""
+    moved, per_value = _scatter_gather.moved_dtype(dtype, api)
+    count = int(np.prod(shape, dtype=np.int64)) * per_value
     if api == "psum_scatter" and count % nranks:
         raise ValueError(f"jax_gin.explain: psum_scatter of {count} elements over {nranks} "
                          f"ranks: its input holds N equal blocks, so a multiple of {nranks}")
     block = count // nranks if api == "psum_scatter" else count
-    return nranks * _scatter_gather._pad_to(block, dtype.itemsize) * dtype.itemsize
+    return nranks * _scatter_gather._pad_to(block, moved.itemsize) * moved.itemsize

@@ -26,6 +26,20 @@ SUPPORTED_DTYPES = tuple(np.dtype(getattr(jnp, name)) for name in _cpu.dtype_nam
 SUPPORTED_DTYPE_NAMES = tuple(str(d) for d in SUPPORTED_DTYPES)
 
 
+def reduced_dtype(dtype, api: str) -> tuple[np.dtype, int]:
+    """The element type an all-reduce (`api`: psum, pmax or pmin) of `dtype` runs on, and how
+    many of them make one value: bool as int32 (lax.psum's result; pmax and pmin give bool
+    back), a complex value of psum as its (real, imaginary) pair. Any other dtype that jax_gin
+    does not reduce raises the op's TypeError."""
+    dt = np.dtype(dtype)
+    if dt == np.bool_:
+        return np.dtype(np.int32), 1
+    if np.issubdtype(dt, np.complexfloating) and api == "psum":
+        return np.dtype(np.finfo(dt).dtype), 2
+    check_dtype(dt, api)
+    return dt, 1
+
+
 def check_dtype(dtype, api: str) -> None:
     dt = np.dtype(dtype)
     if np.issubdtype(dt, np.complexfloating) and api in ("pmax", "pmin"):

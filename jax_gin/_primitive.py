@@ -29,7 +29,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 
 from . import _compat, _native, _runtime, _select
-from ._ops import ALGORITHM_CODES, ALGORITHMS, OP_API_NAMES, OP_CODES, check_dtype
+from ._ops import ALGORITHM_CODES, ALGORITHMS, OP_API_NAMES, OP_CODES, reduced_dtype
 
 allreduce_p = Primitive("jax_gin_allreduce")
 allreduce_p.multiple_results = True
@@ -177,11 +177,11 @@ def group_leaves(leaves, axes, op: str, api: str):
     was_bool = set()  # max/min of bool leaves give bool, as lax.pmax/pmin do
     for i, leaf in enumerate(leaves):
         leaf = jnp.asarray(leaf) if not hasattr(leaf, "dtype") else leaf
-        if leaf.dtype == np.bool_:
-            leaf = leaf.astype(np.int32)  # psum: int32, as lax.psum does
+        dtype, _ = reduced_dtype(leaf.dtype, api)  # (psum's complex leaves are pairs already)
+        if dtype != leaf.dtype:  # bool, as int32
+            leaf = leaf.astype(dtype)
             if op != "sum":
                 was_bool.add(i)
-        check_dtype(leaf.dtype, api)
         if not _compat.is_tracer(leaf):
             # A constant is the same on every device: no communication needed.
             leaf = jnp.asarray(leaf)

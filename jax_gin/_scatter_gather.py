@@ -126,21 +126,34 @@ def _canonical_dim(dim: int, ndim: int, api: str, name: str, shape) -> int:
     return dim % ndim
 
 
+def moved_dtype(dtype, api: str) -> tuple[np.dtype, int]:
+    """The element type `api` moves a value of `dtype` as, and how many of them make one
+    value: a complex value as its (real, imaginary) pair, all_gather's bool as int32. Any
+    other dtype that jax_gin does not move raises a TypeError."""
+    dt = np.dtype(dtype)
+    if np.issubdtype(dt, np.complexfloating):
+        return np.dtype(np.finfo(dt).dtype), 2
+    if dt == np.bool_ and api == "all_gather":
+        return np.dtype(np.int32), 1
+    if dt not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"jax_gin.{api}: unsupported dtype {dt}; supported dtypes are "
+            f"{', '.join(SUPPORTED_DTYPE_NAMES)}, complex64 and complex128"
+            + (" and bool" if api == "all_gather" else ""))
+    return dt, 1
+
+
 def _prepare(leaf, axes, api):
     """The leaf as an array of a supported dtype: (array, how to undo the dtype change)."""
     leaf = jnp.asarray(leaf)
     undo = None
+    moved, _ = moved_dtype(leaf.dtype, api)
     if np.issubdtype(leaf.dtype, np.complexfloating):
         # a complex value moves (and sums) as its real and imaginary parts: a trailing axis
         leaf = jnp.stack([jnp.real(leaf), jnp.imag(leaf)], axis=-1)
         undo = lambda y: jax.lax.complex(y[..., 0], y[..., 1])  # noqa: E731
-    elif leaf.dtype == np.bool_ and api == "all_gather":
-        leaf, undo = leaf.astype(np.int32), (lambda y: y.astype(np.bool_))
-    if np.dtype(leaf.dtype) not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"jax_gin.{api}: unsupported dtype {leaf.dtype}; supported dtypes are "
-            f"{', '.join(SUPPORTED_DTYPE_NAMES)}, complex64 and complex128"
-            + (" and bool" if api == "all_gather" else ""))
+    elif moved != leaf.dtype:  # all_gather's bool
+        leaf, undo = leaf.astype(moved), (lambda y: y.astype(np.bool_))
     if _compat.check_vma_enabled():
         # as lax's collectives: a value that does not vary over `axes` is made varying first
         manual = _compat.manual_mesh_axes()

@@ -215,6 +215,39 @@ def test_explain_psum_scatter_needs_n_blocks():
         jax_gin.explain(x, nranks=8, platform="cpu", collective="psum_scatter")
 
 
+def test_explain_bad_values():
+    x = jax.ShapeDtypeStruct((1024,), jnp.float32)
+    with pytest.raises(TypeError, match=r"jax_gin.explain: device_kind must be a string"):
+        jax_gin.explain(x, nranks=8, platform="cuda", device_kind=123)
+    # a dtype the collective rejects, with the collective's own error
+    with pytest.raises(TypeError, match=r"jax_gin.psum: unsupported dtype int8"):
+        jax_gin.explain(jax.ShapeDtypeStruct((8,), jnp.int8), nranks=8)
+    with pytest.raises(TypeError, match=r"jax_gin.pmax: complex values have no order"):
+        jax_gin.explain(jax.ShapeDtypeStruct((8,), jnp.complex64), nranks=8, collective="pmax")
+    with pytest.raises(TypeError, match=r"jax_gin.psum_scatter: unsupported dtype bool"):
+        jax_gin.explain(jax.ShapeDtypeStruct((8,), jnp.bool_), nranks=8, collective="psum_scatter")
+    with pytest.raises(TypeError, match=r"is not an array, a ShapeDtypeStruct or a scalar"):
+        jax_gin.explain(object(), nranks=8)
+    with pytest.raises(ValueError, match=r"the value has no leaves"):
+        jax_gin.explain({}, nranks=8)
+    with pytest.raises(ValueError, match=r"bucket_bytes must be a positive integer"):
+        jax_gin.explain(x, nranks=8, bucket_bytes=0)
+    with pytest.raises(NameError, match=r"unbound axis name: i"):
+        jax_gin.explain(x, "i", nranks=8)  # outside shard_map
+    seen = []
+
+    def body(v):
+        with pytest.raises(ValueError, match=rf"nranks=2 disagrees with axis 'i', which has "
+                                             rf"{ndev()} devices"):
+            jax_gin.explain(v, "i", nranks=2)
+        seen.append(True)
+        return v
+
+    if ndev() != 2:
+        smap(body, mesh_1d(), P("i"))(jnp.zeros((ndev(),), jnp.float32))
+        assert seen
+
+
 def test_nested_shard_map_needs_the_concrete_mesh():
     # An inner shard_map given no Mesh lowers over the context's abstract mesh: jax_gin names
     # the fix, and under jax.set_mesh the nested call equals lax's.

@@ -384,6 +384,35 @@ def test_explain_collectives():
     assert f"{ndev()} ranks, all_gather of {ndev() * 32} bytes" in seen[0]
 
 
+def test_explain_takes_the_dtypes_and_pytrees_the_collective_takes():
+    S = jax.ShapeDtypeStruct
+    kw = dict(nranks=8, platform="cuda", device_kind="none")  # the model, not a table
+    # bool is summed as int32; float64 is float32 without x64; a Python scalar is its
+    # default type; complex as its (real, imaginary) parts
+    assert "4096 bytes per device" in jax_gin.explain(S((1024,), jnp.bool_), **kw)
+    if not jax.config.jax_enable_x64:
+        assert "4096 bytes per device" in jax_gin.explain(np.ones(1024), **kw)
+    assert "4 bytes per device" in jax_gin.explain(2.0, **kw)
+    assert "8 bytes per device" in jax_gin.explain(S((1,), jnp.complex64), **kw)
+    # a pytree: a call per dtype and bucket, as psum makes them, the line of each
+    tree = {"a": S((1000,), jnp.float32), "b": S((3,), jnp.bfloat16), "c": S((70000,), jnp.float32)}
+    s = jax_gin.explain(tree, bucket_bytes=1 << 18, **kw)
+    lines = s.splitlines()
+    assert lines[0] == "3 calls (a call per dtype and bucket of at most 262144 bytes):"
+    assert lines[1].startswith("call 1, float32, leaves 0: ") and "4000 bytes" in lines[1]
+    assert lines[2].startswith("call 2, float32, leaves 2: ") and "280000 bytes" in lines[2]
+    assert lines[3].startswith("call 3, bfloat16, leaves 1: ") and "6 bytes" in lines[3]
+    s = jax_gin.explain(tree, **kw)  # one bucket of float32 (64 MiB), one of bfloat16
+    assert s.splitlines()[1].startswith("call 1, float32, leaves 0, 2: ")
+    assert "284000 bytes" in s
+    # a pytree of one leaf is the leaf's answer
+    assert jax_gin.explain([S((1000,), jnp.float32)], **kw) == \
+        jax_gin.explain(S((1000,), jnp.float32), **kw)
+    # all_gather: leaves of one dtype laid side by side, each block padded to 16 bytes
+    s = jax_gin.explain((S((5,), jnp.float32), S((3,), jnp.float32)), collective="all_gather", **kw)
+    assert f"all_gather of {8 * (8 + 4) * 4} bytes per device" in s
+
+
 def test_tune_table_names():
     from jax_gin import tune
     assert tune.table_name("NVIDIA H200", 2) == "nvidia_h200_n2.json"  # tables already shipped
