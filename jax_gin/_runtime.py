@@ -42,24 +42,29 @@ MAX_LANES = int(_native.cpu.MAX_LANES)  # the most lanes of one call (common.h k
 REC_MAX_ENTRIES = int(_native.cpu.REC_MAX_ENTRIES)
 # The CUDA kernels hold the timeout in uint64 nanoseconds; 1e9 s (~31 years) stays well inside.
 _MAX_TIMEOUT_S = 1e9
+# Integer settings reach native code as int64 or size_t: every one is below 2**63.
+_MAX_INT = 1 << 63
 
+_BYTES = "a positive integer number of bytes, below 2**63"
 # Settings field -> (environment variable, what a valid value is).
 _RULES = {
-    "cpu_workspace_bytes": ("JAX_GIN_WORKSPACE_BYTES", "a positive integer number of bytes"),
-    "gpu_workspace_bytes": ("JAX_GIN_WORKSPACE_BYTES", "a positive integer number of bytes"),
+    "cpu_workspace_bytes": ("JAX_GIN_WORKSPACE_BYTES", _BYTES),
+    "gpu_workspace_bytes": ("JAX_GIN_WORKSPACE_BYTES", _BYTES),
     "timeout_s": ("JAX_GIN_TIMEOUT_S",
                   "a positive finite number of seconds, at most 1e9 (there is no 'no timeout' value)"),
-    "bucket_bytes": ("JAX_GIN_BUCKET_BYTES", "a positive integer number of bytes"),
+    "bucket_bytes": ("JAX_GIN_BUCKET_BYTES", _BYTES),
     "overlap_lanes": ("JAX_GIN_OVERLAP_LANES", f"an integer from 1 to {MAX_LANES}"),
     "overlap_copy_engine_bytes": ("JAX_GIN_OVERLAP_COPY_ENGINE_BYTES",
-                                  "an integer number of bytes, 0 or more (0: never)"),
+                                  "an integer number of bytes from 0 (never) to below 2**63"),
     # GPU launch settings (gpu_launch_settings); None: the kernels' default (cuda/kernels.h).
     "max_lanes": ("JAX_GIN_MAX_LANES", f"an integer from 1 to {MAX_LANES}"),
-    "lane_grain_bytes": ("JAX_GIN_LANE_GRAIN_BYTES", "a positive integer number of bytes"),
-    "chunk_bytes": ("JAX_GIN_CHUNK_BYTES", "an integer number of bytes, 0 or more (0: no chunks)"),
+    "lane_grain_bytes": ("JAX_GIN_LANE_GRAIN_BYTES", _BYTES),
+    "chunk_bytes": ("JAX_GIN_CHUNK_BYTES",
+                    "an integer number of bytes from 0 (no chunks) to below 2**63"),
     "one_shot_chunk_bytes": ("JAX_GIN_ONE_SHOT_CHUNK_BYTES",
-                             "an integer number of bytes, 0 or more (0: no chunks)"),
-    "ll_max_bytes": ("JAX_GIN_LL_MAX_BYTES", "an integer number of bytes, 0 or more (0: no LL)"),
+                             "an integer number of bytes from 0 (no chunks) to below 2**63"),
+    "ll_max_bytes": ("JAX_GIN_LL_MAX_BYTES",
+                     "an integer number of bytes from 0 (no LL) to below 2**63"),
     "experimental_gin": ("JAX_GIN_EXPERIMENTAL_GIN", "1 or 0 (True or False)"),
     "record": ("JAX_GIN_RECORD", "1 or 0 (True or False)"),
     "record_entries": ("JAX_GIN_RECORD_ENTRIES", f"a power of two from 1 to {REC_MAX_ENTRIES}"),
@@ -86,7 +91,7 @@ def _valid(field: str, value):
         if isinstance(value, (bool, np.bool_)):
             return bool(value)
         return bool(value) if _is_int(value) and value in (0, 1) else None
-    if not _is_int(value):
+    if not _is_int(value) or not value < _MAX_INT:
         return None
     value = int(value)
     if field in ("overlap_lanes", "max_lanes"):
@@ -132,8 +137,9 @@ class Settings:
     """Runtime settings, read from the environment when jax_gin is imported. Native code reads
     no environment variable of its own: it gets these values from here.
 
-    workspace_bytes: symmetric workspace per rank (JAX_GIN_WORKSPACE_BYTES, a positive
-        integer); messages larger than one round's capacity are pipelined through it in
+    cpu_workspace_bytes, gpu_workspace_bytes: symmetric workspace per rank on CPU devices
+        (default 1 MiB) and on GPUs (default 64 MiB), both set by JAX_GIN_WORKSPACE_BYTES (a
+        positive integer); messages larger than one round's capacity are pipelined through it in
         chunks. A workspace too small for one round of an algorithm raises a ValueError at
         trace time that names the bytes it needs.
     timeout_s: how long any wait may spin before the call fails (JAX_GIN_TIMEOUT_S, seconds,
@@ -179,7 +185,8 @@ class Settings:
         of several (JAX_GIN_SINGLE_PROCESS=1; see _distributed.check_initialized).
 
     Values are checked when read from the environment and when assigned: a bad one raises a
-    ValueError that names the variable and the value.
+    ValueError that names the variable and the value, and a name that is not a setting an
+    AttributeError.
     """
 
     cpu_workspace_bytes: int = dataclasses.field(
@@ -214,6 +221,15 @@ class Settings:
         default_factory=lambda: os.environ.get("JAX_GIN_SINGLE_PROCESS", "") not in ("", "0"))
 
     def __setattr__(self, name: str, value) -> None:
+        fields = [f.name for f in dataclasses.fields(self)]
+        if name not in fields:
+            hint = (" (JAX_GIN_WORKSPACE_BYTES sets cpu_workspace_bytes and gpu_workspace_bytes)"
+                    if name == "workspace_bytes" else "")
+            raise AttributeError(f"jax_gin.runtime.settings has no setting {name!r}{hint}; the "
+                                 f"settings are {', '.join(fields)}")
+        if name == "fault_rank" and not (_is_int(value) and value >= -1):
+            raise ValueError(f"jax_gin.runtime.settings.fault_rank = {value!r}: must be a rank, "
+                             "or -1 for none (testing only)")
         if name in _RULES and not (value is None and name in _OPTIONAL):
             checked = _valid(name, value)
             if checked is None:

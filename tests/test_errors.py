@@ -154,6 +154,8 @@ def test_good_env_values(monkeypatch):
     ("overlap_lanes", 200, "JAX_GIN_OVERLAP_LANES"), ("overlap_lanes", True, "JAX_GIN_OVERLAP_LANES"),
     ("max_lanes", 0, "JAX_GIN_MAX_LANES"), ("chunk_bytes", -1, "JAX_GIN_CHUNK_BYTES"),
     ("experimental_gin", "1", "JAX_GIN_EXPERIMENTAL_GIN"),
+    ("cpu_workspace_bytes", 2**70, "JAX_GIN_WORKSPACE_BYTES"),
+    ("chunk_bytes", 2**63, "JAX_GIN_CHUNK_BYTES"),
 ])
 def test_bad_settings_assignment(field, value, var):
     settings = jax_gin.runtime.settings
@@ -161,6 +163,22 @@ def test_bad_settings_assignment(field, value, var):
     with pytest.raises(ValueError, match=rf"settings\.{field} = {re.escape(repr(value))} \({var}\): must be"):
         setattr(settings, field, value)
     assert getattr(settings, field) == before
+
+
+def test_unknown_setting_and_bad_fault_rank():
+    settings = jax_gin.runtime.settings
+    with pytest.raises(AttributeError, match=r"has no setting 'workspace_bytes' "
+                                             r"\(JAX_GIN_WORKSPACE_BYTES sets cpu_workspace_bytes "
+                                             r"and gpu_workspace_bytes\); the settings are "
+                                             r"cpu_workspace_bytes, gpu_workspace_bytes, "):
+        settings.workspace_bytes = 4096
+    with pytest.raises(AttributeError, match=r"has no setting 'bucket_byte'; the settings are"):
+        settings.bucket_byte = 1
+    assert not hasattr(settings, "workspace_bytes") and not hasattr(settings, "bucket_byte")
+    for bad in ("abc", 1.5, None, -2, True):
+        with pytest.raises(ValueError, match=r"settings.fault_rank = .*: must be a rank, or -1"):
+            settings.fault_rank = bad
+    assert settings.fault_rank == -1
 
 
 def test_bad_env_value_fails_at_import():
