@@ -40,12 +40,19 @@ def reduced_dtype(dtype, api: str) -> tuple[np.dtype, int]:
     return dt, 1
 
 
-def check_dtype(dtype, api: str) -> None:
+def check_dtype(dtype, api: str, name: str | None = None) -> None:
+    """Raise the TypeError of all-reduce `api` (psum, pmax, pmin, or another caller's name:
+    jax_gin's dtypes only) for a dtype it does not reduce; psum takes complex values too. The
+    message names `name` (default `api`), the function the user called."""
     dt = np.dtype(dtype)
-    if np.issubdtype(dt, np.complexfloating) and api in ("pmax", "pmin"):
-        raise TypeError(f"jax_gin.{api}: complex values have no order ({dt}); psum takes them")
+    name = name or api
+    if np.issubdtype(dt, np.complexfloating):
+        if api in ("pmax", "pmin"):
+            raise TypeError(f"jax_gin.{name}: complex values have no order ({dt}); sums take them")
+        if api == "psum":
+            return
     if dt not in SUPPORTED_DTYPES:
         raise TypeError(
-            f"jax_gin.{api}: unsupported dtype {dt}; supported dtypes are "
-            f"{', '.join(SUPPORTED_DTYPE_NAMES)} (and complex64, complex128 for psum)"
+            f"jax_gin.{name}: unsupported dtype {dt}; supported dtypes are "
+            f"{', '.join(SUPPORTED_DTYPE_NAMES)} (and complex64, complex128 for sums)"
         )

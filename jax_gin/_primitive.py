@@ -44,7 +44,7 @@ MAX_OPERANDS = int(_native.cpu.MAX_SEGMENTS)
 
 
 def psum(x, axis_name, *, algorithm: str = "auto", bucket_bytes: int | None = None,
-         overlap: bool = False):
+         overlap: bool = False, axis_index_groups=None):
     """All-reduce sum over mesh axis `axis_name` (a name or a tuple of names).
 
     A drop-in for ``jax.lax.psum`` inside ``shard_map``: same semantics for pytrees, scalars,
@@ -64,20 +64,34 @@ def psum(x, axis_name, *, algorithm: str = "auto", bucket_bytes: int | None = No
     0.11.2) places the done right after the start, so nothing runs between them;
     ``jax_gin.psum_overlapping`` fixes the placement by data dependencies (docs/overlap.md).
     The numbers are the same as without it.
+
+    lax's `axis_index_groups` is accepted as None only.
     """
+    check_no_groups(axis_index_groups, "psum")
     return _allreduce(x, axis_name, "sum", algorithm, bucket_bytes, overlap)
 
 
 def pmax(x, axis_name, *, algorithm: str = "auto", bucket_bytes: int | None = None,
-         overlap: bool = False):
+         overlap: bool = False, axis_index_groups=None):
     """All-reduce max over mesh axis `axis_name`; a drop-in for ``jax.lax.pmax``."""
+    check_no_groups(axis_index_groups, "pmax")
     return _allreduce(x, axis_name, "max", algorithm, bucket_bytes, overlap)
 
 
 def pmin(x, axis_name, *, algorithm: str = "auto", bucket_bytes: int | None = None,
-         overlap: bool = False):
+         overlap: bool = False, axis_index_groups=None):
     """All-reduce min over mesh axis `axis_name`; a drop-in for ``jax.lax.pmin``."""
+    check_no_groups(axis_index_groups, "pmin")
     return _allreduce(x, axis_name, "min", algorithm, bucket_bytes, overlap)
+
+
+def check_no_groups(axis_index_groups, api: str) -> None:
+    """lax's `axis_index_groups` keyword, accepted for its signature: None only, since jax_gin
+    reduces over whole mesh axes."""
+    if axis_index_groups is not None:
+        raise NotImplementedError(
+            f"jax_gin.{api}: axis_index_groups is not supported (jax_gin's groups are whole mesh "
+            f"axes); use a mesh axis for the groups, or jax.lax.{api}")
 
 
 def _normalize_axes(axis_name, api: str) -> tuple:
@@ -124,8 +138,9 @@ def buckets(sizes, bucket_bytes: int, max_operands: int = MAX_OPERANDS) -> list:
 def _allreduce(x, axis_name, op: str, algorithm: str, bucket_bytes, overlap):
     api = OP_API_NAMES[op]
     algorithm = _select.validate(algorithm, api)
-    if not isinstance(overlap, bool):
+    if not isinstance(overlap, (bool, np.bool_)):
         raise TypeError(f"jax_gin.{api}: overlap must be True or False, got {overlap!r}")
+    overlap = bool(overlap)
     bucket_bytes = _check_bucket_bytes(bucket_bytes, api)
     axes = _normalize_axes(axis_name, api)
     if not axes:

@@ -39,7 +39,8 @@ ALIGN_BYTES = 16  # block boundaries (common.h kAlignBytes)
 
 
 def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = False,
-                 algorithm: str = "auto", bucket_bytes: int | None = None):
+                 algorithm: str = "auto", bucket_bytes: int | None = None,
+                 axis_index_groups=None):
     """Sum over mesh axis `axis_name` (a name or a tuple of names), keeping on each device
     only its part; a drop-in for ``jax.lax.psum_scatter`` inside ``shard_map``.
 
@@ -53,22 +54,24 @@ def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fals
     most `bucket_bytes` of input (default ``jax_gin.runtime.settings.bucket_bytes``, 64 MiB),
     in leaf order, and each bucket is one call on the leaves' blocks laid side by side. A leaf
     larger than `bucket_bytes` is a bucket of its own. The result is the same, bit for bit,
-    as leaf by leaf.
+    as leaf by leaf. lax's `axis_index_groups` is accepted as None only.
     """
+    _primitive.check_no_groups(axis_index_groups, "psum_scatter")
     return _apply("psum_scatter", x, axis_name, scatter_dimension, tiled, algorithm,
                   bucket_bytes)
 
 
 def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, algorithm: str = "auto",
-               bucket_bytes: int | None = None):
+               bucket_bytes: int | None = None, axis_index_groups=None):
     """Every device's `x`, over mesh axis `axis_name`, in axis-index order; a drop-in for
     ``jax.lax.all_gather`` inside ``shard_map``.
 
     Untiled, the blocks are stacked along a new dimension at `axis`; tiled, concatenated
     along the existing dimension `axis`. `algorithm` is "auto", "one_shot" or "ring", as for
     psum_scatter. A pytree is gathered in buckets of at most `bucket_bytes` of output, as
-    psum_scatter scatters one.
+    psum_scatter scatters one. lax's `axis_index_groups` is accepted as None only.
     """
+    _primitive.check_no_groups(axis_index_groups, "all_gather")
     return _apply("all_gather", x, axis_name, axis, tiled, algorithm, bucket_bytes)
 
 
@@ -77,7 +80,7 @@ def _apply(api, x, axis_name, dim, tiled, algorithm, bucket_bytes):
     if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
         name = "scatter_dimension" if api == "psum_scatter" else "axis"
         raise TypeError(f"jax_gin.{api}: {name} must be an integer, got {dim!r}")
-    if not isinstance(tiled, (bool, np.bool_)):
+    if not (isinstance(tiled, (bool, np.bool_)) or _runtime._is_int(tiled) and tiled in (0, 1)):
         raise TypeError(f"jax_gin.{api}: tiled must be True or False, got {tiled!r}")
     bucket_bytes = _primitive._check_bucket_bytes(bucket_bytes, api)
     axes = _primitive._normalize_axes(axis_name, api)

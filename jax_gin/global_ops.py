@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, get_abstract_mesh
 
-from ._ops import check_dtype
+from ._ops import OP_API_NAMES, check_dtype
 from ._primitive import pmax, pmin, psum
 from . import _select
 
@@ -326,7 +326,7 @@ def einsum(subscripts: str, x, w, *, algorithm: str = "auto", precision=None,
     dtype = jnp.result_type(x, w)
     x, w = x.astype(dtype), w.astype(dtype)
     preferred = None if preferred_element_type is None else np.dtype(preferred_element_type)
-    check_dtype(dtype if preferred is None else preferred, "einsum")
+    check_dtype(dtype if preferred is None else preferred, "psum", "einsum")
     return _einsum(subscripts.replace(" ", ""), x, w, algorithm, precision, preferred,
                    out_sharding)
 
@@ -365,6 +365,9 @@ def _normalize_axis(axis, ndim: int, api: str) -> tuple:
     axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
     out = []
     for a in axes:
+        if isinstance(a, (bool, np.bool_)) or not isinstance(a, (int, np.integer)):
+            raise TypeError(f"jax_gin.{api}: axis must be an integer or a tuple of integers, "
+                            f"got {axis!r}")
         a = int(a)
         if not -ndim <= a < ndim:
             raise ValueError(f"jax_gin.{api}: axis {a} is out of bounds for {ndim} dimensions")
@@ -427,7 +430,7 @@ def _reduction(x, axis, keepdims, op, algorithm, out_sharding, api):
         comp_dtype = _computation_dtype(out_dtype)
     else:
         out_dtype = comp_dtype = x.dtype
-    check_dtype(comp_dtype, api)
+    check_dtype(comp_dtype, OP_API_NAMES[op], api)  # the all-reduce's dtype rules
     if not axes:
         y = x.astype(out_dtype)
     else:
@@ -457,6 +460,7 @@ def mean(x, axis=None, keepdims: bool = False, *, algorithm: str = "auto", out_s
     axes = _normalize_axis(axis, x.ndim, "mean")
     result_dtype = jax.eval_shape(lambda v: jnp.mean(v, axis=axes), x).dtype
     comp_dtype = _computation_dtype(result_dtype)
+    check_dtype(comp_dtype, "psum", "mean")
     count = math.prod(x.shape[a] for a in axes)
     s = sum(x.astype(comp_dtype), axes, keepdims, algorithm=algorithm, out_sharding=out_sharding)
     return jax.lax.div(s, jnp.asarray(count, comp_dtype)).astype(result_dtype)

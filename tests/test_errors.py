@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_gin
 from conftest import mesh_1d, ndev, needs_devices
-from helpers import exact_input, smap
+from helpers import assert_bitwise, exact_input, smap
 
 
 def _trace(f, x):
@@ -39,6 +39,36 @@ def test_complex_where_it_is_not_summed_by_psum():
     x = jnp.zeros((ndev() * 2,), "complex64")
     with pytest.raises(TypeError, match=r"jax_gin.psum_overlapping: unsupported dtype complex64"):
         _trace(lambda v: jax_gin.psum_overlapping(v, "i", jnp.sin, v)[0], x)
+
+
+@pytest.mark.parametrize("api", ["psum", "pmax", "pmin", "psum_scatter", "all_gather"])
+def test_axis_index_groups(api):
+    # lax's keyword: None is lax's default and is accepted; groups are not supported
+    n = ndev()
+    x = exact_input((n,), n, "float32")
+    fn = getattr(jax_gin, api)
+    kw = {"tiled": True} if api in ("psum_scatter", "all_gather") else {}
+    ours = smap(lambda v: fn(v, "i", axis_index_groups=None, **kw), mesh_1d(), P("i"))(x)
+    ref = smap(lambda v: getattr(jax.lax, api)(v, "i", axis_index_groups=None, **kw),
+               mesh_1d(), P("i"))(x)
+    assert_bitwise(ours, ref)
+    with pytest.raises(NotImplementedError, match=rf"jax_gin.{api}: axis_index_groups is not "
+                                                  r"supported"):
+        _trace(lambda v: fn(v, "i", axis_index_groups=[[0], [1]], **kw), x)
+
+
+def test_lax_style_flags():
+    # tiled=1 (lax takes any truthy value) and NumPy booleans, as a program written for lax
+    n = ndev()
+    x = exact_input((n,), n, "float32")
+    for tiled in (1, 0, np.bool_(True)):
+        ours = smap(lambda v: jax_gin.all_gather(v, "i", tiled=tiled)[None], mesh_1d(), P("i"))(x)
+        ref = smap(lambda v: jax.lax.all_gather(v, "i", tiled=tiled)[None], mesh_1d(), P("i"))(x)
+        assert_bitwise(ours, ref)
+    ours = smap(lambda v: jax_gin.psum(v, "i", overlap=np.bool_(False)), mesh_1d(), P("i"))(x)
+    assert_bitwise(ours, smap(lambda v: jax.lax.psum(v, "i"), mesh_1d(), P("i"))(x))
+    with pytest.raises(TypeError, match=r"tiled must be True or False, got 2"):
+        _trace(lambda v: jax_gin.all_gather(v, "i", tiled=2), x)
 
 
 @pytest.mark.parametrize("algo", ["ringg", "nccl", "", None, 3])

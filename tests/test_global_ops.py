@@ -381,3 +381,29 @@ def test_matmul_with_auto_xla_fallback(tmp_path, monkeypatch):
         _matmul_case(mesh, P(None, "i"), P("i", None), ints((16, 32)), ints((32, 16), seed=1))
     finally:
         _select.load_table.cache_clear()
+
+
+def test_complex_sums_and_contractions():
+    """sum, mean and matmul of complex values, sharded over the reduced dimension: jnp's bits
+    and dtype, with jax_gin's custom call in the program (psum sums the real and imaginary
+    parts). max refuses them, as jax_gin.pmax does."""
+    needs_devices(2)
+    mesh = mesh_1d()
+    x = (ints((ndev() * 2, 3)) + 1j * ints((ndev() * 2, 3), seed=1)).astype(jnp.complex64)
+    xs = put(x, mesh, P("i", None))
+    cases = [(lambda v: jax_gin.sum(v, axis=0), lambda v: jnp.sum(v, axis=0)),
+             (lambda v: jax_gin.mean(v, axis=0), lambda v: jnp.mean(v, axis=0)),
+             (lambda v: jax_gin.matmul(v.T, v), lambda v: v.T @ v)]
+    for ours, ref in cases:
+        _assert_bitwise(jax.jit(ours)(xs), jax.jit(ref)(xs))
+        assert counts(hlo(ours, xs)) == (1, 0)
+    with pytest.raises(TypeError, match=r"jax_gin.max: complex values have no order"):
+        jax_gin.max(xs)
+
+
+@pytest.mark.parametrize("axis", [1.0, 1.7, True, "0", (0, 1.0)])
+def test_axis_must_be_integers(axis):
+    x = ints((4, 4))
+    for fn in (jax_gin.sum, jax_gin.mean, jax_gin.max):
+        with pytest.raises(TypeError, match=r"axis must be an integer or a tuple of integers"):
+            fn(x, axis=axis)
