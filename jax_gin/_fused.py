@@ -117,7 +117,8 @@ def _fused(kind, x, residual, params, axis_name, eps, algorithm):
 def _check_eps(eps, api) -> float:
     if isinstance(eps, bool) or not isinstance(eps, (int, float, np.integer, np.floating)) \
             or not math.isfinite(float(eps)) or float(eps) < 0:
-        raise ValueError(f"jax_gin.{api}: eps must be a finite number >= 0, got {eps!r}")
+        raise ValueError(f"jax_gin.{api}: eps must be a finite number >= 0 (a static Python or "
+                         f"NumPy number, not a JAX array), got {eps!r}")
     return float(eps)
 
 
@@ -257,7 +258,7 @@ def _batch(kind, axis_data, vals_in, dims_in, *, axes, algorithm, eps, invariant
 
 
 def _lowering(kind, ctx, x, residual, *params, axes, algorithm, eps, invariant, platform):
-    call = resolve_call(ctx, ctx.avals_in[:1], axes, "sum", algorithm, platform)
+    call = resolve_call(ctx, ctx.avals_in[:1], axes, "sum", algorithm, platform, kind.api)
     if call is None or call.partial:
         # `auto` chose XLA's all-reduce, or a partially-manual shard_map: the unfused composition
         return mlir.lower_fun(functools.partial(_unfused, axes=axes, algorithm=algorithm, eps=eps,

@@ -162,7 +162,7 @@ def _dones_batch(axis_data, vals_in, dims_in, *, sizes, **params):
 def _start_lowering(ctx, *xs, axes, algorithm, invariant, slot, lanes, platform):
     if slot == 0:  # the first bucket of a call
         _primitive.check_no_open_start(ctx, API)
-    call = _primitive.resolve_call(ctx, ctx.avals_in, axes, "sum", algorithm, platform)
+    call = _primitive.resolve_call(ctx, ctx.avals_in, axes, "sum", algorithm, platform, API)
     _open(ctx).append(call)
     if call is None:  # XLA's own all-reduce, which XLA runs asynchronously itself
         return [mlir.ir_constant(np.uint32(0)),

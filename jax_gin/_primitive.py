@@ -415,10 +415,11 @@ class Call:
                 and self.nbytes >= threshold and same_bits)
 
 
-def resolve_call(ctx, avals, axes, op, algorithm, platform) -> Call | None:
+def resolve_call(ctx, avals, axes, op, algorithm, platform, api: str | None = None) -> Call | None:
     """The communicator and algorithm of an all-reduce of `avals` over `axes`, or None where
-    `auto` (or the caller) chose XLA's own all-reduce."""
-    api = OP_API_NAMES[op]
+    `auto` (or the caller) chose XLA's own all-reduce; errors name `api` (default the op's
+    function)."""
+    api = api or OP_API_NAMES[op]
     mesh, partial = lowering_mesh(ctx, api)
     layout = _runtime.group_layout(tuple(mesh.axis_names),
                                    tuple(int(mesh.shape[n]) for n in mesh.axis_names), axes)

@@ -91,7 +91,27 @@ def test_workspace_too_small(monkeypatch):
     monkeypatch.setattr(jax_gin.runtime.settings, "gpu_workspace_bytes", 16)
     x = exact_input((4,), ndev(), "float32")
     f = smap(lambda v: jax_gin.psum(v, "i", algorithm="one_shot"), mesh_1d(), P("i"))
-    with pytest.raises(ValueError, match="workspace too small"):
+    with pytest.raises(ValueError, match="jax_gin.psum: workspace too small"):
+        f.lower(x)
+    # the functions built on the all-reduce name themselves
+    w = jnp.ones((4,), jnp.float32)
+    f = smap(lambda v: jax_gin.psum_add_rmsnorm(v, v, w, "i", algorithm="one_shot")[0],
+             mesh_1d(), P("i"))
+    with pytest.raises(ValueError, match="jax_gin.psum_add_rmsnorm: workspace too small"):
+        f.lower(x)
+    f = smap(lambda v: jax_gin.psum_overlapping(v, "i", jnp.sin, v, algorithm="one_shot")[0],
+             mesh_1d(), P("i"))
+    with pytest.raises(ValueError, match="jax_gin.psum_overlapping: workspace too small"):
+        f.lower(x)
+
+
+def test_eps_must_be_static():
+    x = exact_input((4,), ndev(), "float32")
+    w = jnp.ones((4,), jnp.float32)
+    f = smap(lambda v: jax_gin.psum_add_rmsnorm(v, v, w, "i", eps=jnp.float32(1e-6))[0],
+             mesh_1d(), P("i"))
+    with pytest.raises(ValueError, match=r"psum_add_rmsnorm: eps must be a finite number >= 0 "
+                                         r"\(a static Python or NumPy number, not a JAX array\)"):
         f.lower(x)
 
 
