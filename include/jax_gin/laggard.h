@@ -73,7 +73,7 @@ inline std::string steps_text(const std::vector<int>& steps) {
 
 }  // namespace laggard_detail
 
-// "diagnosis: rank 3 never entered call #1842 (psum, ring); ranks 0-2 wait for it at step 0.
+// "diagnosis: rank 3 never entered call #1842 (psum, one_shot); ranks 0-2 wait for it at step 0.
 // last calls of group 0: ..." for the ranks' states `s`, as rank `self` of `group` reports it.
 inline std::string laggard_text(const std::vector<Seen>& s, int group, int self) {
   using namespace laggard_detail;
