@@ -140,11 +140,11 @@ def _ranges(indices) -> str:
 
 def _larger_side_bytes(shape, dtype, api: str, nranks: int) -> int:
     """N blocks of the flat layout _scatter_gather lowers a leaf to (moved_dtype's element
-    type, each block padded to 16 bytes)."""
+    type), each block padded to 16 bytes."""
     moved, per_value = _scatter_gather.moved_dtype(dtype, api)
-    count = int(np.prod(shape, dtype=np.int64)) * per_value
+    count = int(np.prod(shape, dtype=np.int64)) * per_value  # elements moved (words: a fraction)
     if api == "psum_scatter" and count % nranks:
         raise ValueError(f"jax_gin.explain: psum_scatter of {count} elements over {nranks} "
                          f"ranks: its input holds N equal blocks, so a multiple of {nranks}")
-    block = count // nranks if api == "psum_scatter" else count
-    return nranks * _scatter_gather._pad_to(block, moved.itemsize) * moved.itemsize
+    block_bytes = int((count // nranks if api == "psum_scatter" else count) * moved.itemsize)
+    return nranks * -(-block_bytes // _scatter_gather.ALIGN_BYTES) * _scatter_gather.ALIGN_BYTES

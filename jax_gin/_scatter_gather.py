@@ -129,25 +129,36 @@ def _canonical_dim(dim: int, ndim: int, api: str, name: str, shape) -> int:
     return dim % ndim
 
 
-def moved_dtype(dtype, api: str) -> tuple[np.dtype, int]:
+# Integer dtypes that all_gather moves as the 32-bit words their bytes fill, which needs no
+# arithmetic: lax.all_gather takes them, and their gradients are float0. (Floats that jax_gin does
+# not reduce, such as float8, stay refused: their gathers' transposes would need sums of them.)
+_PACKED = tuple(np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.uint16, np.uint64))
+_WORD = np.dtype(np.uint32)
+
+
+def moved_dtype(dtype, api: str) -> tuple[np.dtype, float]:
     """The element type `api` moves a value of `dtype` as, and how many of them make one
-    value: a complex value as its (real, imaginary) pair, all_gather's bool as int32. Any
-    other dtype that jax_gin does not move raises a TypeError."""
+    value: a complex value as its (real, imaginary) pair, all_gather's bool as int32, and
+    all_gather's small integers (_PACKED) as uint32 words (a fraction of a word, or two, a
+    value). Any other dtype that jax_gin does not move raises a TypeError."""
     dt = np.dtype(dtype)
     if np.issubdtype(dt, np.complexfloating):
         return np.dtype(np.finfo(dt).dtype), 2
-    if dt == np.bool_ and api == "all_gather":
+    if api == "all_gather" and dt == np.bool_:
         return np.dtype(np.int32), 1
+    if api == "all_gather" and dt in _PACKED and dt not in SUPPORTED_DTYPES:
+        return _WORD, dt.itemsize / _WORD.itemsize
     if dt not in SUPPORTED_DTYPES:
         raise TypeError(
             f"jax_gin.{api}: unsupported dtype {dt}; supported dtypes are "
             f"{', '.join(SUPPORTED_DTYPE_NAMES)}, complex64 and complex128"
-            + (" and bool" if api == "all_gather" else ""))
+            + (f", bool and {', '.join(str(d) for d in _PACKED)}" if api == "all_gather" else ""))
     return dt, 1
 
 
 def _prepare(leaf, axes, api):
-    """The leaf as an array of a supported dtype: (array, how to undo the dtype change)."""
+    """The leaf as an array of a supported dtype, or of a _PACKED one (packed into words by
+    _gather_plan): (array, how to undo the dtype change)."""
     leaf = jnp.asarray(leaf)
     undo = None
     moved, _ = moved_dtype(leaf.dtype, api)
@@ -155,7 +166,7 @@ def _prepare(leaf, axes, api):
         # a complex value moves (and sums) as its real and imaginary parts: a trailing axis
         leaf = jnp.stack([jnp.real(leaf), jnp.imag(leaf)], axis=-1)
         undo = lambda y: jax.lax.complex(y[..., 0], y[..., 1])  # noqa: E731
-    elif moved != leaf.dtype:  # all_gather's bool
+    elif leaf.dtype == np.bool_ and moved != leaf.dtype:  # all_gather's bool
         leaf, undo = leaf.astype(moved), (lambda y: y.astype(np.bool_))
     if _compat.check_vma_enabled():
         # as lax's collectives: a value that does not vary over `axes` is made varying first
@@ -163,6 +174,22 @@ def _prepare(leaf, axes, api):
         vma = _compat.varying_axes(jax.typeof(leaf))
         leaf = _compat.pcast_varying(leaf, tuple(a for a in axes if a in manual and a not in vma))
     return leaf, undo
+
+
+def _to_words(flat):
+    """A flat block of a _PACKED dtype, whole 16-byte pieces of it, as uint32 words."""
+    s = flat.dtype.itemsize
+    if s < _WORD.itemsize:
+        return jax.lax.bitcast_convert_type(flat.reshape(-1, _WORD.itemsize // s), _WORD)
+    return jax.lax.bitcast_convert_type(flat, _WORD).reshape(-1)
+
+
+def _from_words(y, dtype):
+    """(N, w) words back to (N, m) values of `dtype` (the inverse of _to_words, per row)."""
+    n, s = y.shape[0], np.dtype(dtype).itemsize
+    if s < _WORD.itemsize:
+        return jax.lax.bitcast_convert_type(y, dtype).reshape(n, -1)
+    return jax.lax.bitcast_convert_type(y.reshape(n, -1, s // _WORD.itemsize), dtype)
 
 
 def _pad_to(m: int, itemsize: int) -> int:
@@ -217,8 +244,13 @@ def _gather_plan(leaf, axes, nranks, dim, tiled):
     flat = moved.reshape(m)
     if mp != m:
         flat = jnp.pad(flat, (0, mp - m))
+    packed = np.dtype(x.dtype) not in SUPPORTED_DTYPES  # a _PACKED dtype (moved_dtype)
+    if packed:
+        flat = _to_words(flat)
 
     def finish(y):
+        if packed:
+            y = _from_words(y, x.dtype)
         y = y[:, :m]
         if tiled:
             y = y.reshape((nranks * moved.shape[0],) + moved.shape[1:])

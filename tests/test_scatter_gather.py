@@ -132,6 +132,40 @@ def test_parity_x64(dtype, algo):
             _compare(op, x, "i", mesh_1d(), P("i"), tiled=True, algo=algo)
 
 
+@pytest.mark.parametrize("algo", ("one_shot", "ring", "auto"))
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16", "uint64"])
+@pytest.mark.parametrize("shape,dim,tiled", [((5,), 0, True), ((3, 7), 1, False), ((1,), 0, False),
+                                             ((2, 3), 1, True), ((4097,), 0, True)])
+def test_all_gather_packs_small_integers(dtype, algo, shape, dim, tiled):
+    # integers jax_gin does not reduce move as the uint32 words their bytes fill: lax's bits,
+    # every value (negative, and above the 32-bit range for uint64) in place
+    with jax.enable_x64(dtype == "uint64"):
+        n = ndev()
+        info = np.iinfo(dtype)
+        rng = np.random.default_rng(len(shape) + dim)
+        vals = rng.integers(info.min, info.max, size=(n * shape[0],) + shape[1:], dtype=dtype,
+                            endpoint=True)
+        x = jnp.asarray(vals)
+        assert x.dtype == np.dtype(dtype)
+        got = _compare("all_gather", x, "i", mesh_1d(), P("i"), dim=dim, tiled=tiled, algo=algo)
+        assert got.dtype == np.dtype(dtype)
+        if algo != "auto":
+            text = jax.jit(jax.shard_map(
+                lambda v: jax_gin.all_gather(v, "i", axis=dim, tiled=tiled, algorithm=algo)[None],
+                mesh=mesh_1d(), in_specs=P("i"), out_specs=P("i"))).lower(x).as_text()
+            assert "jax_gin_collective" in text and "bitcast_convert" in text
+
+
+def test_small_integers_psum_scatter_and_float8_refused():
+    n = ndev()
+    x = jnp.zeros((n * n,), jnp.int8)
+    with pytest.raises(TypeError, match=r"jax_gin.psum_scatter: unsupported dtype int8"):
+        smap(lambda v: jax_gin.psum_scatter(v, "i", tiled=True), mesh_1d(), P("i")).lower(x)
+    x = jnp.zeros((n,), jnp.float8_e4m3fn)
+    with pytest.raises(TypeError, match=r"jax_gin.all_gather: unsupported dtype float8_e4m3fn"):
+        smap(lambda v: jax_gin.all_gather(v, "i")[None], mesh_1d(), P("i")).lower(x)
+
+
 @pytest.mark.parametrize("algo", ("one_shot", "ring"))
 def test_several_rounds(algo, monkeypatch):
     # 64 KiB windows: a block of ~400 KiB per rank takes several rounds through them
