@@ -315,8 +315,8 @@ def check_workspace(platform: str, algorithm: str, nranks: int, itemsize: int, a
             f"JAX_GIN_WORKSPACE_BYTES or jax_gin.runtime.settings")
 
 
-# enum class Algorithm::kHierarchical in common.h: internal, not in ALGORITHMS.
-HIERARCHICAL_CODE = 4
+# The id of Algorithm::kHierarchical (common.h): internal, not in ALGORITHMS.
+HIERARCHICAL_CODE = int(_native.cpu.ALGORITHM_HIERARCHICAL)
 
 
 def algorithm_code(platform: str, comm: int, requested: str, chosen: str, api: str) -> int:

@@ -23,10 +23,6 @@ def fake_cuda(monkeypatch):
     return install
 
 
-def test_code_matches_native():
-    assert _runtime.HIERARCHICAL_CODE == _native.cpu.ALGORITHM_HIERARCHICAL
-
-
 def test_cpu_and_one_node_keep_the_choice(fake_cuda):
     fake_cuda(4)
     assert _runtime.algorithm_code("cpu", 1, "ring", "ring", "psum") == ALGORITHM_CODES["ring"]
