@@ -331,8 +331,11 @@ NB_MODULE(_jax_gin, m) {
         nb::arg("algorithm"), nb::arg("lane_bytes"), nb::arg("repeats") = 1,
         nb::arg("timeout_s") = 30.0, nb::arg("fault_rank") = -1,
         nb::arg("chunk_bytes") = cpu::CommConfig().chunk_bytes);
-  // Internal algorithm ids (not in jax_gin.ALGORITHMS), for tests through threads_allreduce.
+  // Internal algorithm ids (not in jax_gin.ALGORITHMS): the id the FFI handlers take for a
+  // group that spans nodes (_runtime.algorithm_code), and for tests through threads_allreduce.
   m.attr("ALGORITHM_HIERARCHICAL") = int(Algorithm::kHierarchical);
+  // Segment and block boundaries are multiples of this many bytes (common.h kAlignBytes).
+  m.attr("ALIGN_BYTES") = kAlignBytes;
   // Most buffers one call reduces as one message (message.h); larger pytrees take more calls.
   m.attr("MAX_SEGMENTS") = kMaxSegments;
   // Event slots per rank of asynchronous start/done pairs (GPU).

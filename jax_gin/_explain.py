@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import tree_util
 
-from . import _native, _primitive, _scatter_gather, _select
+from . import _native, _primitive, _runtime, _scatter_gather, _select
 from ._ops import OP_API_NAMES, reduced_dtype
 
 MAX_RANKS = int(_native.cpu.MAX_RANKS)  # the largest group jax_gin runs (common.h kMaxRanks)
@@ -147,4 +147,4 @@ def _larger_side_bytes(shape, dtype, api: str, nranks: int) -> int:
         raise ValueError(f"jax_gin.explain: psum_scatter of {count} elements over {nranks} "
                          f"ranks: its input holds N equal blocks, so a multiple of {nranks}")
     block_bytes = int((count // nranks if api == "psum_scatter" else count) * moved.itemsize)
-    return nranks * -(-block_bytes // _scatter_gather.ALIGN_BYTES) * _scatter_gather.ALIGN_BYTES
+    return nranks * -(-block_bytes // _runtime.ALIGN_BYTES) * _runtime.ALIGN_BYTES

@@ -36,6 +36,9 @@ _DEFAULT_OVERLAP_LANES = 32  # CTAs of an asynchronous call on a GPU (Settings.o
 # 2 x H200 the copy engines beat the SM path at 256 MiB; where they start to is not measured.
 _DEFAULT_OVERLAP_COPY_ENGINE_BYTES = 32 << 20
 
+# Segment and block boundaries are multiples of this many bytes (common.h kAlignBytes): the
+# kernels move 16-byte vectors.
+ALIGN_BYTES = int(_native.cpu.ALIGN_BYTES)
 MAX_LANES = int(_native.cpu.MAX_LANES)  # the most lanes of one call (common.h kMaxLanes)
 # The most calls a flight-recorder ring keeps (recorder.h kRecMaxEntries); a ring's count is a
 # power of two, so that the kernels find a call's slot with a mask.
@@ -300,15 +303,22 @@ def workspace_bytes(platform: str) -> int:
     return settings.cpu_workspace_bytes if platform == "cpu" else settings.gpu_workspace_bytes
 
 
-def check_workspace(platform: str, algorithm: str, nranks: int, itemsize: int, api: str) -> None:
-    """Raise at trace time if one round of `algorithm` cannot fit in the workspace."""
+def check_workspace(platform: str, algorithm: str, nranks: int, itemsize: int, api: str,
+                    collective: bool = False) -> None:
+    """Raise at trace time if one round of `algorithm` cannot fit in the workspace: a round of
+    the all-reduce (schedule.h), or with `collective` one of psum_scatter or all_gather
+    (collectives.h)."""
     if nranks <= 1:
         return
     lane = workspace_bytes(platform)
     if platform != "cpu" and _native.cuda is not None:
         lane = _native.cuda.lane_bytes(lane)
-    if _native.cpu.schedule.slot_elems(ALGORITHM_CODES[algorithm], nranks, lane, itemsize) == 0:
-        need = _native.cpu.schedule.num_slots(ALGORITHM_CODES[algorithm], nranks) * 16
+    code = ALGORITHM_CODES[algorithm]
+    schedule = _native.cpu.schedule
+    slot_elems, slots = ((schedule.coll_slot_elems, schedule.coll_slots) if collective
+                         else (schedule.slot_elems, schedule.num_slots))
+    if slot_elems(code, nranks, lane, itemsize) == 0:
+        need = slots(code, nranks) * ALIGN_BYTES
         raise ValueError(
             f"jax_gin.{api}: workspace too small: {lane} bytes per rank cannot hold one round "
             f"of {algorithm} over {nranks} ranks (needs at least {need} bytes); raise "
@@ -319,19 +329,26 @@ def check_workspace(platform: str, algorithm: str, nranks: int, itemsize: int, a
 HIERARCHICAL_CODE = int(_native.cpu.ALGORITHM_HIERARCHICAL)
 
 
+def ranks_per_node(platform: str, comm: int) -> int:
+    """The ranks per node of communicator `comm`'s groups where they span nodes (GPU groups set
+    up with JAX_GIN_EXPERIMENTAL_GIN=1), else 0."""
+    native = getattr(_native.cuda, "comm_ranks_per_node", None) if platform != "cpu" else None
+    return 0 if native is None else max(int(native(comm)), 0)
+
+
 def algorithm_code(platform: str, comm: int, requested: str, chosen: str, api: str) -> int:
     """The algorithm id the FFI handler gets. GPU groups that span nodes (NCCL's LSA team is
     smaller than the group; set up only with JAX_GIN_EXPERIMENTAL_GIN=1, docs/multi-node.md)
     run only the internal hierarchical algorithm (LSA within a node, GIN between nodes):
     "auto" picks it there, and an explicit algorithm, which needs load/store access to every
     peer, is refused."""
-    ranks_per_node = getattr(_native.cuda, "comm_ranks_per_node", None) if platform != "cpu" else None
-    if ranks_per_node is None or ranks_per_node(comm) <= 0:
+    per_node = ranks_per_node(platform, comm)
+    if per_node == 0:
         return ALGORITHM_CODES[chosen]
     if requested != "auto":
         raise ValueError(
             f"jax_gin.{api}: algorithm={requested!r} needs load/store access to every peer, but "
-            f"this reduction's groups span nodes ({ranks_per_node(comm)} ranks per node); use "
+            f"this reduction's groups span nodes ({per_node} ranks per node); use "
             "algorithm='auto', which runs the hierarchical all-reduce there (LSA within a node, "
             "GIN between nodes)")
     return HIERARCHICAL_CODE

@@ -31,7 +31,6 @@ API_NAMES = ("psum_scatter", "all_gather")
 psum_scatter_p = Primitive("jax_gin_psum_scatter")
 all_gather_p = Primitive("jax_gin_all_gather")
 _PRIMS = {"psum_scatter": psum_scatter_p, "all_gather": all_gather_p}
-ALIGN_BYTES = 16  # block boundaries (common.h kAlignBytes)
 
 
 # ---------------------------------------------------------------------------------------
@@ -193,7 +192,7 @@ def _from_words(y, dtype):
 
 
 def _pad_to(m: int, itemsize: int) -> int:
-    al = ALIGN_BYTES // itemsize
+    al = _runtime.ALIGN_BYTES // itemsize
     return -(-m // al) * al
 
 
@@ -341,10 +340,10 @@ def _lowering(api, ctx, x, *, axes, nranks, algorithm, platform):
         algorithm, _ = _select.choose_collective(platform, nbytes, nranks, kind, api=api)
     comm = None
     if not partial and algorithm != _select.XLA_FALLBACK:
-        _check_workspace(platform, algorithm, nranks, itemsize, api)
+        _runtime.check_workspace(platform, algorithm, nranks, itemsize, api, collective=True)
         _primitive.check_cuda_module(platform, api)
         comm = _runtime.communicator(platform, mesh, axes)
-        if _spans_nodes(platform, comm):
+        if _runtime.ranks_per_node(platform, comm) > 0:
             if requested != "auto":
                 raise ValueError(
                     f"jax_gin.{api}: algorithm={requested!r} needs load/store access to every "
@@ -369,27 +368,6 @@ def _lowering(api, ctx, x, *, axes, nranks, algorithm, platform):
             _compat.partition_id(), _primitive._chain_token(ctx, platform), x, **attrs)
     _primitive._set_chain_token(ctx, tok, platform)
     return [y]
-
-
-def _spans_nodes(platform: str, comm: int) -> bool:
-    rpn = getattr(_native.cuda, "comm_ranks_per_node", None) if platform != "cpu" else None
-    return rpn is not None and rpn(comm) > 0
-
-
-def _check_workspace(platform, algorithm, nranks, itemsize, api):
-    """Raise at trace time if one round cannot fit in the workspace."""
-    if nranks <= 1:
-        return
-    lane = _runtime.workspace_bytes(platform)
-    if platform != "cpu" and _native.cuda is not None:
-        lane = _native.cuda.lane_bytes(lane)
-    code = ALGORITHM_CODES[algorithm]
-    if _native.cpu.schedule.coll_slot_elems(code, nranks, lane, itemsize) == 0:
-        need = _native.cpu.schedule.coll_slots(code, nranks) * ALIGN_BYTES
-        raise ValueError(
-            f"jax_gin.{api}: workspace too small: {lane} bytes per rank cannot hold one round "
-            f"of {algorithm} over {nranks} ranks (needs at least {need} bytes); raise "
-            "JAX_GIN_WORKSPACE_BYTES or jax_gin.runtime.settings")
 
 
 # ---------------------------------------------------------------------------------------
