@@ -275,7 +275,7 @@ class _Bootstrap:
 
 
 def group_workspaces(layout, procs: list, me: int, lane_bytes: int, key, generation: int,
-                     timeout_s: float, what: str, record_entries: int = 64,
+                     timeout_s: float, what: str, record_entries: int,
                      settings: dict | None = None) -> list:
     """One Workspace per group of `layout` (None where no rank runs in this process).
 

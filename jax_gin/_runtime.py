@@ -29,6 +29,8 @@ from ._ops import ALGORITHM_CODES
 
 _DEFAULT_CPU_WORKSPACE = 1 << 20  # bytes per rank
 _DEFAULT_GPU_WORKSPACE = 64 << 20  # bytes per rank, split among the kernel's lanes
+_DEFAULT_TIMEOUT_S = 30.0  # seconds any wait may spin (Settings.timeout_s)
+_DEFAULT_RECORD_ENTRIES = 64  # calls the flight recorder keeps per rank (Settings.record_entries)
 _DEFAULT_BUCKET_BYTES = 64 << 20  # bytes of one pytree call (Settings.bucket_bytes)
 _DEFAULT_OVERLAP_LANES = 32  # CTAs of an asynchronous call on a GPU (Settings.overlap_lanes)
 # Asynchronous calls from this size move their data with the copy engines
@@ -196,7 +198,8 @@ class Settings:
         default_factory=lambda: _from_env("cpu_workspace_bytes", _DEFAULT_CPU_WORKSPACE))
     gpu_workspace_bytes: int = dataclasses.field(
         default_factory=lambda: _from_env("gpu_workspace_bytes", _DEFAULT_GPU_WORKSPACE))
-    timeout_s: float = dataclasses.field(default_factory=lambda: _from_env("timeout_s", 30.0))
+    timeout_s: float = dataclasses.field(
+        default_factory=lambda: _from_env("timeout_s", _DEFAULT_TIMEOUT_S))
     bucket_bytes: int = dataclasses.field(
         default_factory=lambda: _from_env("bucket_bytes", _DEFAULT_BUCKET_BYTES))
     overlap_lanes: int = dataclasses.field(
@@ -207,7 +210,8 @@ class Settings:
     fault_rank: int = -1
     fault_mode: str = "drop"
     record: bool = dataclasses.field(default_factory=lambda: _from_env("record", False))
-    record_entries: int = dataclasses.field(default_factory=lambda: _from_env("record_entries", 64))
+    record_entries: int = dataclasses.field(
+        default_factory=lambda: _from_env("record_entries", _DEFAULT_RECORD_ENTRIES))
     max_lanes: int | None = dataclasses.field(default_factory=lambda: _from_env("max_lanes", None))
     lane_grain_bytes: int | None = dataclasses.field(
         default_factory=lambda: _from_env("lane_grain_bytes", None))
