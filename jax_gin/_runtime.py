@@ -73,9 +73,14 @@ _RULES = {
     "experimental_gin": ("JAX_GIN_EXPERIMENTAL_GIN", "1 or 0 (True or False)"),
     "record": ("JAX_GIN_RECORD", "1 or 0 (True or False)"),
     "record_entries": ("JAX_GIN_RECORD_ENTRIES", f"a power of two from 1 to {REC_MAX_ENTRIES}"),
+    "tuning_dir": ("JAX_GIN_TUNING_DIR", "a directory path, or None"),
+    "single_process": ("JAX_GIN_SINGLE_PROCESS",
+                       "True or False (in the environment: 0 is False, any other value True)"),
 }
-# Fields whose None means "the kernels' default".
-_OPTIONAL = ("max_lanes", "lane_grain_bytes", "chunk_bytes", "one_shot_chunk_bytes", "ll_max_bytes")
+# Fields that may be None: the kernels' default (GPU launch settings); tuning_dir: no
+# directory of tables but the ones jax_gin ships.
+_OPTIONAL = ("max_lanes", "lane_grain_bytes", "chunk_bytes", "one_shot_chunk_bytes", "ll_max_bytes",
+             "tuning_dir")
 # Fields that may be 0.
 _ZERO_OK = ("chunk_bytes", "one_shot_chunk_bytes", "ll_max_bytes", "overlap_copy_engine_bytes")
 
@@ -96,6 +101,10 @@ def _valid(field: str, value):
         if isinstance(value, (bool, np.bool_)):
             return bool(value)
         return bool(value) if _is_int(value) and value in (0, 1) else None
+    if field == "tuning_dir":
+        return value if isinstance(value, (str, os.PathLike)) else None
+    if field == "single_process":
+        return value if isinstance(value, bool) else None
     if not _is_int(value) or not value < _MAX_INT:
         return None
     value = int(value)
@@ -111,7 +120,11 @@ def _bad(field: str, shown: str) -> ValueError:
 
 
 def _parse(field: str, text: str):
-    """The number in `text` (integers may be written as 64e6), or None."""
+    """The value `text` stands for (numbers: integers may be written as 64e6), or None."""
+    if field == "tuning_dir":
+        return text
+    if field == "single_process":
+        return text != "0"
     if field in ("experimental_gin", "record"):
         return {"0": 0, "1": 1}.get(text.strip())
     try:
@@ -125,11 +138,22 @@ def _parse(field: str, text: str):
     return int(value) if field != "timeout_s" and value.is_integer() else None
 
 
+def _env_text(field: str) -> str | None:
+    """The text of `field`'s environment variable, or None where it is unset or empty. The only
+    reader of JAX_GIN_* variables."""
+    return os.environ.get(_RULES[field][0]) or None
+
+
+def in_environment(field: str) -> bool:
+    """Is `field`'s environment variable set (not empty)?"""
+    return _env_text(field) is not None
+
+
 def _from_env(field: str, default):
     """The value of `field` from its environment variable (unset or empty: `default`)."""
     env = _RULES[field][0]
-    text = os.environ.get(env)
-    if text is None or text == "":
+    text = _env_text(field)
+    if text is None:
         return default
     checked = _valid(field, _parse(field, text))
     if checked is None:
@@ -223,9 +247,9 @@ class Settings:
     experimental_gin: bool = dataclasses.field(
         default_factory=lambda: _from_env("experimental_gin", False))
     tuning_dir: str | None = dataclasses.field(
-        default_factory=lambda: os.environ.get("JAX_GIN_TUNING_DIR") or None)
+        default_factory=lambda: _from_env("tuning_dir", None))
     single_process: bool = dataclasses.field(
-        default_factory=lambda: os.environ.get("JAX_GIN_SINGLE_PROCESS", "") not in ("", "0"))
+        default_factory=lambda: _from_env("single_process", False))
 
     def __setattr__(self, name: str, value) -> None:
         fields = [f.name for f in dataclasses.fields(self)]
@@ -242,15 +266,9 @@ class Settings:
             if checked is None:
                 raise _bad(name, f"jax_gin.runtime.settings.{name} = {value!r} ({_RULES[name][0]})")
             value = checked
-        if name == "tuning_dir" and not (value is None or isinstance(value, (str, os.PathLike))):
-            raise ValueError(f"jax_gin.runtime.settings.tuning_dir = {value!r}: must be a "
-                             "directory path or None (JAX_GIN_TUNING_DIR)")
         if name == "fault_mode" and value not in _FAULT_MODES:
             raise ValueError(f"jax_gin.runtime.settings.fault_mode = {value!r}: must be one of "
                              f"{tuple(_FAULT_MODES)}")
-        if name == "single_process" and not isinstance(value, bool):
-            raise ValueError(f"jax_gin.runtime.settings.single_process = {value!r}: must be "
-                             "True or False (JAX_GIN_SINGLE_PROCESS)")
         super().__setattr__(name, value)
         if name == "record":
             _native.cpu.set_record(bool(value))

@@ -60,8 +60,6 @@ RUNS = 5  # timed calls per measurement (the median is printed); --quick: 1
 GIN = "needs a network (IB/RoCE); not used within one node"
 CPU_DEVICES_HINT = ("one CPU device: for 8, run with JAX_PLATFORMS=cpu "
                     "XLA_FLAGS=--xla_force_host_platform_device_count=8")
-# Settings fields read from an environment variable that _runtime._RULES does not list.
-_OTHER_ENV = {"tuning_dir": "JAX_GIN_TUNING_DIR", "single_process": "JAX_GIN_SINGLE_PROCESS"}
 
 
 class Report:
@@ -168,8 +166,8 @@ def check_settings(r: Report, invalid: dict, gpu_device) -> None:
                               "None: the default)")
     for field in dataclasses.fields(_runtime.settings):
         value = getattr(_runtime.settings, field.name)
-        env = _runtime._RULES.get(field.name, (_OTHER_ENV.get(field.name),))[0]
-        from_env = bool(env and os.environ.get(env))
+        env = _runtime._RULES.get(field.name, (None,))[0]
+        from_env = bool(env) and _runtime.in_environment(field.name)
         shown = repr(value)
         if field.name == "max_lanes" and value is None and gpu_device is not None \
                 and _native.cuda is not None:  # the SM count, at most 128
