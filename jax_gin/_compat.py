@@ -1,17 +1,72 @@
-"""Every use of JAX internals (``jax._src``) lives here, behind one set of guards.
+"""Every use of JAX internals (``jax._src``) lives here, behind a version guard.
 
 jax_gin needs a few things JAX does not export: the check_vma flag, the varying-manual-axes
-type of an aval, the axis environment, and the named-axis effect. If a JAX release moves one,
-this is the only file to touch.
+type of an aval, the axis environment, the named-axis effect, lax's collective lowering rules
+and the jax.distributed client. If a JAX release moves one, this is the only file to touch.
+
+The guard: importing this module with a jax outside the range that jax_gin's package metadata
+requires (pyproject.toml's dependencies) warns, naming the installed version and the range.
+It warns rather than raises so that a machine whose only jax is outside the range (the
+offline path of scripts/setup.sh takes a system jax >= the lower bound) can still try it.
 """
 from __future__ import annotations
 
-import jax
-from jax._src import config as _config
-from jax._src import core as _core
-from jax._src.interpreters import batching as _batching  # noqa: F401  (re-exported)
+import contextlib
+import importlib.metadata
+import operator
+import re
+import warnings
 
-JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+import jax
+
+_COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt,
+            "==": operator.eq, "!=": operator.ne}
+
+
+def _release(version: str) -> tuple:
+    """The first three numbers of a version string, as integers (missing ones are 0)."""
+    numbers = [int(n) for n in re.findall(r"\d+", version.split("+")[0])[:3]]
+    return tuple(numbers + [0] * (3 - len(numbers)))
+
+
+def _supported_jax() -> str | None:
+    """The jax versions jax_gin's installed metadata requires (">=0.11.2,<0.13"), or None where
+    jax_gin runs without installed metadata (a source tree on sys.path)."""
+    try:
+        requires = importlib.metadata.requires("jax_gin") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for req in requires:
+        m = re.fullmatch(r"jax\s*([^;]*)", req.strip())
+        if m:  # lower bounds first
+            clauses = [c.strip() for c in m.group(1).split(",")]
+            return ",".join(sorted(clauses, key=lambda c: not c.startswith(">")))
+    return None
+
+
+def _jax_in_range(version: str, spec: str) -> bool:
+    """Does `version` meet every comparison of `spec` (">=0.11.2,<0.13")? Release numbers only;
+    a clause of another form (~=, a wildcard) is not checked."""
+    for clause in spec.split(","):
+        m = re.fullmatch(r"\s*(>=|<=|==|!=|>|<)\s*([\d.]+)\s*", clause)
+        if m and not _COMPARE[m.group(1)](_release(version), _release(m.group(2))):
+            return False
+    return True
+
+
+def _check_jax_version() -> None:
+    spec = _supported_jax()
+    if spec and not _jax_in_range(jax.__version__, spec):
+        warnings.warn(f"jax_gin supports jax{spec}, but jax {jax.__version__} is installed: "
+                      "jax_gin relies on JAX internals (jax_gin/_compat.py) that may differ "
+                      "in it", RuntimeWarning)
+
+
+_check_jax_version()
+
+from jax._src import config as _config  # noqa: E402
+from jax._src import core as _core  # noqa: E402
+from jax._src.interpreters import batching as _batching  # noqa: E402
 
 
 def partition_id():
@@ -33,6 +88,22 @@ def distributed_state():
     except ImportError:  # pragma: no cover - a JAX without it
         return None
     return getattr(_d, "global_state", None)
+
+
+@contextlib.contextmanager
+def replaced_distributed_client(address: str, process_id: int, init_timeout: int):
+    """Within the block, jax.distributed's client is a new client of the coordinator at
+    `address` (tests: one where no coordinator listens); the process's own client is put back
+    at the end."""
+    from jax._src.lib import _jax
+    state = distributed_state()
+    real = state.client
+    state.client = _jax.get_distributed_runtime_client(address, process_id,
+                                                        init_timeout=init_timeout)
+    try:
+        yield state.client
+    finally:
+        state.client = real
 
 NamedAxisEffect = _core.NamedAxisEffect
 batching = _batching

@@ -216,16 +216,10 @@ def _bootstrap_worker(pid, devices, report, _distributed, _native, _runtime):
     client.wait_at_barrier("test/end_mismatch", 60_000)
 
     # An unreachable key-value store.
-    from jax._src import distributed as jd
-    from jax._src.lib import _jax
-    real = jd.global_state.client
-    jd.global_state.client = _jax.get_distributed_runtime_client(
-        f"127.0.0.1:{_free_port()}", pid, init_timeout=1)
-    try:
+    from jax_gin import _compat
+    with _compat.replaced_distributed_client(f"127.0.0.1:{_free_port()}", pid, init_timeout=1):
         _runtime.settings.timeout_s = 3.0 + 1e-6  # a new communicator key
         report["unreachable"] = error_of(lambda: _runtime.communicator("cuda", mesh1, ("i",)))
-    finally:
-        jd.global_state.client = real
     report["ok"] = True
 
 

@@ -210,7 +210,7 @@ def _worker(scenario: str, pid: int, port: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     elif scenario == "errors":
-        from jax._src.lib import _jax
+        from jax_gin import _compat
 
         def program(mesh, axes, timeout_tag):
             spec = P(tuple(mesh.axis_names))
@@ -222,14 +222,10 @@ def _worker(scenario: str, pid: int, port: int) -> None:
 
         # An unreachable key-value store (a client of a coordinator that is not there).
         real = _distributed.distributed_client()
-        from jax._src import distributed as jd
-        jd.global_state.client = _jax.get_distributed_runtime_client(
-            f"127.0.0.1:{_free_port()}", pid, init_timeout=1)
-        try:
+        with _compat.replaced_distributed_client(f"127.0.0.1:{_free_port()}", pid,
+                                                 init_timeout=1):
             f, x = program(mesh1, "i", 1)
             report["unreachable"] = error_of(lambda: f.lower(x))
-        finally:
-            jd.global_state.client = real
 
         # Processes that cannot share memory (as if process 1 ran on another host).
         real.wait_at_barrier("test/start", 60_000)
