@@ -1,11 +1,11 @@
-"""Shared by the examples: the choice of devices (GPUs when jax_gin has its CUDA build and a
-GPU is present, otherwise 8 CPU devices; must run before JAX initializes its backends), and
-timing."""
+"""Shared by the examples: the choice of devices (JAX_PLATFORMS where it is set; else GPUs when
+jax_gin has its CUDA build and a GPU is present, otherwise 8 CPU devices; must run before JAX
+initializes its backends), timing, and the options of the step examples."""
 import os
 
 
 def default_to_cpu_devices(count: int = 8) -> None:
-    if "JAX_PLATFORMS" not in os.environ and not os.environ.get("JAX_GIN_DEMO_GPU"):
+    if "JAX_PLATFORMS" not in os.environ:
         try:
             import jax_gin._native as _n
             has_gpu = _n.has_cuda() and os.path.exists("/dev/nvidia0")
@@ -16,7 +16,7 @@ def default_to_cpu_devices(count: int = 8) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if os.environ.get("JAX_PLATFORMS", "") == "cpu" and "device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (findings.md)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (docs/multi-node.md)
 
 
 def median_us(f, *args, iters: int = 20) -> float:
@@ -35,21 +35,38 @@ def median_us(f, *args, iters: int = 20) -> float:
     return float(np.median(times)) * 1e6
 
 
-def workload_parser(description: str):
-    """The options of the step examples (dp_train, tp_train, tp_decode): which all-reduce,
-    the sizes (None: the workload's defaults for the platform), steps and timing rounds."""
+# lax's name of each XLA collective a workload's step makes (workloads.Workload.xla_ops)
+_LAX_NAMES = {"all_reduce": "psum", "all_gather": "all_gather", "reduce_scatter": "psum_scatter"}
+
+
+def workload_parser(workload: str, description: str):
+    """The options of the step examples (dp_train, fsdp, tp_train, tp_decode) for `workload`:
+    which collectives, jax_gin's algorithm, the sizes (None: the workload's defaults for the
+    platform), steps and timing rounds."""
     import argparse
 
+    from jax_gin import workloads
+
+    w = workloads.WORKLOADS[workload]
+    ops = " and ".join(_LAX_NAMES[op] for op in w.xla_ops)
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--reduce", choices=("all", "jax_gin", "lax", "none"), default="all",
-                   help="the all-reduce of the step: jax_gin.psum, lax.psum or none (compute "
-                        "only); 'all' times the three in turns (default)")
-    p.add_argument("--algorithm", default="auto", help="jax_gin's algorithm (default auto)")
-    p.add_argument("--layers", type=int)
-    p.add_argument("--d-model", type=int)
-    p.add_argument("--seq", type=int)
-    p.add_argument("--batch", "--tokens", type=int, dest="batch")
-    p.add_argument("--steps", type=int, default=3, help="steps run before the timing")
+    p.add_argument("--reduce", choices=("all",) + workloads.REDUCES, default="all",
+                   help=f"the collectives of the step: jax_gin's {ops}, lax's, or none "
+                        "(compute only, on tensors of the same shapes); 'all' times the three "
+                        "in turns (default)")
+    p.add_argument("--algorithm", choices=("auto",) + w.algorithms, default="auto",
+                   help="jax_gin's algorithm (default auto)")
+    decode = workload == "tp-decode"
+    for flags, field, what in (
+            (("--layers",), "layers", "blocks"),
+            (("--d-model",), "d_model", "the model width"),
+            (("--seq",), "seq", "the cached context's length" if decode else "sequence length"),
+            (("--batch", "--tokens"), "batch", "tokens decoded, one per sequence" if decode else
+             "sequences" + ("" if w.tensor_parallel else " per device"))):
+        p.add_argument(*flags, type=int, dest=field,
+                       help=f"{what} (default {getattr(w.gpu, field)} on GPUs, "
+                            f"{getattr(w.cpu, field)} on CPU devices)")
+    p.add_argument("--steps", type=int, default=3, help="steps run before the timing (default 3)")
     p.add_argument("--rounds", type=int, default=10, help="timed rounds (default 10)")
     return p
 
@@ -61,7 +78,7 @@ def workload_setup(workload: str, description: str):
     import jax
     from jax_gin import workloads
 
-    args = workload_parser(description).parse_args()
+    args = workload_parser(workload, description).parse_args()
     devices = jax.devices()
     mesh = workloads.make_mesh(workload, devices)
     cfg = workloads.default_config(workload, devices[0].platform, layers=args.layers,
