@@ -16,7 +16,7 @@ def default_to_cpu_devices(count: int = 8) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if os.environ.get("JAX_PLATFORMS", "") == "cpu" and "device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (docs/multi-node.md)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (docs/multi-node.md)
 
 
 def median_us(f, *args, iters: int = 20) -> float:

@@ -32,8 +32,7 @@ XLA cannot prove it replicated and turn lax's all-reduce into a multiply. Two ch
             values fits the dtype; max and min do not grow.
   subtract  y <- allreduce(y) - (ref - x_i)     (wherever slice would not be exact)
             Gives back exactly x_i, so values never grow, but every op pays an elementwise
-            pass over three buffers: on 2 x H200 ~0.65 ms at 1 GiB per device, 15% of lax's
-            time there (findings.md's 329 GB/s at 1 GiB was measured without it).
+            pass over three buffers, which the per-op time includes.
 
 `--chain-step` picks one; the JSON records the step of every row. Each chain's last
 all-reduce is checked too, against the exact value the step gives.
@@ -337,7 +336,7 @@ def main(argv=None) -> int:
     if workload.parse_known_args(argv)[0].workload is not None:
         return workloads.main(argv)
     args = parse_args(argv)
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast must stay off (findings.md)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (docs/multi-node.md)
     init_distributed(args)
     main_process = jax.process_index() == 0  # prints and writes; every process measures
     if not main_process:

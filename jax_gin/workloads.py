@@ -947,7 +947,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     """Run one workload; returns 0 (the results are reported, not judged)."""
     args = build_parser().parse_args(argv)
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast must stay off (findings.md)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (docs/multi-node.md)
     devices = jax.devices()
     if args.devices is not None:
         if not 1 <= args.devices <= len(devices):

@@ -9,7 +9,7 @@ if _platform == "cpu":
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast (findings.md)
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast (docs/multi-node.md)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
