@@ -21,11 +21,12 @@ the same order, so they all get here):
    If set-up fails half-way, the names this process knows are unlinked at once, and at exit.
 
 <job> is a random token that the first process to need it publishes in the key-value store,
-so that two jobs on one host never share a name; <communicator> is a hash of the
-communicator's key (mesh devices, axes, settings) and how many times this process created it.
+so that two jobs on one host never share a name; <communicator> is a hash of where the
+communicator meets (platform, mesh devices, mesh axes and sizes, reduced axes: _runtime's
+`meet`, without the settings, which the processes compare once they have met) and how many
+times this process created it.
 
-The only JAX internal used here, the jax.distributed client, is reached through
-`distributed_client()` below, behind a guard.
+The only JAX internal used here, the jax.distributed client, is reached through _compat.
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ class KeyValueStoreError(ConnectionError):
 
 
 # ---------------------------------------------------------------------------------------
-# JAX internals, in one guarded place
+# jax.distributed's client and coordinator (through _compat)
 
 
 def distributed_client():
