@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import socket
 import sys
 import time
@@ -182,8 +181,11 @@ def main(argv=None) -> int:
                                  description="jax_gin trace files (Chrome/Perfetto JSON)")
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("merge", help="merge per-process trace files into one")
-    m.add_argument("files", nargs="+")
-    m.add_argument("-o", "--output", required=True)
+    m.add_argument("files", nargs="+", metavar="FILE",
+                   help="trace files that jax_gin.trace wrote, one per process")
+    m.add_argument("-o", "--output", required=True, metavar="PATH",
+                   help="the merged trace: every file's events on one time axis, starting at "
+                        "the earliest")
     args = ap.parse_args(argv)
     doc = merge(args.files, args.output)
     n = sum(1 for e in doc["traceEvents"] if e.get("cat") == "jax_gin")

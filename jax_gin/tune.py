@@ -23,6 +23,7 @@ import statistics
 import sys
 import tempfile
 
+from ._bench_measure import LAX_NAME
 from ._ops import XLA_FALLBACK
 from ._scatter_gather import API_NAMES
 from ._select import ALL_REDUCE, algorithms
@@ -58,7 +59,7 @@ def build_table(results: list, meta: dict, dtype: str = "float32", op: str | Non
     times: dict = {}
     for r in results:
         algo = r.get("algorithm")
-        algo = XLA_FALLBACK if algo == "lax" else algo
+        algo = XLA_FALLBACK if algo == LAX_NAME else algo
         if (r.get("collective", ALL_REDUCE) != collective or r.get("dtype") != dtype
                 or (op is not None and r.get("op") != op) or algo not in allowed):
             continue
@@ -118,9 +119,17 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="where to write the table (default: jax_gin/tuning/"
                                   "<kind>_n<N>.json, <kind>_n<N>_<collective>.json for "
                                   "psum_scatter and all_gather)")
-    ap.add_argument("-b", "--minbytes", default="4K")
-    ap.add_argument("-e", "--maxbytes", default=None)
-    ap.add_argument("-n", "--iters", default="30")
+    from . import bench
+    from ._bench_inputs import format_size
+    maxbytes = bench.DEFAULT_MAXBYTES
+    ap.add_argument("-b", "--minbytes", default="4K",
+                    help="smallest size per device, as the benchmark's -b (default 4K)")
+    ap.add_argument("-e", "--maxbytes", default=None,
+                    help="largest size per device, as the benchmark's -e (default "
+                         f"{format_size(maxbytes['gpu'])} on GPUs, "
+                         f"{format_size(maxbytes['cpu'])} on CPU devices)")
+    ap.add_argument("-n", "--iters", default="30",
+                    help="timed repeats per size, whose median decides (default 30)")
     args = ap.parse_args(argv)
     if args.from_json:
         results, meta = _load_results(args.from_json)
@@ -128,11 +137,10 @@ def main(argv=None) -> int:
             os.path.join(os.path.basename(os.path.dirname(os.path.abspath(p))), os.path.basename(p))
             for p in args.from_json)
     else:
-        from . import bench
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "bench.json")
             argv_b = ["-c", args.collective, "-b", args.minbytes, "-f", "2", "-n", args.iters,
-                      "-d", "float32", "-a", ",".join(algorithms(args.collective) + ("lax",)),
+                      "-d", "float32", "-a", ",".join(algorithms(args.collective) + (LAX_NAME,)),
                       "--json", path]
             if args.maxbytes:
                 argv_b += ["-e", args.maxbytes]
