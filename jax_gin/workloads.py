@@ -1,15 +1,17 @@
-"""Whole steps of real workloads, timed with lax.psum, with jax_gin.psum and with no all-reduce.
+"""Whole steps of real workloads, timed with lax's collectives, with jax_gin's and with none.
 
     python -m jax_gin.bench --workload dp-train     # or fsdp, tp-train, tp-decode, overlap; --help
 
 docs/performance.md: an op that wins in a chain can lose in a step. Each step here is written
-once, as a function of `reduce`, and built three ways:
+once, as a function of `reduce`, and built as each of its variants (Workload.variants):
   lax       jax.lax.psum
   jax_gin   jax_gin.psum (with `algorithm=`)
   none      the identity: the compute-only baseline. Its numbers are wrong; its time is what
             the compute costs, so step - compute-only is the communication a step exposes.
-fsdp's collectives are all-gathers and their transposes, reduce-scatters: lax.all_gather,
-jax_gin.all_gather, or for none local copies and slices of the same shapes (`gatherer`).
+tp-decode has a fourth, jax_gin_fused: each psum with the residual add and RMSNorm after it
+is one jax_gin.psum_add_rmsnorm. fsdp's collectives are all-gathers and their transposes,
+reduce-scatters: lax.all_gather, jax_gin.all_gather, or for none local copies and slices of
+the same shapes (`gatherer`). overlap has variants of its own (below).
 
 The workloads (jax.jit of jax.shard_map, bfloat16 by default):
   dp-train   GPT-style training step, data-parallel over the mesh axis "data": embeddings,
@@ -36,7 +38,7 @@ The workloads (jax.jit of jax.shard_map, bfloat16 by default):
              matmuls or they behind it, 2 when the two run one after the other.
 
 Inputs are deterministic (jax.random with a fixed seed; for a given global shape the same
-values on any mesh), and the three variants of a step run on the very same arrays.
+values on any mesh), and the variants of a step run on the very same arrays.
 `measure` compiles the variants, counts the collectives in their compiled HLO, times them in
 turns and compares lax's results with jax_gin's; `main` is the command line.
 """
@@ -65,6 +67,7 @@ from ._select import COLLECTIVE_ALGORITHMS
 
 DATA, TENSOR = "data", "tensor"
 REDUCES = ("none", "lax", "jax_gin")   # the order of every turn
+FUSED = "jax_gin_fused"   # tp-decode's variant with jax_gin.psum_add_rmsnorm
 
 
 def reducer(reduce: str, algorithm: str = "auto", overlap: bool = False) -> Callable:
@@ -72,11 +75,11 @@ def reducer(reduce: str, algorithm: str = "auto", overlap: bool = False) -> Call
     psum's `overlap`)."""
     if reduce == "lax":
         return jax.lax.psum
-    if reduce in ("jax_gin", "jax_gin_fused"):
+    if reduce in ("jax_gin", FUSED):
         return functools.partial(jax_gin.psum, algorithm=algorithm, overlap=overlap)
     if reduce == "none":
         return lambda tree, axis_name: tree
-    raise ValueError(f"reduce must be one of {', '.join(REDUCES)}, got {reduce!r}")
+    raise ValueError(f"reduce must be one of {', '.join(REDUCES + (FUSED,))}, got {reduce!r}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -511,7 +514,7 @@ def tp_decode_step(mesh: Mesh, cfg: Config, reduce: str = "jax_gin", algorithm: 
     psum = reducer(reduce, algorithm, cfg.overlap)
     params, cache = llama_layout(cfg)
     add_norm = None
-    if reduce == "jax_gin_fused":
+    if reduce == FUSED:
         def add_norm(y, x, scale):
             return jax_gin.psum_add_rmsnorm(y, x, scale, TENSOR, algorithm=algorithm)
 
@@ -635,7 +638,7 @@ WORKLOADS = {
         "tp-decode", TENSOR, tp_decode_step, tp_decode_inputs, tp_decode_psums,
         gpu=Config(layers=32, d_model=4096, heads=32, ffn=11008, seq=512, batch=8),
         cpu=Config(layers=2, d_model=64, heads=8, ffn=256, seq=16, batch=8),
-        tensor_parallel=True, variants=REDUCES + ("jax_gin_fused",)),
+        tensor_parallel=True, variants=REDUCES + (FUSED,)),
     "overlap": Workload(
         "overlap", DATA, overlap_step, overlap_inputs, overlap_psums,
         gpu=Config(layers=8, d_model=4096, heads=1, ffn=0, seq=0, batch=0, rows=4096, mib=256),
@@ -762,7 +765,7 @@ def measure(workload: str, mesh: Mesh, cfg: Config, *, algorithm: str = "auto",
     for r in reduces:
         v = variants[r]
         v["exposed_ms"] = v["step_ms"] - base \
-            if base is not None and r in ("lax", "jax_gin", "jax_gin_fused") else None
+            if base is not None and r in ("lax", "jax_gin", FUSED) else None
         lax_ms = variants.get("lax_alone" if r.endswith("_alone") else "lax", {}).get("step_ms")
         v["vs_lax"] = lax_ms / v["step_ms"] if lax_ms and v["step_ms"] else None
     if profile_dir:
@@ -775,7 +778,7 @@ def measure(workload: str, mesh: Mesh, cfg: Config, *, algorithm: str = "auto",
               "algorithm": algorithm, "variants": variants, "profile_dir": profile_dir,
               "lax_vs_jax_gin": None, "lax_alone_vs_jax_gin_alone": None,
               "ratio_lax_over_jax_gin": None, "overlap": None}
-    for a, b in (("lax", "jax_gin"), ("lax_alone", "jax_gin_alone"), ("lax", "jax_gin_fused")):
+    for a, b in (("lax", "jax_gin"), ("lax_alone", "jax_gin_alone"), ("lax", FUSED)):
         if a in outputs and b in outputs:
             result[f"{a}_vs_{b}"] = compare(w.checked(outputs[a]), w.checked(outputs[b]))
     steps = {r: v["step_ms"] for r, v in variants.items()}
@@ -910,13 +913,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jax_gin.bench",
         description="Time a whole step with lax.psum, jax_gin.psum and no all-reduce "
-                    "(compute only), in turns; fsdp: lax's or jax_gin's all_gather and "
-                    "psum_scatter, or local copies; overlap: matmuls alone, all-reduce alone, "
-                    "and both in one step. Sizes default to the GPU sizes on GPUs and to tiny "
-                    "ones on CPU devices.")
-    p.add_argument("--workload", choices=NAMES, required=True)
+                    "(compute only), in turns; tp-decode also with jax_gin.psum_add_rmsnorm; "
+                    "fsdp: lax's or jax_gin's all_gather and psum_scatter, or local copies; "
+                    "overlap: matmuls alone, all-reduce alone (lax's or jax_gin's), and both in "
+                    "one step. Sizes default to the GPU sizes on GPUs and to tiny ones on CPU "
+                    "devices.")
+    p.add_argument("--workload", choices=NAMES, required=True, help="the step to time")
     p.add_argument("--layers", type=int, help="blocks; overlap: matmuls in the chain")
-    p.add_argument("--d-model", type=int, help="overlap: the matmuls' inner and outer size")
+    p.add_argument("--d-model", type=int,
+                   help="the model width; overlap: the matmuls' inner and outer size")
     p.add_argument("--heads", type=int, help="attention heads (default: head size of the defaults)")
     p.add_argument("--ffn", type=int, help="MLP hidden size (default: the defaults' ratio)")
     p.add_argument("--seq", type=int, help="sequence length; tp-decode: cached context length")
