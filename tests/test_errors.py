@@ -337,3 +337,22 @@ def test_nested_shard_map_needs_the_concrete_mesh():
     with jax.set_mesh(mesh):
         got = run(jax_gin.psum)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(run(lax.psum)))
+
+
+def test_jax_version_guard(monkeypatch):
+    # a jax outside the range of jax_gin's package metadata warns at import, naming both
+    from jax_gin import _compat
+    assert _compat._jax_in_range("0.11.2", ">=0.11.2,<0.13")
+    assert _compat._jax_in_range("0.12.0.1", ">=0.11.2,<0.13")
+    assert not _compat._jax_in_range("0.11.1", ">=0.11.2,<0.13")
+    assert not _compat._jax_in_range("0.13.0", ">=0.11.2,<0.13")
+    monkeypatch.setattr(_compat, "_supported_jax", lambda: ">=0.11.2,<0.13")
+    monkeypatch.setattr(jax, "__version__", "0.13.1")
+    with pytest.warns(RuntimeWarning, match=r"jax_gin supports jax>=0.11.2,<0.13, but jax 0.13.1 "
+                                         r"is installed"):
+        _compat._check_jax_version()
+    monkeypatch.setattr(jax, "__version__", "0.11.2")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _compat._check_jax_version()
