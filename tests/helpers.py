@@ -1,9 +1,18 @@
-"""Shared helpers: exact inputs and shard_map wrappers."""
+"""Shared helpers: the lists the tests parametrize over, exact inputs, shard_map wrappers and
+bitwise comparison."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-SMALL_INT_DTYPES = ("int32", "int64", "uint32")
+import jax_gin
+from jax_gin._ops import OP_API_NAMES, SUPPORTED_DTYPE_NAMES
+
+# The all-reduces, by API name, each with lax's function of that name (jax_gin's op list).
+OPS = {api: (getattr(jax_gin, api), getattr(lax, api)) for api in OP_API_NAMES.values()}
+# The supported element types that need no jax.enable_x64, and those that do.
+DTYPES = tuple(d for d in SUPPORTED_DTYPE_NAMES if np.dtype(jnp.dtype(d)).itemsize <= 4)
+X64_DTYPES = tuple(d for d in SUPPORTED_DTYPE_NAMES if d not in DTYPES)
 
 
 def exact_input(shape_per_device, ndevices, dtype, seed=0):
@@ -39,3 +48,4 @@ def assert_bitwise(a, b):
     assert a.dtype == b.dtype, (a.dtype, b.dtype)
     assert a.shape == b.shape, (a.shape, b.shape)
     np.testing.assert_array_equal(a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8))
+

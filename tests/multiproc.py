@@ -139,12 +139,13 @@ def check_scatter_gather(mesh, axes, dtype, per_device, seed, same_bits):
     from jax import lax
     from jax.sharding import PartitionSpec as P
     import jax_gin
+    from jax_gin._select import COLLECTIVE_ALGORITHMS
     spec = P(tuple(mesh.axis_names))
     n = 1
     for a in (axes if isinstance(axes, tuple) else (axes,)):
         n *= mesh.shape[a]
     x = global_input(mesh, spec, per_device * n, dtype, seed)
-    for algo in ("one_shot", "ring"):
+    for algo in COLLECTIVE_ALGORITHMS:
         for api in ("psum_scatter", "all_gather"):
             ours, ref = getattr(jax_gin, api), getattr(lax, api)
             f = jax.jit(jax.shard_map(

@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_gin import _bench_inputs, _bench_measure, _select, bench
+from jax_gin import _bench_inputs, _bench_measure, _ops, _select, bench
 from conftest import mesh_1d, ndev, needs_devices
+import helpers
 
 SIZES = [1024, 4096]
 DTYPES = ["float32", "int32"]
@@ -70,8 +71,8 @@ def test_wrong_results_fail(monkeypatch, capsys):
     assert "FAILED" in text
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int32", "uint32"])
-@pytest.mark.parametrize("op", ["sum", "max", "min"])
+@pytest.mark.parametrize("dtype", helpers.DTYPES)
+@pytest.mark.parametrize("op", _ops.OPS)
 def test_inputs_are_exact_and_nonzero(dtype, op):
     inp = bench.make_inputs(8, 100, dtype, op, seed=1)
     assert np.all(inp.x != 0)
@@ -82,7 +83,7 @@ def test_inputs_are_exact_and_nonzero(dtype, op):
     np.testing.assert_array_equal(np.asarray(step), inp.x)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int32", "uint32", "float64"])
+@pytest.mark.parametrize("dtype", helpers.DTYPES + helpers.X64_DTYPES)
 @pytest.mark.parametrize("op", ["sum", "max"])
 @pytest.mark.parametrize("nranks", [2, 3, 8])
 def test_slice_chain_is_exact_where_chosen(dtype, op, nranks):

@@ -10,10 +10,7 @@ from jax.sharding import PartitionSpec as P
 import jax_gin
 from jax_gin._primitive import MAX_OPERANDS, buckets
 from conftest import mesh_1d, mesh_2d, ndev
-from helpers import assert_bitwise, exact_input
-
-OPS = {"psum": (jax_gin.psum, lax.psum), "pmax": (jax_gin.pmax, lax.pmax),
-       "pmin": (jax_gin.pmin, lax.pmin)}
+from helpers import OPS, assert_bitwise, exact_input
 
 # Leaves of odd sizes and shapes in several dtypes; the float32 ones (1000 + 4097 + 105 + 1 +
 # 3 + 2 elements) straddle 16-byte boundaries everywhere. (No empty leaf: on 8 CPU devices,

@@ -11,6 +11,7 @@ import pytest
 
 import jax_gin
 from jax_gin import doctor
+from jax_gin._select import COLLECTIVE_ALGORITHMS
 from conftest import ndev
 
 SECTIONS = {"versions", "devices", "nccl", "settings", "self-test", "verdict"}
@@ -45,7 +46,7 @@ def test_pass(tmp_path, capsys):
         assert row.split()[0] == algo and row.split()[-3] == "ok", row
     assert "overlap" in psum_rows[-1]
     assert [row.split()[:2] for row in coll_rows] == [
-        [api, algo] for api in ("psum_scatter", "all_gather") for algo in ("one_shot", "ring")], text
+        [api, algo] for api in ("psum_scatter", "all_gather") for algo in COLLECTIVE_ALGORITHMS], text
     assert all(row.split()[-3] == "ok" for row in coll_rows), text
     settings = "\n".join(_section(text, "settings"))
     assert "timeout_s" in settings and "JAX_GIN_TIMEOUT_S" in settings

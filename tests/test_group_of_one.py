@@ -10,10 +10,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_gin
 from conftest import ndev
-from helpers import assert_bitwise, exact_input
-
-OPS = {"psum": (jax_gin.psum, lax.psum), "pmax": (jax_gin.pmax, lax.pmax),
-       "pmin": (jax_gin.pmin, lax.pmin)}
+from helpers import OPS, assert_bitwise, exact_input
 
 
 def _mesh():

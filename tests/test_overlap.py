@@ -8,10 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_gin
 from conftest import mesh_1d, ndev
-from helpers import assert_bitwise, exact_input, kernel_algorithm, smap
-
-OPS = {"psum": (jax_gin.psum, lax.psum), "pmax": (jax_gin.pmax, lax.pmax),
-       "pmin": (jax_gin.pmin, lax.pmin)}
+from helpers import OPS, assert_bitwise, exact_input, kernel_algorithm, smap
 
 
 @pytest.mark.parametrize("algo", jax_gin.ALGORITHMS + ("auto",))

@@ -8,11 +8,8 @@ from jax.sharding import PartitionSpec as P
 
 import jax_gin
 from conftest import mesh_1d, mesh_2d, ndev
-from helpers import assert_bitwise, exact_input, smap
+from helpers import DTYPES, OPS, assert_bitwise, exact_input, smap
 
-OPS = {"psum": (jax_gin.psum, lax.psum), "pmax": (jax_gin.pmax, lax.pmax),
-       "pmin": (jax_gin.pmin, lax.pmin)}
-DTYPES = ["float32", "bfloat16", "float16", "int32", "uint32"]
 SIZES = [1, 7, 1000, 4097]
 
 

@@ -13,10 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_gin
 from conftest import ndev
-from helpers import assert_bitwise, exact_input
-
-OPS = {"psum": (jax_gin.psum, lax.psum), "pmax": (jax_gin.pmax, lax.pmax),
-       "pmin": (jax_gin.pmin, lax.pmin)}
+from helpers import DTYPES, OPS, assert_bitwise, exact_input
 
 
 def _mesh(shape, names, order=None):
@@ -81,7 +78,7 @@ def test_parity(case, op, algo, check_vma):
         assert "all-gather" not in _compiled(f, x)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int32", "uint32"])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_dtypes_and_pytree(dtype):
     # Leaves of several shapes, a scalar and a Python constant. The reference is numpy's
     # reduction of the blocks over "x" (exact data): lax.psum of the bfloat16 leaf "b" aborts

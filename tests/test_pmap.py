@@ -6,10 +6,7 @@ from jax import lax
 
 import jax_gin
 from conftest import ndev
-from helpers import assert_bitwise, exact_input
-
-OPS = {"psum": (jax_gin.psum, lax.psum), "pmax": (jax_gin.pmax, lax.pmax),
-       "pmin": (jax_gin.pmin, lax.pmin)}
+from helpers import OPS, assert_bitwise, exact_input
 
 
 @pytest.mark.parametrize("algo", jax_gin.ALGORITHMS + ("auto",))

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 import jax_gin
 from jax_gin import _native, _runtime
 from conftest import mesh_1d, ndev, needs_devices
-from helpers import exact_input, smap
+from helpers import OPS, exact_input, smap
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU recorder")
 C = _native.cpu
@@ -122,7 +122,7 @@ def test_trace_json(fresh, tmp_path):
     needs_devices(2)  # over one device auto launches nothing to trace
     path = tmp_path / "t.json"
     x = exact_input((300,), ndev(), "float32")
-    calls = [(api, algo) for api in ("psum", "pmax", "pmin") for algo in jax_gin.ALGORITHMS]
+    calls = [(api, algo) for api in OPS for algo in jax_gin.ALGORITHMS]
     fns = [_fn(api, algo) for api, algo in calls]
     jax.block_until_ready(fns[0](x))  # compiled, and run once before the block
     with jax_gin.trace(path):

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_gin
 from conftest import mesh_1d, mesh_2d, ndev, needs_devices, table_group_sizes
-from helpers import assert_bitwise, exact_input, smap
+from helpers import OPS, assert_bitwise, exact_input, smap
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
@@ -139,12 +139,12 @@ def test_vmap_inside_shard_map(check_vma):
     assert_bitwise(a, b)
 
 
-@pytest.mark.parametrize("op", ["psum", "pmax", "pmin"])
+@pytest.mark.parametrize("op", list(OPS))
 def test_vmap_named_axis(op):
     # Reducing over the vmapped axis itself (no mesh at all).
     x = jnp.asarray(np.arange(12, dtype=np.float32).reshape(4, 3) % 5)
-    ours = jax.vmap(lambda v: getattr(jax_gin, op)(v, "b"), axis_name="b")(x)
-    ref = jax.vmap(lambda v: getattr(lax, op)(v, "b"), axis_name="b")(x)
+    ours = jax.vmap(lambda v: OPS[op][0](v, "b"), axis_name="b")(x)
+    ref = jax.vmap(lambda v: OPS[op][1](v, "b"), axis_name="b")(x)
     assert_bitwise(ours, ref)
 
 
@@ -448,7 +448,7 @@ def test_tune_builds_collective_tables():
 def test_tune_from_collective_benchmark_json(tmp_path):
     needs_devices(2)  # the benchmark runs on 2 or more devices
     import json
-    from jax_gin import bench, tune
+    from jax_gin import _select, bench, tune
 
     path = tmp_path / "b.json"
     assert bench.main(["-b", "1K", "-e", "4K", "-n", "2", "-w", "1", "-k", "3", "-c", "all",
@@ -464,7 +464,7 @@ def test_tune_from_collective_benchmark_json(tmp_path):
         sizes = {r["size"] for r in rows if r["collective"] == collective}
         assert len(sizes) == 2 and max(sizes) <= 4096 and min(sizes) > 1024 - 4 * ndev()
         assert {e["max_bytes"] for e in t["entries"]} <= sizes and t["entries"]
-        allowed = jax_gin.ALGORITHMS if collective == "all_reduce" else ("one_shot", "ring")
+        allowed = jax_gin.ALGORITHMS if collective == "all_reduce" else _select.COLLECTIVE_ALGORITHMS
         assert all(e["algorithm"] in allowed + ("xla",) for e in t["entries"])
         # (a row whose T_K - T_1 came out <= 0 on a busy machine is left out)
         assert set(t["entries"][0]["time_us"]) <= set(allowed) | {"xla"}

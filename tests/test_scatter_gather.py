@@ -10,13 +10,14 @@ from jax.sharding import PartitionSpec as P
 
 import jax_gin
 from jax_gin import _native, _primitive
+from jax_gin._ops import ALGORITHM_CODES
+from jax_gin._select import COLLECTIVE_ALGORITHMS
 from conftest import mesh_1d, mesh_2d, ndev, needs_devices
-from helpers import assert_bitwise, exact_input, kernel_algorithm, smap
+from helpers import DTYPES, assert_bitwise, exact_input, kernel_algorithm, smap
 
 OPS = {"psum_scatter": (jax_gin.psum_scatter, lax.psum_scatter),
        "all_gather": (jax_gin.all_gather, lax.all_gather)}
-ALGOS = ("one_shot", "ring", "auto")
-DTYPES = ["float32", "bfloat16", "float16", "int32", "uint32"]
+ALGOS = COLLECTIVE_ALGORITHMS + ("auto",)
 
 
 def _dim_kw(op, dim):
@@ -97,7 +98,7 @@ def test_parity_tiled_inner_dims(op, dim):
     assert_bitwise(got, want)
 
 
-@pytest.mark.parametrize("algo", ("one_shot", "ring"))
+@pytest.mark.parametrize("algo", COLLECTIVE_ALGORITHMS)
 @pytest.mark.parametrize("axes", ["x", "y", ("x", "y"), ("y", "x")])
 @pytest.mark.parametrize("op", list(OPS))
 def test_parity_2d_mesh(op, axes, algo):
@@ -120,7 +121,7 @@ def test_no_axis_returns_the_input(op, tiled):
     assert got.shape == (n, 2, 3)
 
 
-@pytest.mark.parametrize("algo", ("one_shot", "ring"))
+@pytest.mark.parametrize("algo", COLLECTIVE_ALGORITHMS)
 @pytest.mark.parametrize("dtype", ["float64", "int64"])
 def test_parity_x64(dtype, algo):
     with jax.enable_x64(True):
@@ -132,7 +133,7 @@ def test_parity_x64(dtype, algo):
             _compare(op, x, "i", mesh_1d(), P("i"), tiled=True, algo=algo)
 
 
-@pytest.mark.parametrize("algo", ("one_shot", "ring", "auto"))
+@pytest.mark.parametrize("algo", COLLECTIVE_ALGORITHMS + ("auto",))
 @pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16", "uint64"])
 @pytest.mark.parametrize("shape,dim,tiled", [((5,), 0, True), ((3, 7), 1, False), ((1,), 0, False),
                                              ((2, 3), 1, True), ((4097,), 0, True)])
@@ -166,7 +167,7 @@ def test_small_integers_psum_scatter_and_float8_refused():
         smap(lambda v: jax_gin.all_gather(v, "i")[None], mesh_1d(), P("i")).lower(x)
 
 
-@pytest.mark.parametrize("algo", ("one_shot", "ring"))
+@pytest.mark.parametrize("algo", COLLECTIVE_ALGORITHMS)
 def test_several_rounds(algo, monkeypatch):
     # 64 KiB windows: a block of ~400 KiB per rank takes several rounds through them
     monkeypatch.setattr(jax_gin.runtime.settings, "cpu_workspace_bytes", 64 << 10)
@@ -446,8 +447,8 @@ def test_threads_harness_group_sizes():
     ops = _native.COLLECTIVE_OPS
     rng = np.random.default_rng(0)
     for n in (2, 3, 5, 7, 16):
-        for algo in ("one_shot", "ring"):
-            code = jax_gin.ALGORITHMS.index(algo)
+        for algo in COLLECTIVE_ALGORITHMS:
+            code = ALGORITHM_CODES[algo]
             for block in (4, 36, 1000):
                 x = rng.integers(-50, 50, size=(n, n * block)).astype(np.float32)
                 y = _native.cpu.threads_collective(x, ops["psum_scatter"], code, 4096,
@@ -460,12 +461,12 @@ def test_threads_harness_group_sizes():
 
 
 @pytest.mark.parametrize("op", list(OPS))
-@pytest.mark.parametrize("algo", ("one_shot", "ring"))
+@pytest.mark.parametrize("algo", COLLECTIVE_ALGORITHMS)
 def test_fault_injection_names_the_collective(monkeypatch, op, algo):
     needs_devices(2)  # rank 1 is the faulty one
     if jax.default_backend() != "cpu":
         pytest.skip("the GPU fault test runs in the native harness (a trap kills the context)")
-    timeout = 0.4 + 0.01 * list(OPS).index(op) + 0.02 * ("one_shot", "ring").index(algo)
+    timeout = 0.4 + 0.01 * list(OPS).index(op) + 0.02 * COLLECTIVE_ALGORITHMS.index(algo)
     monkeypatch.setattr(jax_gin.runtime.settings, "timeout_s", timeout)
     monkeypatch.setattr(jax_gin.runtime.settings, "fault_rank", 1)
     n = ndev()

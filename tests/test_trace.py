@@ -11,8 +11,9 @@ from jax.sharding import PartitionSpec as P
 
 import jax_gin
 from jax_gin import _runtime
+from jax_gin._select import COLLECTIVE_ALGORITHMS
 from conftest import mesh_1d, ndev
-from helpers import exact_input, smap
+from helpers import OPS, exact_input, smap
 
 _timeouts = itertools.count()
 
@@ -25,7 +26,7 @@ def test_trace_every_algorithm(monkeypatch, tmp_path, size):
         pytest.skip("a group of one rank only copies: no phases to trace")
     gpu = jax.default_backend() != "cpu"
     x = exact_input((size,), ndev(), "float32")
-    calls = [(api, algo) for api in ("psum", "pmax", "pmin") for algo in jax_gin.ALGORITHMS]
+    calls = [(api, algo) for api in OPS for algo in jax_gin.ALGORITHMS]
     fns = [smap(lambda v, api=api, algo=algo: getattr(jax_gin, api)(v, "i", algorithm=algo),
                 mesh_1d(), P("i")) for api, algo in calls]
     for f in fns:
@@ -73,7 +74,7 @@ def test_trace_names_psum_scatter_and_all_gather(monkeypatch, tmp_path):
         pytest.skip("a group of one rank only copies: no phases to trace")
     n = ndev()
     x = exact_input((64 * n,), n, "float32")
-    calls = [(api, algo) for api in ("psum_scatter", "all_gather") for algo in ("one_shot", "ring")]
+    calls = [(api, algo) for api in ("psum_scatter", "all_gather") for algo in COLLECTIVE_ALGORITHMS]
     fns = [smap(lambda v, api=api, algo=algo: getattr(jax_gin, api)(v, "i", tiled=True,
                                                                      algorithm=algo),
                 mesh_1d(), P("i")) for api, algo in calls]
