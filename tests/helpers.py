@@ -1,5 +1,5 @@
-"""Shared helpers: the lists the tests parametrize over, exact inputs, shard_map wrappers and
-bitwise comparison."""
+"""Shared helpers: the lists the tests parametrize over, exact inputs, shard_map wrappers,
+bitwise comparison and the count of jax_gin's custom calls."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,15 +26,18 @@ def exact_input(shape_per_device, ndevices, dtype, seed=0):
 
 
 def auto_runs_kernel() -> bool:
-    """Whether `auto` runs jax_gin's kernel over the 1-D mesh of every device: where it holds
-    two or more; over one device auto returns the input and launches nothing (a group of one
-    rank)."""
+    """Whether `auto` runs jax_gin's kernel over the 1-D mesh of every device on a small input:
+    where the mesh holds two or more devices; over one device auto returns the input and
+    launches nothing (a group of one rank). Small: at most 32 KiB per device, which every
+    shipped tuning table gives to a kernel (jax_gin/tuning/cpu_n8.json, the table of 8 CPU
+    devices, hands larger all-reduces to XLA's own)."""
     return len(jax.devices()) > 1
 
 
 def kernel_algorithm() -> str:
-    """The algorithm for a test that must run jax_gin's kernel over that mesh: `auto` where it
-    does (auto_runs_kernel), else an explicit one."""
+    """The algorithm for a test that must run jax_gin's kernel over that mesh on a small input
+    (auto_runs_kernel): `auto` where it does, else an explicit one. A larger input needs an
+    explicit algorithm."""
     return "auto" if auto_runs_kernel() else "one_shot"
 
 
@@ -49,3 +52,8 @@ def assert_bitwise(a, b):
     assert a.shape == b.shape, (a.shape, b.shape)
     np.testing.assert_array_equal(a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8))
 
+
+def jax_gin_calls(f, *args) -> int:
+    """How many of jax_gin's custom calls the jitted `f` lowers to on `args` (StableHLO text;
+    an asynchronous call counts twice, its start and its done)."""
+    return f.lower(*args).as_text().count("stablehlo.custom_call @jax_gin_")

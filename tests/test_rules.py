@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_gin
 from conftest import mesh_1d, mesh_2d, ndev, needs_devices, table_group_sizes
-from helpers import OPS, assert_bitwise, exact_input, smap
+from helpers import OPS, assert_bitwise, exact_input, jax_gin_calls, smap
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
@@ -278,13 +278,17 @@ def test_tune_builds_a_table_from_benchmark_json(tmp_path):
     assert all(e["algorithm"] in jax_gin.ALGORITHMS for e in t["entries"])
 
 
-def test_many_independent_calls_are_ordered():
+@pytest.mark.parametrize("algo", jax_gin.ALGORITHMS)
+def test_many_independent_calls_are_ordered(algo):
     # XLA's CPU runtime runs independent ops concurrently (more than 8 ops, buffers over 512
-    # bytes); jax_gin chains its calls so that every rank runs them in the same order.
+    # bytes); jax_gin chains its calls so that every rank runs them in the same order. Twelve
+    # calls of about 4 KiB: one per leaf (bucket_bytes=1), with an explicit algorithm, so that
+    # each runs jax_gin's kernel whatever `auto` would choose.
     mesh = mesh_1d()
     grads = {f"w{k}": exact_input((1024 + k,), ndev(), "float32", seed=k) for k in range(12)}
-    f = smap(lambda g: (jax_gin.psum(g, "i"), lax.psum(g, "i")), mesh, P("i"),
-             out_spec=(P("i"), P("i")))
+    f = smap(lambda g: (jax_gin.psum(g, "i", algorithm=algo, bucket_bytes=1), lax.psum(g, "i")),
+             mesh, P("i"), out_spec=(P("i"), P("i")))
+    assert jax_gin_calls(f, grads) == len(grads)
     for _ in range(5):
         got, want = f(grads)
         jax.tree.map(assert_bitwise, got, want)
