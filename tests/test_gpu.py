@@ -1,7 +1,8 @@
-"""GPU-only checks: sizes up to 1 GiB per device, 100,000 repeated calls, command buffers.
+"""GPU-only checks: sizes up to 1 GiB per device, 100,000 repeated calls, command buffers,
+and a group of one GPU.
 
-Run with JAX_PLATFORMS=cuda on a machine with >= 2 GPUs and the CUDA extension; skipped on
-CPU. (The timeout fault on GPU traps the CUDA context, so it is tested in the native harness,
+Run with JAX_PLATFORMS=cuda and the CUDA extension: test_one_gpu_group on one GPU or more,
+the others on two or more; skipped on CPU. (The timeout fault on GPU traps the CUDA context, so it is tested in the native harness,
 cuda/harness.cu --fault-rank, which scripts/gpu_run.sh runs.)
 """
 import os
@@ -18,11 +19,12 @@ from jax.sharding import PartitionSpec as P
 
 import jax_gin
 from conftest import mesh_1d, ndev
-from helpers import smap
+from helpers import assert_bitwise, smap
 
-pytestmark = pytest.mark.skipif(
-    jax.default_backend() != "gpu" or not jax_gin.has_cuda() or len(jax.devices()) < 2,
-    reason="needs >= 2 CUDA devices and the CUDA extension")
+_cuda = jax.default_backend() == "gpu" and jax_gin.has_cuda()
+one_gpu = pytest.mark.skipif(not _cuda, reason="needs a CUDA device and the CUDA extension")
+two_gpus = pytest.mark.skipif(not _cuda or len(jax.devices()) < 2,
+                              reason="needs >= 2 CUDA devices and the CUDA extension")
 
 
 def _exact_device_input(count, dtype):
@@ -37,12 +39,21 @@ def _exact_device_input(count, dtype):
     return smap(make, mesh, P("i"))(jnp.zeros((ndev(),), jnp.int32))
 
 
+def _same_bits(a, b):
+    """Whether a and b hold the same bits (a device-side assert_bitwise: a 1 GiB result per
+    device stays on the device). The dtypes and shapes are checked at trace time."""
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
+    as_uint = jnp.dtype(f"uint{8 * a.dtype.itemsize}")
+    return jnp.all(lax.bitcast_convert_type(a, as_uint) == lax.bitcast_convert_type(b, as_uint))
+
+
+@two_gpus
 @pytest.mark.parametrize("algo", jax_gin.ALGORITHMS + ("auto",))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_sizes_1_to_1gib(algo, dtype):
     itemsize = np.dtype(dtype).itemsize
     mesh = mesh_1d()
-    f = smap(lambda v: jnp.all(jax_gin.psum(v, "i", algorithm=algo) == lax.psum(v, "i"))[None],
+    f = smap(lambda v: _same_bits(jax_gin.psum(v, "i", algorithm=algo), lax.psum(v, "i"))[None],
              mesh, P("i"))
     for nbytes in [itemsize, 3 * itemsize, 4 << 10, 1 << 20, (16 << 20) + 6, 256 << 20, 1 << 30]:
         x = _exact_device_input(nbytes // itemsize, dtype)
@@ -51,6 +62,7 @@ def test_sizes_1_to_1gib(algo, dtype):
         del x
 
 
+@two_gpus
 @pytest.mark.parametrize("algo", jax_gin.ALGORITHMS)
 def test_100k_repeated_calls(algo):
     # 100 jit calls of a scan of 1000 dependent all-reduces = 100,000 calls, every one checked.
@@ -59,7 +71,7 @@ def test_100k_repeated_calls(algo):
     def f(x):
         def body(c, _):
             y = jax_gin.psum(c, "i", algorithm=algo)
-            ok = jnp.all(y == lax.psum(c, "i"))
+            ok = _same_bits(y, lax.psum(c, "i"))
             return c + (y - lax.psum(c, "i")), ok
         c, ok = lax.scan(body, x, None, length=1000)
         return jnp.all(ok)[None]
@@ -70,6 +82,7 @@ def test_100k_repeated_calls(algo):
     assert all(bool(np.asarray(o).all()) for o in oks)
 
 
+@two_gpus
 def test_cuda_graphs_subprocess():
     # With XLA command buffers forced on for custom calls, jax_gin's execute-only handler is
     # captured into CUDA graphs and still gives lax's bits.
@@ -96,11 +109,6 @@ def test_cuda_graphs_subprocess():
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
 
 
-one_gpu = pytest.mark.skipif(
-    jax.default_backend() != "gpu" or not jax_gin.has_cuda(),
-    reason="needs a CUDA device and the CUDA extension")
-
-
 @one_gpu
 @pytest.mark.parametrize("algo", jax_gin.ALGORITHMS)
 def test_one_gpu_group(algo):
@@ -111,12 +119,13 @@ def test_one_gpu_group(algo):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("i",))
 
     def f(*xs):
-        return tuple(jax_gin.psum(x, "i", algorithm=algo) for x in xs)
+        return (tuple(jax_gin.psum(x, "i", algorithm=algo) for x in xs),
+                tuple(lax.psum(x, "i") for x in xs))
 
     g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P()))
     xs = [jnp.arange(n, dtype=dt) % 13
           for n in (1, 7, 4097, 300_001, 20 << 20) for dt in (jnp.float32, jnp.bfloat16)]
     xs += [jnp.arange(1000, dtype=jnp.int32), jnp.arange(33, dtype=jnp.float16)]
     for _ in range(3):
-        for x, y in zip(xs, g(*xs)):
-            np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+        got, want = g(*xs)
+        jax.tree.map(assert_bitwise, got, want)
