@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_gin
 from jax_gin import _native, _runtime
+from jax_gin._ops import ALGORITHM_CODES, OP_CODES
 from conftest import mesh_1d, ndev, needs_devices
 from helpers import OPS, exact_input, smap
 
@@ -232,7 +233,8 @@ def test_laggard_signals_lost(monkeypatch):
 def test_laggard_threads_harness():
     x = np.ones((4, 50), np.float32)
     with pytest.raises(RuntimeError) as info:
-        C.threads_allreduce(x, 0, 0, 4096, timeout_s=0.3, fault_rank=2, fault_mode=1)
+        C.threads_allreduce(x, OP_CODES["sum"], ALGORITHM_CODES["ring"], 4096, timeout_s=0.3,
+                            fault_rank=2, fault_mode=1)
     assert re.search(r"diagnosis: rank 2 never entered call #1 \(psum, ring\); rank 3 waits for it at "
                      r"step 0", str(info.value)), str(info.value)
 

@@ -8,6 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_gin
 from jax_gin import _native
+from jax_gin._ops import ALGORITHM_CODES, OP_CODES
 from conftest import mesh_1d, ndev, needs_devices
 from helpers import exact_input, smap
 
@@ -76,4 +77,5 @@ def test_threads_harness_timeout():
         pytest.skip("CPU-only native harness; under investigation on GPU processes")
     x = np.ones((4, 50), np.float32)
     with pytest.raises(RuntimeError, match=r"rank \d of group 0 \(4 ranks\) .*waiting for peer \d at step \d"):
-        _native.cpu.threads_allreduce(x, 0, 0, 4096, timeout_s=0.3, fault_rank=2)
+        _native.cpu.threads_allreduce(x, OP_CODES["sum"], ALGORITHM_CODES["ring"], 4096,
+                                      timeout_s=0.3, fault_rank=2)
