@@ -145,9 +145,29 @@ def test_ranks_bitwise_identical(dtype, algo):
     np.testing.assert_allclose(np.asarray(new_res[0], np.float32), want, rtol=0.02, atol=0.05)
 
 
-def _unfused(x, res, w, axes, eps=EPS, algo="auto"):
-    new_res = res + jax_gin.psum(x, axes, algorithm=algo)
+def _unfused(x, res, w, axes, algo=None, eps=EPS):
+    """The unfused composition: residual + the all-reduce (lax.psum; jax_gin.psum where `algo`
+    names its algorithm), then the jnp RMSNorm."""
+    s = lax.psum(x, axes) if algo is None else jax_gin.psum(x, axes, algorithm=algo)
+    new_res = res + s
     return _jnp_norm(new_res, w, eps), new_res
+
+
+def _check_grads(fused, unfused_gin, unfused_lax, check_vma):
+    """The gradients are the unfused composition's (the JVP is jax_gin's psum of the tangent,
+    then the norm's JVP in jnp): the same bits as with jax_gin.psum of the same algorithm, and
+    lax's composition's bits, except x's cotangent without check_vma. There psum's transpose
+    is a psum of cotangents that are not small integers (they hold the norm's rsqrt), which
+    jax_gin's algorithm may add in another order than XLA's all-reduce (ring does on 8 CPU
+    devices), so that one agrees to float32 rounding. (Under check_vma the
+    transpose of a psum with an invariant result adds nothing up.)"""
+    jax.tree.map(assert_bitwise, fused, unfused_gin)
+    jax.tree.map(assert_bitwise, fused[1:], unfused_lax[1:])
+    if check_vma:
+        assert_bitwise(fused[0], unfused_lax[0])
+    else:
+        np.testing.assert_allclose(np.asarray(fused[0]), np.asarray(unfused_lax[0]),
+                                   rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
@@ -155,41 +175,43 @@ def _unfused(x, res, w, axes, eps=EPS, algo="auto"):
 def test_grad_matches_unfused(algo, check_vma):
     n = ndev()
     mesh = mesh_1d()
-    rng = np.random.default_rng(11)
-    x = jnp.asarray(rng.standard_normal((n * 3, 17)), jnp.float32)
-    res = jnp.asarray(rng.standard_normal((n * 3, 17)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((17,)), jnp.float32)
-    c1 = jnp.asarray(rng.standard_normal((n * 3, 17)), jnp.float32)
-    c2 = jnp.asarray(rng.standard_normal((n * 3, 17)), jnp.float32)
+    x, res, c1, c2 = (_exact((n * 3, 17), "float32", seed=s) for s in (11, 12, 13, 14))
+    w = _weight(17, "float32", seed=15)
 
-    def loss(fn):
+    def grads(fn):
         sm = jax.shard_map(fn, mesh=mesh, in_specs=(P("i"), P("i"), P()),
                            out_specs=(P("i"), P("i")), check_vma=check_vma)
         return jax.jit(jax.grad(lambda x, r, w: jnp.sum(sm(x, r, w)[0] * c1)
-                                + jnp.sum(sm(x, r, w)[1] * c2), argnums=(0, 1, 2)))
+                                + jnp.sum(sm(x, r, w)[1] * c2), argnums=(0, 1, 2)))(x, res, w)
 
-    fused = loss(lambda x, r, w: jax_gin.psum_add_rmsnorm(x, r, w, "i", algorithm=algo))
-    unfused = loss(lambda x, r, w: _unfused(x, r, w, "i", algo=algo))
-    for g, u in zip(fused(x, res, w), unfused(x, res, w)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(u), rtol=1e-5, atol=1e-5)
+    _check_grads(grads(lambda x, r, w: jax_gin.psum_add_rmsnorm(x, r, w, "i", algorithm=algo)),
+                 grads(lambda x, r, w: _unfused(x, r, w, "i", algo=algo)),
+                 grads(lambda x, r, w: _unfused(x, r, w, "i")), check_vma)
 
 
 def test_jvp_matches_unfused():
+    """On exact inputs and tangents: the tangents are lax's composition's bits (new_residual's
+    an exact sum; normed's jnp's JVP of the norm at the same point), new_residual too; normed
+    is norm.h's (its correctly rounded rsqrt), within NORM_RTOL of the jnp composition's."""
     n = ndev()
     mesh = mesh_1d()
-    rng = np.random.default_rng(12)
-    args = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((n * 2, 8), (n * 2, 8), (8,))]
-    tans = [jnp.asarray(rng.standard_normal(a.shape), jnp.float32) for a in args]
+    args = [_exact((n * 2, 8), "float32", seed=1), _exact((n * 2, 8), "float32", seed=2),
+            _weight(8, "float32")]
+    tans = [_exact(a.shape, "float32", seed=10 + k) for k, a in enumerate(args)]
 
     def run(fn):
         sm = jax.shard_map(fn, mesh=mesh, in_specs=(P("i"), P("i"), P()),
                            out_specs=(P("i"), P("i")))
         return jax.jit(lambda a, t: jax.jvp(sm, a, t))(tuple(args), tuple(tans))
 
-    (p1, t1) = run(lambda x, r, w: jax_gin.psum_add_rmsnorm(x, r, w, "i"))
+    (p1, t1) = run(lambda x, r, w: jax_gin.psum_add_rmsnorm(x, r, w, "i",
+                                                            algorithm=kernel_algorithm()))
     (p2, t2) = run(lambda x, r, w: _unfused(x, r, w, "i"))
-    for a, b in zip(list(p1) + list(t1), list(p2) + list(t2)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    jax.tree.map(assert_bitwise, t1, t2)
+    assert_bitwise(p1[1], p2[1])
+    assert_bitwise(p1[0], _np_norm(p1[1], args[2]))
+    np.testing.assert_allclose(np.asarray(p1[0]), np.asarray(p2[0]), rtol=NORM_RTOL["float32"],
+                               atol=0)
 
 
 @pytest.mark.parametrize("weight_batched", [False, True])
@@ -385,12 +407,21 @@ def _np_layernorm(new_res, weight, bias, eps=LN_EPS):
     return (out + bias.astype(np.float32)).astype(dt)
 
 
+def _jnp_layernorm(new_res, weight, bias, eps=LN_EPS):
+    """LayerNorm as psum_add_layernorm documents it, in jnp (XLA's rsqrt): with r the new
+    residual in float32 and m = mean(r, -1), ((r - m) * rsqrt(mean((r - m)**2, -1) + eps))
+    rounded to the dtype, times weight, plus bias, each rounding to the dtype."""
+    r = new_res.astype(jnp.float32)
+    c = r - jnp.mean(r, axis=-1, keepdims=True)
+    normed = (c * lax.rsqrt(jnp.mean(c * c, axis=-1, keepdims=True) + eps)).astype(new_res.dtype)
+    return normed * weight + bias
+
+
 def _layer_refs(mesh, specs, axes, algo, check_vma, eps=LN_EPS):
     def f(x, res, w, b):
         normed, new_res = jax_gin.psum_add_layernorm(x, res, w, b, axes, eps=eps, algorithm=algo)
         lax_res = res + lax.psum(x, axes)
-        return normed, new_res, lax_res, fused_norm(lax_res, w, b, eps=eps)
-    from jax_gin._fused import _norm as fused_norm
+        return normed, new_res, lax_res, _jnp_layernorm(lax_res, w, b, eps=eps)
     out = specs[0]
     return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=(out,) * 4,
                                  check_vma=check_vma))
@@ -453,19 +484,19 @@ def test_layernorm_ranks_bitwise_identical(algo):
         assert_bitwise(new_res[k], new_res[0])
 
 
-def _ln_unfused(x, res, w, b, axes, algo="auto"):
-    from jax_gin._fused import _norm as fused_norm
-    new_res = res + jax_gin.psum(x, axes, algorithm=algo)
-    return fused_norm(new_res, w, b, eps=LN_EPS), new_res
+def _ln_unfused(x, res, w, b, axes, algo=None):
+    """As _unfused, with the jnp LayerNorm."""
+    s = lax.psum(x, axes) if algo is None else jax_gin.psum(x, axes, algorithm=algo)
+    new_res = res + s
+    return _jnp_layernorm(new_res, w, b), new_res
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("algo", ["one_shot", "ring"])
 def test_layernorm_grad_matches_unfused(algo, check_vma):
     n = ndev()
-    rng = np.random.default_rng(21)
-    x, res, c1, c2 = (jnp.asarray(rng.standard_normal((n * 3, 17)), jnp.float32) for _ in range(4))
-    w, b = (jnp.asarray(rng.standard_normal((17,)), jnp.float32) for _ in range(2))
+    x, res, w, b = _ln_inputs((3, 17), "float32", 21)
+    c1, c2 = (_exact((n * 3, 17), "float32", seed=s) for s in (25, 26))
 
     def grads(fn):
         sm = jax.shard_map(fn, mesh=mesh_1d(), in_specs=(P("i"), P("i"), P(), P()),
@@ -473,10 +504,10 @@ def test_layernorm_grad_matches_unfused(algo, check_vma):
         return jax.jit(jax.grad(lambda *a: jnp.sum(sm(*a)[0] * c1) + jnp.sum(sm(*a)[1] * c2),
                                 argnums=(0, 1, 2, 3)))(x, res, w, b)
 
-    fused = grads(lambda x, r, w, b: jax_gin.psum_add_layernorm(x, r, w, b, "i", algorithm=algo))
-    unfused = grads(lambda x, r, w, b: _ln_unfused(x, r, w, b, "i", algo=algo))
-    for g, u in zip(fused, unfused):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(u), rtol=1e-5, atol=1e-5)
+    _check_grads(grads(lambda x, r, w, b: jax_gin.psum_add_layernorm(x, r, w, b, "i",
+                                                                     algorithm=algo)),
+                 grads(lambda x, r, w, b: _ln_unfused(x, r, w, b, "i", algo=algo)),
+                 grads(lambda x, r, w, b: _ln_unfused(x, r, w, b, "i")), check_vma)
 
 
 @pytest.mark.parametrize("batched", ["none", "weight", "bias", "both"])
@@ -507,7 +538,6 @@ def test_layernorm_vmap(batched):
 
 
 def test_layernorm_one_custom_call_and_fallback(cpu_table_with_xla):
-    n = ndev()
     x, res, w, b = _ln_inputs((2, 8), "bfloat16", 1)
     f = jax.jit(jax.shard_map(
         lambda x, r, w, b: jax_gin.psum_add_layernorm(x, r, w, b, "i", algorithm="one_shot"),
@@ -522,8 +552,7 @@ def test_layernorm_one_custom_call_and_fallback(cpu_table_with_xla):
         assert "jax_gin_add_layernorm" not in text and "all_reduce" in text
         normed, new_res, lax_res, jnp_normed = g(x, res, w, b)
         assert_bitwise(new_res, lax_res)
-        assert_bitwise(normed, jnp_normed)
-    del n
+        assert_bitwise(normed, jnp_normed)  # the same XLA math
 
 
 @pytest.mark.parametrize("case, match", [
