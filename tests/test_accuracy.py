@@ -5,7 +5,6 @@ contribution (one_shot, two_shot), as lax's reduction does; ring and tree pass 1
 partial sums between ranks, each hop rounding once (at most N - 1 roundings). The bitwise
 tests (test_parity.py) use exact data; these use standard normal data.
 """
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -2,7 +2,6 @@
 lax and to reducing every leaf on its own."""
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P

@@ -35,11 +35,6 @@ def mesh_dt(kind=AUTO):
     return make_mesh((2, n // 2) if n >= 4 else (1, n), ("data", "tensor"), kind)
 
 
-def needs_two_devices():
-    if ndev() < 2:
-        pytest.skip("one device: nothing to all-reduce")
-
-
 def mesh_1d(kind=AUTO):
     return make_mesh((ndev(),), ("i",), kind)
 
@@ -234,7 +229,7 @@ def test_reduction_dtypes(dtype):
 
 
 def test_hlo_matmul_row_parallel():
-    needs_two_devices()
+    needs_devices(2)  # one device: nothing to all-reduce
     mesh = mesh_dt()
     xs = put(ints((16, 32)), mesh, P("data", "tensor"))
     ws = put(ints((32, 8)), mesh, P("tensor", None))
@@ -248,7 +243,7 @@ def test_hlo_matmul_row_parallel():
 
 
 def test_hlo_column_parallel_backward():
-    needs_two_devices()
+    needs_devices(2)  # one device: nothing to all-reduce
     # Column-parallel: the forward needs no collective; dx contracts the sharded n.
     mesh = mesh_dt()
     xs = put(ints((16, 32)), mesh, P("data", None))
@@ -260,7 +255,7 @@ def test_hlo_column_parallel_backward():
 
 @pytest.mark.parametrize("name", REDUCTIONS)
 def test_hlo_reductions(name):
-    needs_two_devices()
+    needs_devices(2)  # one device: nothing to all-reduce
     mesh = mesh_dt()
     xs = put(ints((8, 12, 4)), mesh, P("data", "tensor"))
     f = getattr(jax_gin, name)
@@ -275,7 +270,7 @@ def test_hlo_reductions(name):
 
 
 def test_hlo_explicit_axes():
-    needs_two_devices()
+    needs_devices(2)  # one device: nothing to all-reduce
     mesh = mesh_dt(EXPLICIT)
     xs = put(ints((16, 32)), mesh, P("data", "tensor"))
     ws = put(ints((32, 8)), mesh, P("tensor", None))

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 import jax_gin
 from jax_gin import _runtime
 from jax_gin._select import COLLECTIVE_ALGORITHMS
-from conftest import mesh_1d, ndev
+from conftest import mesh_1d, ndev, needs_devices
 from helpers import OPS, exact_input, smap
 
 _timeouts = itertools.count()
@@ -22,8 +22,7 @@ _timeouts = itertools.count()
 def test_trace_every_algorithm(monkeypatch, tmp_path, size):
     # a timeout of its own: communicators of its own
     monkeypatch.setattr(_runtime.settings, "timeout_s", 25.0 + 0.001 * next(_timeouts))
-    if ndev() < 2:
-        pytest.skip("a group of one rank only copies: no phases to trace")
+    needs_devices(2)  # a group of one rank only copies: no phases to trace
     gpu = jax.default_backend() != "cpu"
     x = exact_input((size,), ndev(), "float32")
     calls = [(api, algo) for api in OPS for algo in jax_gin.ALGORITHMS]
@@ -70,8 +69,7 @@ def test_trace_every_algorithm(monkeypatch, tmp_path, size):
 def test_trace_names_psum_scatter_and_all_gather(monkeypatch, tmp_path):
     """The recorder names the collectives' calls, with the larger side's bytes."""
     monkeypatch.setattr(_runtime.settings, "timeout_s", 26.5)  # a communicator of its own
-    if ndev() < 2:
-        pytest.skip("a group of one rank only copies: no phases to trace")
+    needs_devices(2)  # a group of one rank only copies: no phases to trace
     n = ndev()
     x = exact_input((64 * n,), n, "float32")
     calls = [(api, algo) for api in ("psum_scatter", "all_gather") for algo in COLLECTIVE_ALGORITHMS]
@@ -100,8 +98,7 @@ def test_trace_has_psum_add_rmsnorm(monkeypatch, tmp_path, algo):
     """psum_add_rmsnorm is recorded as its all-reduce (a psum of x, with its algorithm); on
     GPUs one_shot runs it in one kernel over LL, which records it too."""
     monkeypatch.setattr(_runtime.settings, "timeout_s", 27.5 + 0.001 * next(_timeouts))
-    if ndev() < 2:
-        pytest.skip("a group of one rank only copies: no phases to trace")
+    needs_devices(2)  # a group of one rank only copies: no phases to trace
     n = ndev()
     x = exact_input((8, 64), n, "float32")
     w = exact_input((64,), 1, "float32", 1)
