@@ -1,8 +1,8 @@
 """The documentation's Python snippets run as written, the README stays short, and the demo
 runs.
 
-Every ```python fenced block of README.md and docs/global-view.md runs alone in a fresh
-interpreter, with cwd the repository root, JAX_PLATFORMS=cpu and
+Every ```python fenced block of README.md and docs/*.md (but the files in LEFT_OUT) runs alone
+in a fresh interpreter, with cwd the repository root, JAX_PLATFORMS=cpu and
 XLA_FLAGS=--xla_force_host_platform_device_count=8, and must exit with status 0.
 
 Marker: a block that is a fragment and cannot run alone (for example one that needs a
@@ -21,7 +21,19 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-DOCS = ("README.md", "docs/global-view.md")
+# Docs with python blocks that fail run alone and carry no "# not run:" line; left out until
+# the docs mark them (reported):
+LEFT_OUT = {
+    # the fault-injection block (line 84) and the trace block (line 148) are fragments: they
+    # use names they do not define (jax_gin, jax, jnp, mesh, P; fs, x): NameError
+    "docs/debugging.md",
+    # the launch block (line 23) reads the process id from sys.argv[1] (IndexError under -c)
+    # and needs a jax.distributed coordinator and a second process
+    "docs/multi-node.md",
+}
+DOCS = ("README.md",) + tuple(
+    doc for doc in (str(p.relative_to(ROOT)) for p in sorted((ROOT / "docs").glob("*.md")))
+    if doc not in LEFT_OUT)
 NOT_RUN = re.compile(r"#\s*not run:\s*(\S.*)")
 FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
 TIMEOUT_S = 120
@@ -45,9 +57,13 @@ def test_readme_stays_short():
     assert n <= README_MAX_LINES, f"README.md has {n} lines (at most {README_MAX_LINES})"
 
 
-def test_every_doc_has_python_blocks():
+def test_every_python_fence_is_a_block():
+    # the README has snippets, and no ```python fence of a doc escapes FENCE (say, one left
+    # unclosed), which would leave its code untested
+    assert python_blocks("README.md")
     for doc in DOCS:
-        assert python_blocks(doc), f"{doc}: no ```python block found"
+        opened = len(re.findall(r"^```python", (ROOT / doc).read_text(), re.M))
+        assert len(python_blocks(doc)) == opened, f"{doc}: {opened} ```python fences"
 
 
 @pytest.mark.parametrize("where,code", BLOCKS, ids=[w for w, _ in BLOCKS])
