@@ -11,9 +11,9 @@ bottom), joined by jax.distributed on 127.0.0.1:
 - test_gpu_*: 2 processes with one GPU each (CUDA_VISIBLE_DEVICES), on a machine with >= 2
   GPUs and the CUDA extension; skipped elsewhere (as in CI). Parity with lax bit for bit over
   every algorithm, op and dtype, on 1-D and 1x2 meshes, grad, repeated calls, and a clean
-  reset in both processes (`bash scripts/gpu_run.sh test` runs this file). Passed on 2 x H200 on
-  2026-11-30 with float32, bfloat16 and int32; float16, uint32, float64 and int64 were added
-  after that run and have not run in this mode yet.
+  reset in both processes (`bash scripts/gpu_run.sh test` runs this file). They passed on
+  2 x H200 with all seven dtypes (float32, bfloat16, int32, float16, uint32, float64, int64)
+  at commits 635bced and 9c4c7b9.
 """
 import json
 import os
