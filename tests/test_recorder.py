@@ -243,7 +243,7 @@ def test_laggard_text_of_a_cycle():
     """The states one H200's harness read through the windows when rank 1 of a two_shot psum
     over 4 ranks lost its signals: every rank waits, in a cycle; the diagnosis names rank 1,
     the one most waited for."""
-    psum, two_shot = 0, jax_gin.ALGORITHMS.index("two_shot")
+    psum, two_shot = OP_CODES["sum"], ALGORITHM_CODES["two_shot"]
     states = [(1, 0, 1, 1, 1, 0, psum, two_shot, 1), (1, 0, 1, 1, 2, 1, psum, two_shot, 0),
               (1, 0, 1, 1, 1, 0, psum, two_shot, 0), (1, 0, 1, 1, 1, 0, psum, two_shot, 0)]
     text = _native.cpu.laggard_text([list(s) for s in states], 0, 0)
