@@ -133,7 +133,7 @@ def test_parity_x64(dtype, algo):
             _compare(op, x, "i", mesh_1d(), P("i"), tiled=True, algo=algo)
 
 
-@pytest.mark.parametrize("algo", COLLECTIVE_ALGORITHMS + ("auto",))
+@pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16", "uint64"])
 @pytest.mark.parametrize("shape,dim,tiled", [((5,), 0, True), ((3, 7), 1, False), ((1,), 0, False),
                                              ((2, 3), 1, True), ((4097,), 0, True)])
