@@ -1,8 +1,8 @@
 """The documentation's Python snippets run as written, the README stays short, and the demo
 runs.
 
-Every ```python fenced block of README.md and docs/*.md (but the files in LEFT_OUT) runs alone
-in a fresh interpreter, with cwd the repository root, JAX_PLATFORMS=cpu and
+Every ```python fenced block of README.md and docs/*.md runs alone in a fresh interpreter,
+with cwd the repository root, JAX_PLATFORMS=cpu and
 XLA_FLAGS=--xla_force_host_platform_device_count=8, and must exit with status 0.
 
 Marker: a block that is a fragment and cannot run alone (for example one that needs a
@@ -21,19 +21,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# Docs with python blocks that fail run alone and carry no "# not run:" line; left out until
-# the docs mark them (reported):
-LEFT_OUT = {
-    # the fault-injection block (line 84) and the trace block (line 148) are fragments: they
-    # use names they do not define (jax_gin, jax, jnp, mesh, P; fs, x): NameError
-    "docs/debugging.md",
-    # the launch block (line 23) reads the process id from sys.argv[1] (IndexError under -c)
-    # and needs a jax.distributed coordinator and a second process
-    "docs/multi-node.md",
-}
-DOCS = ("README.md",) + tuple(
-    doc for doc in (str(p.relative_to(ROOT)) for p in sorted((ROOT / "docs").glob("*.md")))
-    if doc not in LEFT_OUT)
+DOCS = ("README.md",) + tuple(str(p.relative_to(ROOT)) for p in sorted((ROOT / "docs").glob("*.md")))
 NOT_RUN = re.compile(r"#\s*not run:\s*(\S.*)")
 FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
 TIMEOUT_S = 120
