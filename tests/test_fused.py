@@ -160,7 +160,15 @@ def _check_grads(fused, unfused_gin, unfused_lax, check_vma):
     is a psum of cotangents that are not small integers (they hold the norm's rsqrt), which
     jax_gin's algorithm may add in another order than XLA's all-reduce (ring does on 8 CPU
     devices), so that one agrees to float32 rounding. (Under check_vma the
-    transpose of a psum with an invariant result adds nothing up.)"""
+    transpose of a psum with an invariant result adds nothing up.) On GPUs XLA fuses the
+    backward reductions of the two programs (the weight's cotangent sums over rows)
+    differently, so there every cotangent agrees to float32 rounding (one H200, 2026-12-02:
+    the weight's differs by 1 ulp in 2 of 17 elements)."""
+    if jax.default_backend() != "cpu":
+        for ref in (unfused_gin, unfused_lax):
+            for a, b in zip(fused, ref, strict=True):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+        return
     jax.tree.map(assert_bitwise, fused, unfused_gin)
     jax.tree.map(assert_bitwise, fused[1:], unfused_lax[1:])
     if check_vma:

@@ -2,6 +2,7 @@
 scan bodies, under grad, vmap and remat, mixed with synchronous calls."""
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -100,7 +101,9 @@ def test_donated_input(reuse):
     # gives it and the done returns that buffer, so donation can neither free nor reuse it
     # between the two. Where the program reads the input again after the done, XLA must copy
     # it before the start; either way the result is lax's, and the argument is consumed.
-    x = exact_input((1000,), ndev(), "float32", seed=6)
+    # host data: each device_put makes fresh buffers to donate (on one device, putting a
+    # device array with its own sharding would return that array, which donation deletes)
+    x = np.asarray(exact_input((1000,), ndev(), "float32", seed=6))
     sharding = jax.sharding.NamedSharding(mesh_1d(), P("i"))
 
     def program(fn):
