@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 import jax_gin
 from jax_gin._primitive import MAX_OPERANDS, buckets
 from conftest import mesh_1d, mesh_2d, ndev
-from helpers import OPS, assert_bitwise, exact_input
+from helpers import OPS, assert_bitwise, exact_input, jax_gin_calls
 
 # Leaves of odd sizes and shapes in several dtypes; the float32 ones (1000 + 4097 + 105 + 1 +
 # 3 + 2 elements) straddle 16-byte boundaries everywhere. (No empty leaf: on 8 CPU devices,
@@ -22,10 +22,6 @@ LEAF_SHAPES = {"a": ((1000,), "float32"), "b": ((7,), "bfloat16"), "c": ((4097,)
 def _tree(seed=0, shapes=LEAF_SHAPES, ndevices=None):
     n = ndevices or ndev()
     return {k: exact_input(s, n, dt, seed=seed + j) for j, (k, (s, dt)) in enumerate(shapes.items())}
-
-
-def _calls(f, *args) -> int:
-    return f.lower(*args).as_text().count("jax_gin_all_reduce")
 
 
 def test_bucket_partition():
@@ -65,7 +61,7 @@ def test_one_call_per_dtype_and_bucket():
                                                           bucket_bytes=bucket_bytes),
                                    mesh=mesh, in_specs=(spec,), out_specs=spec))
         # float32, bfloat16, int32: three calls; with 1-byte buckets, one call per leaf
-        assert _calls(sf, tree) == expected
+        assert jax_gin_calls(sf, tree) == expected
 
 
 def test_many_leaves_split_at_max_operands():
@@ -78,8 +74,9 @@ def test_many_leaves_split_at_max_operands():
     got, want = sf(tree)
     jax.tree.map(assert_bitwise, got, want)
     # an explicit algorithm, so that a mesh of one device launches the kernels too
-    assert _calls(jax.jit(jax.shard_map(lambda t: jax_gin.psum(t, "i", algorithm="one_shot"),
-                                        mesh=mesh, in_specs=(spec,), out_specs=spec)), tree) == 2
+    assert jax_gin_calls(jax.jit(jax.shard_map(lambda t: jax_gin.psum(t, "i", algorithm="one_shot"),
+                                               mesh=mesh, in_specs=(spec,), out_specs=spec)),
+                         tree) == 2
 
 
 @pytest.mark.parametrize("algo", jax_gin.ALGORITHMS)

@@ -219,10 +219,6 @@ def _tree(n, seed):
             for j, (k, (shape, dt)) in enumerate(shapes.items())}
 
 
-def _custom_calls(f, *args) -> int:
-    return f.lower(*args).as_text().count("jax_gin_collective_")
-
-
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("tiled", [True, False])
 @pytest.mark.parametrize("op", list(OPS))
@@ -253,15 +249,15 @@ def test_pytree_buckets(op, tiled, check_vma):
     groups = {np.dtype(v.dtype) if v.dtype != np.bool_ else np.dtype(np.int32)
               for v in jax.tree.leaves(tree)}
     groups = {np.dtype(np.float32) if np.issubdtype(g, np.complexfloating) else g for g in groups}
-    assert _custom_calls(whole, tree) == len(groups)
-    assert _custom_calls(per_leaf, tree) == len(jax.tree.leaves(tree))
+    assert jax_gin_calls(whole, tree) == len(groups)
+    assert jax_gin_calls(per_leaf, tree) == len(jax.tree.leaves(tree))
     # buckets the size of the largest float32 leaf's larger side (unpadded): that leaf goes
     # alone, the others share a call, and the result is still the same
     larger = [v.size // n * 4 * (n if op == "all_gather" else 1)
               for v in jax.tree.leaves(tree) if v.dtype == np.float32]
     bucketed = body(max(larger))
     jax.tree.map(assert_bitwise, bucketed(tree)[0], got)
-    assert len(groups) < _custom_calls(bucketed, tree) < len(jax.tree.leaves(tree))
+    assert len(groups) < jax_gin_calls(bucketed, tree) < len(jax.tree.leaves(tree))
 
 
 def test_pytree_buckets_keep_each_leafs_typing():
@@ -281,7 +277,7 @@ def test_pytree_buckets_keep_each_leafs_typing():
                               out_specs=P(("x", "y"))))
     rs, rs_ref, ag, ag_ref = f(a, b)
     jax.tree.map(assert_bitwise, (rs, ag), (rs_ref, ag_ref))
-    assert _custom_calls(f, a, b) == 4
+    assert jax_gin_calls(f, a, b) == 4
 
 
 def test_pytree_partially_manual():
