@@ -102,8 +102,8 @@ def _calls(x, collective: str, nranks: int, bucket_bytes: int) -> list:
         shape, dtype = _shape_dtype(leaf)
         count = int(np.prod(shape, dtype=np.int64))
         if collective in _scatter_gather.API_NAMES:
-            moved, _ = _scatter_gather.moved_dtype(dtype, collective)
-            nbytes = _larger_side_bytes(shape, dtype, collective, nranks)
+            moved, per_value = _scatter_gather.moved_dtype(dtype, collective)
+            nbytes = _larger_side_bytes(count * per_value, moved, collective, nranks)
         else:
             moved, per_value = reduced_dtype(dtype, collective)
             nbytes = count * per_value * moved.itemsize
@@ -138,11 +138,9 @@ def _ranges(indices) -> str:
     return ", ".join(map(str, indices))
 
 
-def _larger_side_bytes(shape, dtype, api: str, nranks: int) -> int:
-    """N blocks of the flat layout _scatter_gather lowers a leaf to (moved_dtype's element
-    type), each block padded to 16 bytes."""
-    moved, per_value = _scatter_gather.moved_dtype(dtype, api)
-    count = int(np.prod(shape, dtype=np.int64)) * per_value  # elements moved (words: a fraction)
+def _larger_side_bytes(count, moved, api: str, nranks: int) -> int:
+    """N blocks of the flat layout _scatter_gather lowers a leaf of `count` elements of
+    `moved` to (moved_dtype's; packed words: a fraction), each block padded to 16 bytes."""
     if api == "psum_scatter" and count % nranks:
         raise ValueError(f"jax_gin.explain: psum_scatter of {count} elements over {nranks} "
                          f"ranks: its input holds N equal blocks, so a multiple of {nranks}")
