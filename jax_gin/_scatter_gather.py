@@ -165,7 +165,7 @@ def _prepare(leaf, axes, api):
         # a complex value moves (and sums) as its real and imaginary parts: a trailing axis
         leaf = jnp.stack([jnp.real(leaf), jnp.imag(leaf)], axis=-1)
         undo = lambda y: jax.lax.complex(y[..., 0], y[..., 1])  # noqa: E731
-    elif leaf.dtype == np.bool_ and moved != leaf.dtype:  # all_gather's bool
+    elif leaf.dtype == np.bool_:  # all_gather's, as int32 (moved_dtype refuses psum_scatter's)
         leaf, undo = leaf.astype(moved), (lambda y: y.astype(np.bool_))
     if _compat.check_vma_enabled():
         # as lax's collectives: a value that does not vary over `axes` is made varying first
