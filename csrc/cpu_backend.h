@@ -26,21 +26,21 @@ namespace cpu {
 static_assert(std::atomic<uint64_t>::is_always_lock_free,
               "flags in shared memory need lock-free (address-free) 64-bit atomics");
 
-constexpr int kDefaultRecordEntries = 64;  // flight-recorder calls per rank
-
 struct CommConfig {
   int nranks = 1;                // ranks per group
   std::vector<int32_t> group_of;  // indexed by logical device id (XLA partition id)
   std::vector<int32_t> rank_of;   // indexed by logical device id
-  size_t lane_bytes = 1 << 20;    // window bytes per rank (one lane on the CPU)
+  // Window bytes per rank, one lane on the CPU (jax_gin.runtime.settings.cpu_workspace_bytes
+  // reads its default from here).
+  size_t lane_bytes = 1 << 20;
   // Pipelining granularity of ring, tree and two_shot (schedule::chunks_for). Small, so that
   // the tests' messages are cut into several chunks; the same in every process of a group.
   size_t chunk_bytes = 16 << 10;
-  double timeout_s = 30.0;        // every wait gives up after this long
+  double timeout_s = kDefaultTimeoutS;  // every wait gives up after this long
   int fault_rank = -1;            // testing only: the faulty rank (see fault_mode)
   int fault_mode = 0;             // 0: its signals are dropped; 1: it never enters a call
   int ranks_per_node = 0;         // hierarchical only: ranks of a group per "node" (0: all)
-  int record_entries = kDefaultRecordEntries;  // flight-recorder ring per rank (private groups)
+  int record_entries = kRecDefaultEntries;  // flight-recorder ring per rank (private groups)
 };
 
 // The first bytes of a workspace. Attaching processes check it against what they expect.
@@ -72,15 +72,15 @@ class Workspace {
  public:
   // Private memory: every rank of the group runs in this process.
   static std::shared_ptr<Workspace> create_private(int nranks, size_t lane_bytes,
-                                                   int record_entries = kDefaultRecordEntries);
+                                                   int record_entries = kRecDefaultEntries);
   // A new POSIX shared-memory segment `name` (fails if it exists), for other processes to
   // map with attach_shared(). Throws std::runtime_error with a message that says why.
   static std::shared_ptr<Workspace> create_shared(const std::string& name, int nranks,
                                                   size_t lane_bytes,
-                                                  int record_entries = kDefaultRecordEntries);
+                                                  int record_entries = kRecDefaultEntries);
   static std::shared_ptr<Workspace> attach_shared(const std::string& name, int nranks,
                                                   size_t lane_bytes,
-                                                  int record_entries = kDefaultRecordEntries);
+                                                  int record_entries = kRecDefaultEntries);
   ~Workspace();
   Workspace(const Workspace&) = delete;
   Workspace& operator=(const Workspace&) = delete;

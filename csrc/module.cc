@@ -237,7 +237,7 @@ NB_MODULE(_jax_gin, m) {
         },
         nb::arg("nranks"), nb::arg("group_of"), nb::arg("rank_of"), nb::arg("lane_bytes"),
         nb::arg("timeout_s"), nb::arg("fault_rank") = -1, nb::arg("workspaces") = nb::none(),
-        nb::arg("fault_mode") = 0, nb::arg("record_entries") = cpu::kDefaultRecordEntries);
+        nb::arg("fault_mode") = 0, nb::arg("record_entries") = kRecDefaultEntries);
 
   // Flight recorder (include/jax_gin/recorder.h).
   m.def("set_record", &cpu::set_record, nb::arg("on"), "write the recorder's ring (process-wide)");
@@ -294,13 +294,13 @@ NB_MODULE(_jax_gin, m) {
   nb::class_<cpu::Workspace>(m, "Workspace",
                              "one group's symmetric workspace (private or POSIX shared memory)")
       .def_static("private", &cpu::Workspace::create_private, nb::arg("nranks"),
-                  nb::arg("lane_bytes"), nb::arg("record_entries") = cpu::kDefaultRecordEntries,
+                  nb::arg("lane_bytes"), nb::arg("record_entries") = kRecDefaultEntries,
                   "private memory; every rank joined")
       .def_static("create", &cpu::Workspace::create_shared, nb::arg("name"), nb::arg("nranks"),
-                  nb::arg("lane_bytes"), nb::arg("record_entries") = cpu::kDefaultRecordEntries,
+                  nb::arg("lane_bytes"), nb::arg("record_entries") = kRecDefaultEntries,
                   "a new shared-memory segment (fails if it exists)")
       .def_static("attach", &cpu::Workspace::attach_shared, nb::arg("name"), nb::arg("nranks"),
-                  nb::arg("lane_bytes"), nb::arg("record_entries") = cpu::kDefaultRecordEntries,
+                  nb::arg("lane_bytes"), nb::arg("record_entries") = kRecDefaultEntries,
                   "map a segment that another process created")
       .def("join", [](cpu::Workspace& w, std::vector<int> ranks, int process) {
              for (int r : ranks) {
@@ -325,11 +325,11 @@ NB_MODULE(_jax_gin, m) {
   m.def("cpu_num_comms", &cpu::num_comms);
   m.def("threads_allreduce", &threads_allreduce, nb::arg("inputs"), nb::arg("op"),
         nb::arg("algorithm"), nb::arg("lane_bytes"), nb::arg("repeats") = 1,
-        nb::arg("timeout_s") = 30.0, nb::arg("fault_rank") = -1, nb::arg("ranks_per_node") = 0,
+        nb::arg("timeout_s") = kDefaultTimeoutS, nb::arg("fault_rank") = -1, nb::arg("ranks_per_node") = 0,
         nb::arg("chunk_bytes") = cpu::CommConfig().chunk_bytes, nb::arg("fault_mode") = 0);
   m.def("threads_collective", &threads_collective, nb::arg("inputs"), nb::arg("op"),
         nb::arg("algorithm"), nb::arg("lane_bytes"), nb::arg("repeats") = 1,
-        nb::arg("timeout_s") = 30.0, nb::arg("fault_rank") = -1,
+        nb::arg("timeout_s") = kDefaultTimeoutS, nb::arg("fault_rank") = -1,
         nb::arg("chunk_bytes") = cpu::CommConfig().chunk_bytes);
   // Internal algorithm ids (not in jax_gin.ALGORITHMS): the id the FFI handlers take for a
   // group that spans nodes (_runtime.algorithm_code), and for tests through threads_allreduce.
@@ -346,6 +346,10 @@ NB_MODULE(_jax_gin, m) {
   // The most entries of a flight-recorder ring, and whether a count is one the backends take
   // (recorder.h: a power of two up to that).
   m.attr("REC_MAX_ENTRIES") = kRecMaxEntries;
+  m.attr("REC_DEFAULT_ENTRIES") = kRecDefaultEntries;
+  // Defaults of jax_gin.runtime.settings that native code also needs (common.h, cpu_backend.h).
+  m.attr("DEFAULT_TIMEOUT_S") = kDefaultTimeoutS;
+  m.attr("CPU_DEFAULT_LANE_BYTES") = cpu::CommConfig().lane_bytes;
   m.def("rec_entries_ok", [](int64_t n) { return rec_entries_ok(n); }, nb::arg("n"));
 
   // Schedules (include/jax_gin/schedule.h), exposed for unit tests.

@@ -46,7 +46,7 @@ gpu::LaunchSettings launch_settings(std::optional<int> max_lanes, OptBytes lane_
   nb::arg("max_lanes") = nb::none(), nb::arg("lane_grain_bytes") = nb::none(),               \
       nb::arg("chunk_bytes") = nb::none(), nb::arg("one_shot_chunk_bytes") = nb::none(),     \
       nb::arg("ll_max_bytes") = nb::none(), nb::arg("experimental_gin") = false,            \
-      nb::arg("record_entries") = 64
+      nb::arg("record_entries") = kRecDefaultEntries
 
 NB_MODULE(_jax_gin_cuda, m) {
   m.doc() = "jax_gin CUDA backend: NCCL device-API communicators and kernels";

@@ -62,7 +62,7 @@ struct LaunchSettings {
   std::optional<size_t> one_shot_chunk_bytes;
   std::optional<size_t> ll_max_bytes;         // never turns LL on where the window has no LL area
   bool experimental_gin = false;              // groups that span nodes may run over GIN
-  int record_entries = 64;                    // the flight recorder's ring per rank
+  int record_entries = kRecDefaultEntries;     // the flight recorder's ring per rank
 };
 
 // Creates one communicator per group. groups[g][r] is the local CUDA ordinal of rank r of

@@ -27,10 +27,13 @@ import numpy as np
 from . import _distributed, _native
 from ._ops import ALGORITHM_CODES
 
-_DEFAULT_CPU_WORKSPACE = 1 << 20  # bytes per rank
+# Defaults that native code needs too are read from it: the CPU backend's window bytes per rank
+# (cpu_backend.h CommConfig), the seconds any wait may spin (common.h kDefaultTimeoutS) and the
+# calls the flight recorder keeps per rank (recorder.h kRecDefaultEntries).
+_DEFAULT_CPU_WORKSPACE = int(_native.cpu.CPU_DEFAULT_LANE_BYTES)
+_DEFAULT_TIMEOUT_S = float(_native.cpu.DEFAULT_TIMEOUT_S)
+_DEFAULT_RECORD_ENTRIES = int(_native.cpu.REC_DEFAULT_ENTRIES)
 _DEFAULT_GPU_WORKSPACE = 64 << 20  # bytes per rank, split among the kernel's lanes
-_DEFAULT_TIMEOUT_S = 30.0  # seconds any wait may spin (Settings.timeout_s)
-_DEFAULT_RECORD_ENTRIES = 64  # calls the flight recorder keeps per rank (Settings.record_entries)
 _DEFAULT_BUCKET_BYTES = 64 << 20  # bytes of one pytree call (Settings.bucket_bytes)
 _DEFAULT_OVERLAP_LANES = 32  # CTAs of an asynchronous call on a GPU (Settings.overlap_lanes)
 # Asynchronous calls from this size move their data with the copy engines

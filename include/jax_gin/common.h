@@ -160,6 +160,9 @@ constexpr int kMaxChunks = 64;   // pipelined chunks of one step of one lane (se
 constexpr int kAsyncSlots = 64;
 // Segment boundaries are multiples of 16 bytes so that the GPU can move 16-byte vectors.
 constexpr size_t kAlignBytes = 16;
+// Seconds any wait spins before it reports a timeout, unless told otherwise
+// (jax_gin.runtime.settings.timeout_s reads it).
+constexpr double kDefaultTimeoutS = 30.0;
 
 // Flags. Each (receiver, lane, sender) pair has three monotonic 64-bit flags in the receiver's
 // memory, written only by the sender:

@@ -97,6 +97,8 @@ struct HangReport {
 // The most entries a ring may hold. The count is a power of two, so that a call's slot is a
 // mask of its number: on a GPU the 64-bit remainder took about 0.1 us of a 2.7 us call.
 constexpr int kRecMaxEntries = 65536;
+// Calls a ring keeps unless told otherwise (jax_gin.runtime.settings.record_entries reads it).
+constexpr int kRecDefaultEntries = 64;
 JG_HD bool rec_entries_ok(int64_t n) { return n >= 1 && n <= kRecMaxEntries && (n & (n - 1)) == 0; }
 // The ring slot of call `seq` (from 1) in a ring of `entries` (rec_entries_ok) entries.
 JG_HD uint64_t rec_slot(uint64_t seq, uint64_t entries) { return (seq - 1) & (entries - 1); }
