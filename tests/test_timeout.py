@@ -49,6 +49,14 @@ def test_recovery_after_a_failure(monkeypatch):
     body = lambda v: jax_gin.psum(v, "i", algorithm="ring")
     with pytest.raises(Exception, match="waiting for peer"):
         jax.block_until_ready(smap(body, mesh_1d(), P("i"))(x))
+    # With the same settings a freshly jitted function gets the cached, broken communicator.
+    with pytest.raises(Exception, match="cannot be reused"):
+        jax.block_until_ready(smap(lambda v: body(v) + 0, mesh_1d(), P("i"))(x))
+    # reset() forgets it: the same settings now form a new communicator, which runs (and,
+    # with the fault still injected, times out anew instead of being refused).
+    jax_gin.runtime.reset()
+    with pytest.raises(Exception, match="waiting for peer"):
+        jax.block_until_ready(smap(lambda v: body(v) - 0, mesh_1d(), P("i"))(x))
     monkeypatch.setattr(jax_gin.runtime.settings, "fault_rank", -1)
     jax_gin.runtime.reset()
     out = smap(lambda v: body(v) * 1, mesh_1d(), P("i"))(x)
