@@ -79,10 +79,6 @@ def test_fault_only_affects_its_communicator(monkeypatch):
 
 
 def test_threads_harness_timeout():
-    if jax.default_backend() != "cpu":
-        # Seen once on the GPU machine: a segfault during this test, after the CUDA tests had
-        # run in the same process; not reproduced on CPU (300 runs). CPU CI runs it.
-        pytest.skip("CPU-only native harness; under investigation on GPU processes")
     x = np.ones((4, 50), np.float32)
     with pytest.raises(RuntimeError, match=r"rank \d of group 0 \(4 ranks\) .*waiting for peer \d at step \d"):
         _native.cpu.threads_allreduce(x, OP_CODES["sum"], ALGORITHM_CODES["ring"], 4096,
