@@ -1,6 +1,6 @@
 """Measure every algorithm on this machine and write a tuning table for `algorithm="auto"`.
 
-    python -m jax_gin.tune                       # measure here, write jax_gin/tuning/<gpu>_n<N>.json
+    python -m jax_gin.tune                       # measure here, write <dir>/<gpu>_n<N>.json
     python -m jax_gin.tune -c psum_scatter       # ... <gpu>_n<N>_psum_scatter.json (also all_gather)
     python -m jax_gin.tune --from-json a.json b.json   # build the table from benchmark results
 
@@ -11,7 +11,8 @@ lax.psum_scatter, lax.all_gather) beat every jax_gin algorithm by more than 3%. 
 pmin share the all_reduce table (measured with sum); psum_scatter and all_gather have one each,
 whose sizes are nccl-tests' (the larger side per device, N blocks). `auto`
 uses the table of its machine when one ships with jax_gin (or JAX_GIN_TUNING_DIR holds one),
-and falls back to the model-based rule of _select.py otherwise.
+and falls back to the model-based rule of _select.py otherwise. <dir> is JAX_GIN_TUNING_DIR
+where it is set (so that `auto` reads the table there first), else jax_gin/tuning/.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import statistics
 import sys
 import tempfile
 
+from . import _runtime
 from ._bench_measure import LAX_NAME
 from ._ops import XLA_FALLBACK
 from ._scatter_gather import API_NAMES
@@ -103,6 +105,10 @@ def _load_results(paths: list) -> tuple[list, dict]:
     for p in paths:
         with open(p) as f:
             d = json.load(f)
+        if not isinstance(d, dict) or not isinstance(d.get("results"), list):
+            raise SystemExit(f"jax_gin.tune: {p} is not the JSON of an op sweep "
+                             "(`python -m jax_gin.bench --json`, not --workload): it has no "
+                             "list of results")
         results += d["results"]
         meta = {**d.get("meta", {}), **meta} if not meta else meta
     return results, meta
@@ -116,34 +122,48 @@ def main(argv=None) -> int:
                     help="the collective to tune: all_reduce (psum, pmax and pmin; the default), "
                          "psum_scatter or all_gather, between its algorithms and XLA's own; "
                          "with --from-json, the collective whose records make the table")
-    ap.add_argument("--out", help="where to write the table (default: jax_gin/tuning/"
-                                  "<kind>_n<N>.json, <kind>_n<N>_<collective>.json for "
-                                  "psum_scatter and all_gather)")
+    ap.add_argument("--out", help="where to write the table (default: <kind>_n<N>.json, "
+                                  "<kind>_n<N>_<collective>.json for psum_scatter and "
+                                  "all_gather, in JAX_GIN_TUNING_DIR where it is set, else in "
+                                  "jax_gin/tuning/)")
     from . import bench
     from ._bench_inputs import format_size
     maxbytes = bench.DEFAULT_MAXBYTES
-    ap.add_argument("-b", "--minbytes", default="4K",
+    ap.add_argument("-b", "--minbytes", type=bench.parse_size, default="4K",
                     help="smallest size per device, as the benchmark's -b (default 4K)")
-    ap.add_argument("-e", "--maxbytes", default=None,
+    ap.add_argument("-e", "--maxbytes", type=bench.parse_size, default=None,
                     help="largest size per device, as the benchmark's -e (default "
                          f"{format_size(maxbytes['gpu'])} on GPUs, "
                          f"{format_size(maxbytes['cpu'])} on CPU devices)")
-    ap.add_argument("-n", "--iters", default="30",
+    ap.add_argument("-n", "--iters", type=int, default=30,
                     help="timed repeats per size, whose median decides (default 30)")
     args = ap.parse_args(argv)
+    if args.minbytes < 1:
+        ap.error("-b/--minbytes must be at least 1 byte")
+    if args.maxbytes is not None and args.maxbytes < args.minbytes:
+        ap.error("-e/--maxbytes is smaller than -b/--minbytes")
+    if args.iters < 1:
+        ap.error("-n/--iters must be at least 1")
     if args.from_json:
         results, meta = _load_results(args.from_json)
         meta["source"] = "built from " + ", ".join(
             os.path.join(os.path.basename(os.path.dirname(os.path.abspath(p))), os.path.basename(p))
             for p in args.from_json)
     else:
+        import jax
+        if len(jax.devices()) == 1:
+            print("jax_gin.tune: there is one device, where no collective moves data (auto "
+                  "returns the input), so there is nothing to tune. For 8 CPU devices run with "
+                  "JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8.",
+                  file=sys.stderr)
+            return 1
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "bench.json")
-            argv_b = ["-c", args.collective, "-b", args.minbytes, "-f", "2", "-n", args.iters,
-                      "-d", "float32", "-a", ",".join(algorithms(args.collective) + (LAX_NAME,)),
-                      "--json", path]
+            argv_b = ["-c", args.collective, "-b", str(args.minbytes), "-f", "2",
+                      "-n", str(args.iters), "-d", "float32",
+                      "-a", ",".join(algorithms(args.collective) + (LAX_NAME,)), "--json", path]
             if args.maxbytes:
-                argv_b += ["-e", args.maxbytes]
+                argv_b += ["-e", str(args.maxbytes)]
             rc = bench.main(argv_b)
             if rc != 0:
                 print("jax_gin.tune: the benchmark reported failures; no table written", file=sys.stderr)
@@ -154,9 +174,9 @@ def main(argv=None) -> int:
     if not table["entries"]:
         print(f"jax_gin.tune: no usable measurements of {args.collective}", file=sys.stderr)
         return 1
-    out = args.out or os.path.join(TABLE_DIR, table_name(table["device_kind"] or "unknown",
-                                                         int(table["nranks"] or 0),
-                                                         args.collective))
+    out = args.out or os.path.join(_runtime.settings.tuning_dir or TABLE_DIR,
+                                   table_name(table["device_kind"] or "unknown",
+                                              int(table["nranks"] or 0), args.collective))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(table, f, indent=1)

@@ -277,6 +277,37 @@ def test_tune_builds_a_table_from_benchmark_json(tmp_path):
     assert all(e["algorithm"] in jax_gin.ALGORITHMS for e in t["entries"])
 
 
+def test_tune_writes_into_the_tuning_dir(tmp_path, monkeypatch):
+    """Without --out, a table goes where `auto` looks first: JAX_GIN_TUNING_DIR where set."""
+    import json
+    from jax_gin import tune
+
+    rows = [{"size": 4096, "dtype": "float32", "op": "sum", "algorithm": a, "time_us": t}
+            for a, t in (("one_shot", 3.0), ("ring", 5.0))]
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps({"meta": {"device_kind": "Kind X", "nranks": 4}, "results": rows}))
+    monkeypatch.setattr(jax_gin.runtime.settings, "tuning_dir", str(tmp_path / "tables"))
+    assert tune.main(["--from-json", str(path)]) == 0
+    t = json.loads((tmp_path / "tables" / "kind_x_n4.json").read_text())
+    assert [e["algorithm"] for e in t["entries"]] == ["one_shot"]
+
+
+def test_tune_refuses_bad_input(tmp_path, capsys):
+    from jax_gin import tune
+
+    for argv, message in ((["-b", "64K", "-e", "4K"], "-e/--maxbytes is smaller"),
+                          (["-n", "0"], "-n/--iters must be at least 1"),
+                          (["-b", "4Q"], "bad size")):
+        with pytest.raises(SystemExit):
+            tune.main(argv)
+        err = capsys.readouterr().err
+        assert "python -m jax_gin.tune: error" in err and message in err, err
+    path = tmp_path / "w.json"
+    path.write_text('{"meta": {}, "workload": "dp-train"}')  # a --workload file
+    with pytest.raises(SystemExit, match="not the JSON of an op sweep"):
+        tune.main(["--from-json", str(path)])
+
+
 @pytest.mark.parametrize("algo", jax_gin.ALGORITHMS)
 def test_many_independent_calls_are_ordered(algo):
     # XLA's CPU runtime runs independent ops concurrently (more than 8 ops, buffers over 512
