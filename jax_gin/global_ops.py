@@ -320,13 +320,20 @@ def einsum(subscripts: str, x, w, *, algorithm: str = "auto", precision=None,
     fixes the result's sharding. `precision` and `preferred_element_type` are jnp.einsum's; the all-reduce runs
     in the result's dtype, as XLA's own would.
     """
+    return _einsum_checked(subscripts, x, w, algorithm, precision, preferred_element_type,
+                           out_sharding, "einsum")
+
+
+def _einsum_checked(subscripts, x, w, algorithm, precision, preferred_element_type,
+                    out_sharding, api):
+    """einsum after the checks that name `api` (einsum, or matmul, which calls it)."""
     _parse_einsum(subscripts)
-    _select.validate(algorithm, "einsum")
+    _select.validate(algorithm, api)
     x, w = jnp.asarray(x), jnp.asarray(w)
     dtype = jnp.result_type(x, w)
     x, w = x.astype(dtype), w.astype(dtype)
     preferred = None if preferred_element_type is None else np.dtype(preferred_element_type)
-    check_dtype(dtype if preferred is None else preferred, "psum", "einsum")
+    check_dtype(dtype if preferred is None else preferred, "psum", api)
     return _einsum(subscripts.replace(" ", ""), x, w, algorithm, precision, preferred,
                    out_sharding)
 
@@ -351,8 +358,8 @@ def matmul(x, w, *, algorithm: str = "auto", precision=None, preferred_element_t
     if x.ndim - 1 > len(letters):
         raise ValueError(f"jax_gin.matmul: too many dimensions: {x.shape}")
     batch = "".join(letters[: x.ndim - 1])
-    return einsum(f"{batch}k,kn->{batch}n", x, w, algorithm=algorithm, precision=precision,
-                  preferred_element_type=preferred_element_type, out_sharding=out_sharding)
+    return _einsum_checked(f"{batch}k,kn->{batch}n", x, w, algorithm, precision,
+                           preferred_element_type, out_sharding, "matmul")
 
 
 # ---------------------------------------------------------------------------------------
@@ -430,12 +437,21 @@ def _reduction(x, axis, keepdims, op, algorithm, out_sharding, api):
         comp_dtype = _computation_dtype(out_dtype)
     else:
         out_dtype = comp_dtype = x.dtype
-    check_dtype(comp_dtype, OP_API_NAMES[op], api)  # the all-reduce's dtype rules
+    # Under x64 jnp.sum widens unsigned integers to uint64, which jax_gin's all-reduce does not
+    # take. A sum of uint64 has the bits of the sum of the same bits as int64 (both wrap modulo
+    # 2**64), so it is all-reduced as int64.
+    as_int64 = op == "sum" and comp_dtype == np.dtype(np.uint64)
+    check_dtype(np.dtype(np.int64) if as_int64 else comp_dtype, OP_API_NAMES[op], api)
     if not axes:
         y = x.astype(out_dtype)
     else:
-        y = _reduce(x.astype(comp_dtype), axes, op, algorithm,
-                    None if keepdims else out_sharding).astype(out_dtype)
+        v = x.astype(comp_dtype)
+        if as_int64:
+            v = jax.lax.bitcast_convert_type(v, np.int64)
+        y = _reduce(v, axes, op, algorithm, None if keepdims else out_sharding)
+        if as_int64:
+            y = jax.lax.bitcast_convert_type(y, np.uint64)
+        y = y.astype(out_dtype)
     if keepdims:
         y = jnp.expand_dims(y, axes)
         if out_sharding is not None:
@@ -456,6 +472,7 @@ def sum(x, axis=None, keepdims: bool = False, *, algorithm: str = "auto", out_sh
 
 def mean(x, axis=None, keepdims: bool = False, *, algorithm: str = "auto", out_sharding=None):
     """``jnp.mean``: a jax_gin `sum` divided by the global count, with jnp.mean's dtypes."""
+    _select.validate(algorithm, "mean")
     x = jnp.asarray(x)
     axes = _normalize_axis(axis, x.ndim, "mean")
     result_dtype = jax.eval_shape(lambda v: jnp.mean(v, axis=axes), x).dtype

@@ -224,6 +224,27 @@ def test_reduction_dtypes(dtype):
         assert_bitwise(got, getattr(jnp, name)(x, 1))
 
 
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "uint32", "uint64"])
+def test_unsigned_sums_under_x64(dtype):
+    """Under x64 jnp.sum widens unsigned integers to uint64; jax_gin sums them as int64, the
+    same bits, including sums that wrap past 2**64."""
+    mesh = mesh_1d()
+    rng = np.random.default_rng(3)
+    info = np.iinfo(dtype)
+    x = rng.integers(0, int(info.max), size=(2 * ndev(), 6), dtype=np.uint64, endpoint=True)
+    x = x.astype(dtype)
+    with jax.enable_x64(True):
+        xs = put(jnp.asarray(x), mesh, P("i"))
+        for axis in (0, None):
+            got = jax.jit(lambda v: jax_gin.sum(v, axis, algorithm="ring"))(xs)
+            assert got.dtype == np.uint64
+            assert_bitwise(got, jnp.sum(jnp.asarray(x), axis))
+        # mean sums in a float type: exact (so order-free) only for small values
+        small = jnp.asarray(x % 16)
+        mean = jax.jit(lambda v: jax_gin.mean(v, 0))(put(small, mesh, P("i")))
+        assert_bitwise(mean, jnp.mean(small, 0))
+
+
 # ---------------------------------------------------------------------------------------
 # Structure: jax_gin's custom call in place of XLA's all-reduce
 
@@ -326,6 +347,13 @@ def test_errors():
         jax_gin.sum(x, algorithm="fastest")
     with pytest.raises(ValueError, match="out of bounds"):
         jax_gin.mean(x, axis=2)
+    # each names itself, not the function it calls
+    with pytest.raises(ValueError, match="jax_gin.mean: unknown algorithm"):
+        jax_gin.mean(x, algorithm="fastest")
+    with pytest.raises(ValueError, match="jax_gin.matmul: unknown algorithm"):
+        jax_gin.matmul(x, x, algorithm="fastest")
+    with pytest.raises(TypeError, match="jax_gin.matmul: unsupported dtype int8"):
+        jax_gin.matmul(x.astype(jnp.int8), x.astype(jnp.int8))
 
 
 @pytest.mark.parametrize("algo", jax_gin.ALGORITHMS)
