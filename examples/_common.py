@@ -78,11 +78,18 @@ def workload_setup(workload: str, description: str):
     import jax
     from jax_gin import workloads
 
-    args = workload_parser(workload, description).parse_args()
+    parser = workload_parser(workload, description)
+    args = parser.parse_args()
+    if args.steps < 0 or args.rounds < 1:
+        parser.error("--steps must be at least 0 and --rounds at least 1")
     devices = jax.devices()
     mesh = workloads.make_mesh(workload, devices)
     cfg = workloads.default_config(workload, devices[0].platform, layers=args.layers,
                                    d_model=args.d_model, seq=args.seq, batch=args.batch)
+    try:
+        workloads.check_config(workload, cfg, len(devices))
+    except ValueError as e:
+        parser.error(f"{e} (on {len(devices)} devices)")
     reduce = "jax_gin" if args.reduce == "all" else args.reduce
     print(f"{workload} on {len(devices)} x {devices[0].device_kind}: {cfg}")
     return args, mesh, cfg, reduce

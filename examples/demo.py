@@ -8,6 +8,7 @@ and with jax.lax.psum, and the demo prints the losses and the time per step of e
 the two all-reduce the same per-device gradients to the same bits, and how far apart the
 parameters are after 5 steps.
 """
+import argparse
 import os
 import sys
 
@@ -77,6 +78,7 @@ def all_reduce(mesh, allreduce):
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # no options
     devices = jax.devices()
     n = len(devices)
     mesh = Mesh(np.array(devices), ("data",))

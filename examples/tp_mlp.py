@@ -126,8 +126,13 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20, help="timed steps (median)")
     args = ap.parse_args(argv)
-
     mesh = make_mesh()
+    if min(args.batch, args.d_model, args.hidden, args.steps, args.iters) < 1:
+        ap.error("--batch, --d-model, --hidden, --steps and --iters must be at least 1")
+    data, tensor = mesh.shape["data"], mesh.shape["tensor"]
+    if args.batch % data or args.hidden % tensor:
+        ap.error(f"the mesh is data {data} x tensor {tensor}: --batch ({args.batch}) must be a "
+                 f"multiple of {data} and --hidden ({args.hidden}) of {tensor}")
     devices = jax.devices()
     print(f"jax_gin {jax_gin.__version__} tensor-parallel MLP: {len(devices)} x "
           f"{devices[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}, mesh "

@@ -664,6 +664,13 @@ def default_config(workload: str, platform: str = "cpu", **overrides) -> Config:
 
 def check_config(workload: str, cfg: Config, n: int) -> None:
     """Raises ValueError when the sizes do not fit the workload on n devices."""
+    # overlap's step is a chain of `layers` d_model-wide matmuls; the others use every size
+    used = ("layers", "d_model") if workload == "overlap" else \
+        ("layers", "d_model", "heads", "ffn", "seq", "batch")
+    small = [f"{name.replace('_', '-')} {getattr(cfg, name)}" for name in used
+             if getattr(cfg, name) < 1]
+    if small:
+        raise ValueError(f"{workload} needs sizes of at least 1: got {', '.join(small)}")
     if cfg.d_model % cfg.heads:
         raise ValueError(f"d_model {cfg.d_model} is not a multiple of heads {cfg.heads}")
     if WORKLOADS[workload].tensor_parallel and (cfg.heads % n or cfg.ffn % n):
@@ -767,7 +774,8 @@ def measure(workload: str, mesh: Mesh, cfg: Config, *, algorithm: str = "auto",
         v["exposed_ms"] = v["step_ms"] - base \
             if base is not None and r in ("lax", "jax_gin", FUSED) else None
         lax_ms = variants.get("lax_alone" if r.endswith("_alone") else "lax", {}).get("step_ms")
-        v["vs_lax"] = lax_ms / v["step_ms"] if lax_ms and v["step_ms"] else None
+        # On one device lax.psum is no operation: a ratio against it says nothing.
+        v["vs_lax"] = lax_ms / v["step_ms"] if lax_ms and v["step_ms"] and n > 1 else None
     if profile_dir:
         for r in reduces:
             with jax.profiler.trace(os.path.join(profile_dir, r), create_perfetto_trace=True):
@@ -786,7 +794,7 @@ def measure(workload: str, mesh: Mesh, cfg: Config, *, algorithm: str = "auto",
         result["overlap"] = {   # together / max(compute alone, all-reduce alone)
             r: steps[r] / max(steps["compute"], steps[f"{r}_alone"]) for r in ("lax", "jax_gin")}
         result["overlap"]["target"] = OVERLAP_TARGET
-    if "lax" in outputs and "jax_gin" in outputs:
+    if "lax" in outputs and "jax_gin" in outputs and n > 1:
         lax, gin = variants["lax"], variants["jax_gin"]
         exposed = (lax["exposed_ms"], gin["exposed_ms"])
         result["ratio_lax_over_jax_gin"] = {   # a ratio of exposed times only where both > 0
@@ -876,6 +884,9 @@ def format_report(result: dict, meta: dict | None = None) -> list:
     else:
         lines.append(f"# exposed = step - compute-only ('{baseline}'); vs_lax = lax step / "
                      "this step (_alone: lax_alone step / this step)")
+    if result["nranks"] == 1:
+        lines.append("# one device: lax.psum is no operation and jax_gin's auto returns its "
+                     "input (an explicit algorithm copies it), so no lax ratio is given")
     overlap = result.get("overlap")
     if overlap:
         lines.append(f"# overlap = together / max(compute alone, all-reduce alone): "
@@ -951,7 +962,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """Run one workload; returns 0 (the results are reported, not judged)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if (args.rounds is not None and args.rounds < 1) or args.warmup < 0:
+        parser.error("--rounds must be at least 1 and --warmup at least 0")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (docs/multi-node.md)
     devices = jax.devices()
     if args.devices is not None:

@@ -90,6 +90,26 @@ def test_errors():
         workloads.reducer("nccl")
     with pytest.raises(ValueError, match="multiples of 3"):
         workloads.check_config("tp-train", tiny("tp-train"), 3)
+    # sizes below 1 are refused before they reach XLA (a cached context of 0 crashed its
+    # compiler) or a division
+    for name in ("layers", "d_model", "heads", "ffn", "seq", "batch"):
+        with pytest.raises(ValueError, match=f"tp-decode needs sizes of at least 1: got "
+                                             f"{name.replace('_', '-')} 0"):
+            workloads.check_config("tp-decode", tiny("tp-decode", **{name: 0}), 2)
+    with pytest.raises(SystemExit, match="dp-train needs sizes of at least 1: got batch 0"):
+        bench.main(["--workload", "dp-train", "--batch", "0"])
+    with pytest.raises(SystemExit):
+        bench.main(["--workload", "dp-train", "--rounds", "0"])
+
+
+def test_one_device_gives_no_lax_ratio():
+    """On one device lax.psum is no operation: the report gives times but no ratio to lax."""
+    mesh = workloads.make_mesh("tp-decode", jax.devices()[:1])
+    result = workloads.measure("tp-decode", mesh, tiny("tp-decode"), rounds=1, warmup=0)
+    assert result["nranks"] == 1 and result["ratio_lax_over_jax_gin"] is None
+    assert all(v["vs_lax"] is None and v["step_ms"] > 0 for v in result["variants"].values())
+    assert any(line.startswith("# one device: lax.psum is no operation")
+               for line in workloads.format_report(result))
 
 
 # Explicit tiny sizes: the CLI's defaults on GPUs are the full ones. Tensor parallelism splits
