@@ -58,9 +58,18 @@ _runtime._select_cache["load_table"] = load_table  # a new settings.tuning_dir c
 
 def _from_table(table: dict, nbytes: int, xla_text: str) -> tuple[str, str]:
     entries = table["entries"]
-    pick = next((e for e in entries if nbytes <= e["max_bytes"]), entries[-1])
-    where = (f"near {pick['max_bytes']} B in the tuning table for {table['device_kind']} x "
-             f"{table['nranks']} ({table.get('measured', '?')[:10]})")
+    i = next((k for k, e in enumerate(entries) if nbytes <= e["max_bytes"]), None)
+    pick = entries[-1] if i is None else entries[i]
+    hi = pick["max_bytes"]
+    lo = pick.get("at_bytes", hi)  # the entry's sizes measured: lo to hi
+    if i is None:
+        span = f"at its largest size, {hi} B ({nbytes} B is above every size measured)"
+    elif i == 0 and nbytes < lo:
+        span = f"at its smallest size, {lo} B ({nbytes} B is below every size measured)"
+    else:
+        span = f"at {lo} B" if lo == hi else f"at {lo} - {hi} B"
+    where = (f"{span} in the tuning table for {table['device_kind']} x {table['nranks']} "
+             f"({table.get('measured', '?')[:10]})")
     if pick["algorithm"] == XLA_FALLBACK:
         return XLA_FALLBACK, f"{xla_text} was faster than every jax_gin algorithm {where}"
     return pick["algorithm"], f"fastest measured {where}"

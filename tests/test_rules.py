@@ -277,6 +277,25 @@ def test_tune_builds_a_table_from_benchmark_json(tmp_path):
     assert all(e["algorithm"] in jax_gin.ALGORITHMS for e in t["entries"])
 
 
+def test_table_reason_names_the_sizes_measured():
+    """explain's reason gives the entry's measured sizes, and says when a size lies outside."""
+    from jax_gin import _select
+
+    table = {"device_kind": "cpu", "nranks": 8, "measured": "2026-11-30T00:00",
+             "entries": [{"max_bytes": 16384, "algorithm": "one_shot", "at_bytes": 4096},
+                         {"max_bytes": 1 << 20, "algorithm": "xla", "at_bytes": 65536}]}
+    xla = "XLA's own"
+    assert _select._from_table(table, 8192, xla) == (
+        "one_shot", "fastest measured at 4096 - 16384 B in the tuning table for cpu x 8 (2026-11-30)")
+    assert "at its smallest size, 4096 B (1024 B is below every size measured)" in \
+        _select._from_table(table, 1024, xla)[1]
+    algo, why = _select._from_table(table, 32768, xla)  # between entries: the later one
+    assert algo == "xla" and why.startswith("XLA's own was faster than every jax_gin algorithm "
+                                            "at 65536 - 1048576 B")
+    assert "at its largest size, 1048576 B (4194304 B is above every size measured)" in \
+        _select._from_table(table, 4 << 20, xla)[1]
+
+
 def test_tune_writes_into_the_tuning_dir(tmp_path, monkeypatch):
     """Without --out, a table goes where `auto` looks first: JAX_GIN_TUNING_DIR where set."""
     import json
