@@ -281,16 +281,30 @@ def collective_ops(args, collective: str) -> list:
     return args.op if collective == ALL_REDUCE else [COLLECTIVE_OPS[collective]]
 
 
+def size_count(collective: str, size: int, nranks: int, itemsize: int) -> int:
+    """Elements of one row of `size` bytes: `size` rounded down to whole elements (at least
+    one), and for psum_scatter and all_gather to N blocks of whole elements (at least one)."""
+    if collective != ALL_REDUCE:
+        return nranks * max(1, size // (itemsize * nranks))
+    return max(1, size // itemsize)
+
+
+def row_sizes(collective: str, sizes: list, nranks: int, itemsize: int) -> list:
+    """`sizes` less those that round to the same elements as an earlier one (small sizes over
+    many devices), so that each row is measured once."""
+    counts = [size_count(collective, size, nranks, itemsize) for size in sizes]
+    return [size for i, size in enumerate(sizes) if counts[i] not in counts[:i]]
+
+
 def size_inputs(collective: str, size: int, nranks: int, dtype: str, op: str, args):
-    """(count, K, chain step, Inputs) of one row's size: `size` rounded down to whole
-    elements, and for psum_scatter and all_gather to N blocks of whole elements."""
+    """(count, K, chain step, Inputs) of one row's size (size_count)."""
     itemsize = jnp.dtype(dtype).itemsize
     if collective != ALL_REDUCE:
-        block = max(1, size // (itemsize * nranks))
+        block = size_count(collective, size, nranks, itemsize) // nranks
         k = chain_length(args, nranks * block * itemsize)
         return (nranks * block, k, RESTORE_STEP,
                 make_collective_inputs(collective, nranks, block, dtype, seed=nranks * block))
-    count = max(1, size // itemsize)
+    count = size_count(collective, size, nranks, itemsize)
     k = chain_length(args, count * itemsize)
     step = chain_step_for(args.chain_step, nranks, k, dtype, op)
     scale = f16_scale_exp(nranks, k, op) if step == "slice" and \
@@ -310,7 +324,7 @@ def run_table(mesh, dtype: str, op: str, sizes: list, args, platform, progress, 
     if args.collective != [ALL_REDUCE]:
         emit(f"# {collective}")
     emit(table_header())
-    for size in sizes:
+    for size in row_sizes(collective, sizes, nranks, itemsize):
         count, k, step, inputs = size_inputs(collective, size, nranks, dtype, op, args)
         device_args = (put_global(inputs.x.reshape(-1), sharding),
                        put_global(inputs.corr.reshape(-1), sharding))
@@ -350,9 +364,10 @@ def main(argv=None) -> int:
     mesh = Mesh(np.array(devices), (AXIS,))
     sizes = size_steps(args.minbytes, args.maxbytes, args.stepfactor)
     meta = metadata(args, devices, platform)
-    progress = Progress(len(sizes) * len(args.dtype) * sum(
-        len(collective_ops(args, c)) * len(collective_algorithms(args, c))
-        for c in args.collective), enabled=not args.quiet)
+    progress = Progress(sum(
+        len(row_sizes(c, sizes, len(devices), jnp.dtype(d).itemsize))
+        * len(collective_ops(args, c)) * len(collective_algorithms(args, c))
+        for c in args.collective for d in args.dtype), enabled=not args.quiet)
 
     def emit(line: str) -> None:
         if not main_process:

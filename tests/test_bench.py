@@ -147,6 +147,10 @@ def test_sizes_and_flags():
     for bad in (["-a", "butterfly"], ["-d", "int8"], ["-k", "1"], ["-b", "3X"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
+    # sizes that round to the same elements are measured once: over 8 devices 4, 8 and 16
+    # bytes of float32 are all one block of 1 element each (32 bytes)
+    assert bench.row_sizes("psum_scatter", [4, 8, 16, 32, 64], 8, 4) == [4, 64]
+    assert bench.row_sizes("all_reduce", [1, 2, 4, 8], 8, 4) == [1, 8]
 
 
 def _two_processes(tmp_path, args):
