@@ -339,13 +339,17 @@ def group_workspaces(layout, procs: list, me: int, lane_bytes: int, key, generat
                 # The creator may have died between creating and publishing: drop its name.
                 _native.cpu.shm_unlink(expected)
                 raise missing_error({proc_of[g][0]}) from None
+            _publish_own_settings(client, prefix, g, me, settings, doing)
             check_same_settings(settings or {}, theirs, proc_of[g][0], what)
             if name != expected:
                 raise RuntimeError(f"jax_gin: process {proc_of[g][0]} published segment "
                                    f"{name!r} for group {g}, expected {expected!r}")
             shared[g] = _native.cpu.Workspace.attach(name, nranks, lane_bytes, record_entries)
             shared[g].join([r for r in range(nranks) if proc_of[g][r] == me], me)
-        # 4. wait until every rank of every group has mapped its segment
+        # 4. the creator checks the others' settings too, so that both sides name a difference
+        _check_peer_settings(client, prefix, proc_of, mine, me, settings, deadline, doing,
+                             missing_error, what)
+        # 5. wait until every rank of every group has mapped its segment
         for g in mine:
             missing = shared[g].wait_joined(max(0.0, deadline - time.monotonic()))
             if missing:
@@ -408,8 +412,34 @@ def gpu_unique_ids(layout, procs: list, me: int, key, generation: int, timeout_s
                                               _ms(deadline))).decode())
             except _Deadline:
                 raise missing_error({proc_of[g][0]}) from None
+            _publish_own_settings(client, prefix, g, me, launch_settings, doing)
             check_same_settings(launch_settings or {}, theirs, proc_of[g][0], what)
+    _check_peer_settings(client, prefix, proc_of, [g for g in mine if g in spanning], me,
+                         launch_settings, deadline, doing, missing_error, what)
     return out
+
+
+def _publish_own_settings(client, prefix: str, g: int, me: int, settings, doing: str) -> None:
+    """A process that is not group g's set-up maker publishes its settings for the maker to
+    compare (_check_peer_settings), before it compares them itself."""
+    _kv(doing, client.key_value_set, f"{prefix}/settings/g{g}/p{me}", json.dumps(settings or {}))
+
+
+def _check_peer_settings(client, prefix: str, proc_of: dict, mine: list, me: int, settings,
+                         deadline: float, doing: str, missing_error, what: str) -> None:
+    """For each group of `mine` whose set-up this process made: the settings each other
+    process of it published; raises as check_same_settings does on a difference, so that the
+    maker names it too instead of waiting for a peer that has given up."""
+    for g in mine:
+        if proc_of[g][0] != me:
+            continue
+        for p in sorted(set(proc_of[g]) - {me}):
+            try:
+                theirs = json.loads(_kv(doing, client.blocking_key_value_get,
+                                        f"{prefix}/settings/g{g}/p{p}", _ms(deadline)))
+            except _Deadline:
+                raise missing_error({p}) from None
+            check_same_settings(settings or {}, theirs, p, what)
 
 
 def check_same_settings(mine: dict, theirs: dict, other_proc: int, what: str) -> None:
@@ -420,4 +450,5 @@ def check_same_settings(mine: dict, theirs: dict, other_proc: int, what: str) ->
         raise ValueError(
             f"jax_gin: {what}: the processes of a group must use the same settings, and "
             f"{'; '.join(diff)}. Set them alike in every process (they decide the window "
-            "layout, the lanes and the flag tags of the kernels).")
+            "layout, the lanes and the flag tags of the kernels, and how calls are cut and "
+            "which algorithm `auto` picks).")

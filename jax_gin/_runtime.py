@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import hashlib
 import math
 import os
 import threading
@@ -410,11 +411,36 @@ def communicator(platform: str, mesh, axes: tuple) -> int:
         return comm
 
 
+def _tables_digest() -> str | None:
+    """A digest of the tuning tables in settings.tuning_dir (None where it is unset): equal
+    in processes whose directories hold the same tables, wherever they are."""
+    if settings.tuning_dir is None:
+        return None
+    h = hashlib.sha256()
+    try:
+        names = sorted(n for n in os.listdir(settings.tuning_dir) if n.endswith(".json"))
+    except OSError:
+        return "no such directory"
+    for name in names:
+        with open(os.path.join(settings.tuning_dir, name), "rb") as f:
+            h.update(name.encode() + b"\0" + f.read() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def trace_settings() -> dict:
+    """What decides each process's calls at trace time, so it must be equal in every process
+    of a group too (checked at bootstrap with the backend's own): the bucket size cuts a
+    pytree into calls, and one that differs gives calls of different sizes on the ranks of one
+    call (wrong sums, with no error); the tuning tables decide `auto`'s algorithm."""
+    return {_RULES["bucket_bytes"][0]: int(settings.bucket_bytes),
+            f"{_RULES['tuning_dir'][0]} (a digest of its tables)": _tables_digest()}
+
+
 def cpu_group_settings(workspace_bytes: int) -> dict:
-    """What must be equal in every process of a CPU group (checked at bootstrap): they decide
-    its shared workspace's layout."""
+    """What must be equal in every process of a CPU group (checked at bootstrap): the shared
+    workspace's layout, and trace_settings()."""
     return {_RULES["cpu_workspace_bytes"][0]: int(workspace_bytes),
-            _RULES["record_entries"][0]: int(settings.record_entries)}
+            _RULES["record_entries"][0]: int(settings.record_entries), **trace_settings()}
 
 
 def _create_cpu_comm(mesh, devices, layout: GroupLayout, ws: int, key) -> int:
@@ -466,11 +492,11 @@ def gpu_launch_kwargs() -> dict:
 
 def gpu_launch_settings(workspace_bytes: int, default_max_lanes: int | None = None) -> dict:
     """What must be equal in every process of a GPU group (checked at bootstrap), by the
-    environment variable that sets it.
+    environment variable that sets it: the launch settings and trace_settings().
 
     default_max_lanes: the smallest default lane cap (SM count, at most 128) of this process's
     devices in the group; it decides the lanes unless max_lanes (JAX_GIN_MAX_LANES) is set."""
-    out = {"workspace_bytes": int(workspace_bytes)}
+    out = {"workspace_bytes": int(workspace_bytes), **trace_settings()}
     out.update({_RULES[f][0]: v for f, v in gpu_launch_kwargs().items()})
     if default_max_lanes is not None and settings.max_lanes is None:
         out["default max lanes (SM count; set JAX_GIN_MAX_LANES alike to override)"] = \

@@ -87,8 +87,10 @@ def test_bootstrap_two_processes():
     assert r0["missing"].startswith("BootstrapTimeoutError"), r0
     assert "timed out after 3 s setting up the GPU communicator" in r0["missing"], r0
     assert "group 0 is missing ranks 4, 5, 6, 7 (process 1)" in r0["missing"], r0
-    # Settings that differ: process 1 (not the id's maker) names the setting and both values.
-    assert r0["mismatch"] == "no error", r0
+    # Settings that differ: both processes name the setting and both values (the id's maker
+    # reads the other's settings before it waits for NCCL).
+    assert r0["mismatch"].startswith("ValueError"), r0
+    assert "JAX_GIN_CHUNK_BYTES=65536 here but 131072 in process 1" in r0["mismatch"], r0
     assert r1["mismatch"].startswith("ValueError"), r1
     assert "JAX_GIN_CHUNK_BYTES=131072 here but 65536 in process 0" in r1["mismatch"], r1
     # An unreachable key-value store says so.

@@ -19,6 +19,7 @@ import os
 import re
 import signal
 import sys
+import tempfile
 import time
 
 from multiproc import (assert_same_shards, check_grad, check_parity, check_scatter_gather,
@@ -93,6 +94,12 @@ def test_errors_two_processes():
     # A peer that set up the communicator but never runs the program: the data path times out.
     assert re.search(r"jax_gin psum \(\w+\) on CPU: rank [0-3] of group 0 \(8 ranks\) "
                      r"(timed out after 3 s|gave up).* waiting for peer [4-7]", r0["never_runs"]), r0
+    # Trace-time settings that differ: both processes refuse, naming the setting.
+    for r, (mine, theirs, other) in ((r0, (4096, 8192, 1)), (r1, (8192, 4096, 0))):
+        assert r["bucket"].startswith("ValueError"), r
+        assert f"JAX_GIN_BUCKET_BYTES={mine} here but {theirs} in process {other}" in r["bucket"], r
+        assert r["tables"].startswith("ValueError"), r
+        assert "JAX_GIN_TUNING_DIR (a digest of its tables)=" in r["tables"], r
     assert r0["shm_at_end"] == [] and r1["shm_at_end"] == [], (r0, r1)
     assert _shm_names() <= before
 
@@ -246,6 +253,24 @@ def _worker(scenario: str, pid: int, port: int) -> None:
         t = time.monotonic()
         report["late"] = error_of(lambda: theirs[0].lower(theirs[1]))
         report["late_s"] = time.monotonic() - t
+
+        # Trace-time settings that differ: a bucket size (it would cut a pytree into calls of
+        # different sizes on the ranks of one call) and auto's tuning tables. Both processes
+        # name the difference.
+        jax_gin.runtime.settings.bucket_bytes = 4096 * (pid + 1)
+        fe, xe = program(mesh1, "i", 6)
+        report["bucket"] = error_of(lambda: fe.lower(xe))
+        jax_gin.runtime.settings.bucket_bytes = 64 << 20
+        tables = tempfile.mkdtemp()
+        if pid == 1:
+            with open(os.path.join(tables, "cpu_n8.json"), "w") as fh:
+                json.dump({"device_kind": "cpu", "nranks": 8, "measured": "2026-12-02",
+                           "entries": [{"max_bytes": 1 << 30, "algorithm": "ring"}]}, fh)
+        jax_gin.runtime.settings.tuning_dir = tables
+        ft, xt = program(mesh1, "i", 7)
+        report["tables"] = error_of(lambda: ft.lower(xt))
+        jax_gin.runtime.settings.tuning_dir = None
+        real.wait_at_barrier("test/end_settings", 60_000)
 
         # A peer that set up the communicator but never runs the program.
         fc, xc = program(mesh1, "i", 4)
