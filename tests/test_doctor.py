@@ -116,9 +116,25 @@ def test_nvls_is_only_reported_on_cpu():
     assert done.stdout.rstrip().splitlines()[-1] == "PASS"
 
 
+def test_two_processes_pass():
+    """The self-test spans both processes of a job; each compares the shards it holds."""
+    from multiproc import clean_env, free_port
+    port = free_port()
+    env = clean_env(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "jax_gin.doctor", "--quick", "--coordinator", f"127.0.0.1:{port}",
+         "--num-processes", "2", "--process-id", str(i)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=150)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    for out in outs:
+        assert out.rstrip().splitlines()[-1] == "PASS", out
+        assert "psum_scatter ring" in out and "all_gather one_shot" in out, out
+
+
 def test_settings_that_differ_across_processes():
-    """Two processes of one job (--coordinator), whose workspaces differ: the doctor fails, and
-    the process that finds the difference names it."""
+    """Two processes of one job (--coordinator), whose workspaces differ: the doctor fails in
+    both, and each names the difference."""
     from multiproc import clean_env, free_port
     port = free_port()
     procs = []
@@ -132,4 +148,5 @@ def test_settings_that_differ_across_processes():
     outs = [p.communicate(timeout=150)[0] for p in procs]
     assert [p.returncode for p in procs] == [1, 1], outs
     assert "JAX_GIN_WORKSPACE_BYTES=2097152 here but 1048576 in process 0" in outs[1], outs[1]
+    assert "JAX_GIN_WORKSPACE_BYTES=1048576 here but 2097152 in process 1" in outs[0], outs[0]
     assert "FAIL:" in outs[0] and "FAIL:" in outs[1]
