@@ -427,7 +427,7 @@ def resolve_call(ctx, avals, axes, op, algorithm, platform, api: str | None = No
     nbytes = sum(int(np.prod(a.shape, dtype=np.int64)) for a in avals) * itemsize
     requested = algorithm
     if algorithm == "auto":
-        kind = np.asarray(mesh.devices).flat[0].device_kind
+        kind = _select.table_kind(mesh, platform)
         algorithm, _ = _select.choose(platform, nbytes, layout.nranks, kind)
     if algorithm == _select.XLA_FALLBACK:
         return None

@@ -427,20 +427,24 @@ def _tables_digest() -> str | None:
     return h.hexdigest()[:16]
 
 
-def trace_settings() -> dict:
+def trace_settings(tables: bool) -> dict:
     """What decides each process's calls at trace time, so it must be equal in every process
     of a group too (checked at bootstrap with the backend's own): the bucket size cuts a
     pytree into calls, and one that differs gives calls of different sizes on the ranks of one
-    call (wrong sums, with no error); the tuning tables decide `auto`'s algorithm."""
-    return {_RULES["bucket_bytes"][0]: int(settings.bucket_bytes),
-            f"{_RULES['tuning_dir'][0]} (a digest of its tables)": _tables_digest()}
+    call (wrong sums, with no error); `tables`: the tuning tables, where they decide `auto`'s
+    algorithm (not for CPU groups that span processes: _select.table_kind)."""
+    out = {_RULES["bucket_bytes"][0]: int(settings.bucket_bytes)}
+    if tables:
+        out[f"{_RULES['tuning_dir'][0]} (a digest of its tables)"] = _tables_digest()
+    return out
 
 
 def cpu_group_settings(workspace_bytes: int) -> dict:
     """What must be equal in every process of a CPU group (checked at bootstrap): the shared
     workspace's layout, and trace_settings()."""
     return {_RULES["cpu_workspace_bytes"][0]: int(workspace_bytes),
-            _RULES["record_entries"][0]: int(settings.record_entries), **trace_settings()}
+            _RULES["record_entries"][0]: int(settings.record_entries),
+            **trace_settings(tables=False)}
 
 
 def _create_cpu_comm(mesh, devices, layout: GroupLayout, ws: int, key) -> int:
@@ -496,7 +500,7 @@ def gpu_launch_settings(workspace_bytes: int, default_max_lanes: int | None = No
 
     default_max_lanes: the smallest default lane cap (SM count, at most 128) of this process's
     devices in the group; it decides the lanes unless max_lanes (JAX_GIN_MAX_LANES) is set."""
-    out = {"workspace_bytes": int(workspace_bytes), **trace_settings()}
+    out = {"workspace_bytes": int(workspace_bytes), **trace_settings(tables=True)}
     out.update({_RULES[f][0]: v for f, v in gpu_launch_kwargs().items()})
     if default_max_lanes is not None and settings.max_lanes is None:
         out["default max lanes (SM count; set JAX_GIN_MAX_LANES alike to override)"] = \

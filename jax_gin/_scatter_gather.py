@@ -336,7 +336,7 @@ def _lowering(api, ctx, x, *, axes, nranks, algorithm, platform):
     nbytes = int(max(aval.shape[0], ctx.avals_out[0].shape[0])) * itemsize
     requested = algorithm
     if algorithm == "auto":
-        kind = np.asarray(mesh.devices).flat[0].device_kind
+        kind = _select.table_kind(mesh, platform)
         algorithm, _ = _select.choose_collective(platform, nbytes, nranks, kind, api=api)
     comm = None
     if not partial and algorithm != _select.XLA_FALLBACK:

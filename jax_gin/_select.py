@@ -16,6 +16,8 @@ import functools
 import json
 import os
 
+import numpy as np
+
 from . import _runtime
 from ._ops import ALGORITHMS, XLA_FALLBACK
 
@@ -73,6 +75,17 @@ def _from_table(table: dict, nbytes: int, xla_text: str) -> tuple[str, str]:
     if pick["algorithm"] == XLA_FALLBACK:
         return XLA_FALLBACK, f"{xla_text} was faster than every jax_gin algorithm {where}"
     return pick["algorithm"], f"fastest measured {where}"
+
+
+def table_kind(mesh, platform: str) -> str | None:
+    """The device kind whose tuning tables `auto` reads for a call over `mesh`, or None (the
+    model). The CPU tables are measured in one process, where XLA's own collectives run in
+    shared memory; over several processes they run through gloo over TCP, which no table
+    measured, so there the model decides."""
+    devices = list(np.asarray(mesh.devices).flat)
+    if platform == "cpu" and len({d.process_index for d in devices}) > 1:
+        return None
+    return devices[0].device_kind
 
 
 def choose(platform: str, nbytes: int, nranks: int, device_kind: str | None = None) -> tuple[str, str]:

@@ -18,6 +18,7 @@ bottom), joined by jax.distributed on 127.0.0.1:
 import json
 import os
 import sys
+import tempfile
 
 import pytest
 
@@ -93,6 +94,9 @@ def test_bootstrap_two_processes():
     assert "JAX_GIN_CHUNK_BYTES=65536 here but 131072 in process 1" in r0["mismatch"], r0
     assert r1["mismatch"].startswith("ValueError"), r1
     assert "JAX_GIN_CHUNK_BYTES=131072 here but 65536 in process 0" in r1["mismatch"], r1
+    for r in (r0, r1):
+        assert r["tables"].startswith("ValueError"), r
+        assert "JAX_GIN_TUNING_DIR (a digest of its tables)=" in r["tables"], r
     # An unreachable key-value store says so.
     for r in (r0, r1):
         assert r["unreachable"].startswith("KeyValueStoreError"), r
@@ -216,6 +220,16 @@ def _bootstrap_worker(pid, devices, report, _distributed, _native, _runtime):
     report["mismatch"] = error_of(lambda: _runtime.communicator("cuda", mesh1, ("i",)))
     _runtime.settings.chunk_bytes = None
     client.wait_at_barrier("test/end_mismatch", 60_000)
+    # Tuning tables that differ (auto would pick different algorithms): refused by name too.
+    tables = tempfile.mkdtemp()
+    if pid == 1:
+        with open(os.path.join(tables, "nvidia_h200_n8.json"), "w") as fh:
+            fh.write('{"entries": []}')
+    _runtime.settings.tuning_dir = tables
+    _runtime.settings.timeout_s = 3.0 + 4e-6  # a new communicator key
+    report["tables"] = error_of(lambda: _runtime.communicator("cuda", mesh1, ("i",)))
+    _runtime.settings.tuning_dir = None
+    client.wait_at_barrier("test/end_tables", 60_000)
 
     # An unreachable key-value store.
     from jax_gin import _compat
