@@ -200,7 +200,7 @@ class HostTransport {
           const std::string why = "gave up because " + dead + " is gone (it exited or was killed)";
           record(peer, step, value, seen, why.c_str(),
                  " This process is intact, but no collective of this group can complete again: "
-                 "restart the job.");
+                 "restart the job.", &dead);
           return false;
         }
       }
@@ -228,9 +228,10 @@ class HostTransport {
   }
 
   // `why`: why the wait gave up (null: the timeout); `advice`: what to do (null: for the
-  // timeout, set a longer one; for a failed peer, nothing).
+  // timeout, set a longer one; for a failed peer, nothing); `gone`: the process that is gone,
+  // if that is why.
   void record(int peer, int step, uint64_t expected, uint64_t seen, const char* why,
-              const char* advice = nullptr) {
+              const char* advice = nullptr, const std::string* gone = nullptr) {
     Text os;
     os << "jax_gin " << call_op_name(op_) << " (" << algorithm_name(algo_) << ") on CPU: rank "
        << rank_ << " of group " << group_ << " (" << nranks() << " ranks) ";
@@ -244,7 +245,15 @@ class HostTransport {
     else os << " at step " << step << " of round " << round;
     os << " (flag " << seen << ", expected " << expected << ")."
        << (advice ? advice : why ? "" : " Set JAX_GIN_TIMEOUT_S to wait longer.");
-    os << "\n" << laggard_report(ws_, group_, rank_);
+    std::string lag = laggard_report(ws_, group_, rank_);
+    if (gone) {
+      // Its ranks' records stopped where it died, so a laggard or a cycle read from them would
+      // mislead: the diagnosis is that it is gone, and the last calls follow as they are.
+      const size_t nl = lag.find('\n');
+      lag = "diagnosis: " + *gone + " is gone; the last calls below stop where it died" +
+            (nl == std::string::npos ? std::string() : lag.substr(nl));
+    }
+    os << "\n" << lag;
     error_ = os.str();
     ws_.header().broken.store(1);
   }

@@ -114,6 +114,10 @@ def test_killed_peer_process():
     err = r0["error"]
     assert re.search(r"gave up because process 1 \(pid \d+; ranks 4, 5, 6, 7\) is gone", err), err
     assert "restart the job" in err and "JAX_GIN_TIMEOUT_S" not in err, err
+    # the diagnosis is the dead process, not a laggard read from its frozen records
+    assert re.search(r"diagnosis: process 1 \(pid \d+; ranks 4, 5, 6, 7\) is gone; the last "
+                     r"calls below stop where it died", err), err
+    assert "never entered" not in err and "cycle" not in err, err
     assert r0["seconds"] < 10, r0
 
 
