@@ -425,7 +425,7 @@ def _publish_own_settings(client, prefix: str, g: int, me: int, settings, doing:
     _kv(doing, client.key_value_set, f"{prefix}/settings/g{g}/p{me}", json.dumps(settings or {}))
 
 
-def _check_peer_settings(client, prefix: str, proc_of: dict, mine: list, me: int, settings,
+def _check_peer_settings(client, prefix: str, proc_of: list, mine: list, me: int, settings,
                          deadline: float, doing: str, missing_error, what: str) -> None:
     """For each group of `mine` whose set-up this process made: the settings each other
     process of it published; raises as check_same_settings does on a difference, so that the
