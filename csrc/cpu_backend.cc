@@ -75,6 +75,26 @@ std::shared_mutex g_registry_mu;
 std::map<int64_t, std::shared_ptr<Comm>> g_registry;
 int64_t g_next_id = 1;
 
+// Each rank's state block, as the hang report reads it (laggard.h).
+std::vector<Seen> rank_states(const Workspace& ws) {
+  const int n = ws.nranks();
+  std::vector<Seen> s(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    const RecState& st = ws.rec_state(r);
+    Seen& x = s[size_t(r)];
+    x.seq = load_acquire(st.seq);
+    x.done = load_acquire(st.done);
+    x.wseq = load_acquire(st.wait_seq);
+    x.wround = st.wait_round;
+    x.wpeer = st.wait_peer;
+    x.wstep = st.wait_step;
+    x.op = st.op;
+    x.algo = st.algorithm;
+    x.failed = st.failed != 0;
+  }
+  return s;
+}
+
 // The transport for one rank of a CPU group: peers' windows are plain host memory.
 class HostTransport {
  public:
@@ -245,15 +265,13 @@ class HostTransport {
     else os << " at step " << step << " of round " << round;
     os << " (flag " << seen << ", expected " << expected << ")."
        << (advice ? advice : why ? "" : " Set JAX_GIN_TIMEOUT_S to wait longer.");
-    std::string lag = laggard_report(ws_, group_, rank_);
-    if (gone) {
-      // Its ranks' records stopped where it died, so a laggard or a cycle read from them would
-      // mislead: the diagnosis is that it is gone, and the last calls follow as they are.
-      const size_t nl = lag.find('\n');
-      lag = "diagnosis: " + *gone + " is gone; the last calls below stop where it died" +
-            (nl == std::string::npos ? std::string() : lag.substr(nl));
-    }
-    os << "\n" << lag;
+    // A process that is gone: its ranks' records stopped where it died, so a laggard or a cycle
+    // read from them would mislead. The diagnosis is that it is gone; the last calls follow.
+    const std::vector<Seen> states = rank_states(ws_);
+    os << "\n"
+       << (gone ? "diagnosis: " + *gone + " is gone; the last calls below stop where it died\n" +
+                      last_calls_text(states, group_)
+                : laggard_text(states, group_, rank_));
     error_ = os.str();
     ws_.header().broken.store(1);
   }
@@ -779,22 +797,7 @@ std::vector<RecEntry> recorder_entries(const Workspace& ws, int rank) {
 }
 
 std::string laggard_report(const Workspace& ws, int group, int self) {
-  const int n = ws.nranks();
-  std::vector<Seen> s(static_cast<size_t>(n));
-  for (int r = 0; r < n; ++r) {
-    const RecState& st = ws.rec_state(r);
-    Seen& x = s[size_t(r)];
-    x.seq = load_acquire(st.seq);
-    x.done = load_acquire(st.done);
-    x.wseq = load_acquire(st.wait_seq);
-    x.wround = st.wait_round;
-    x.wpeer = st.wait_peer;
-    x.wstep = st.wait_step;
-    x.op = st.op;
-    x.algo = st.algorithm;
-    x.failed = st.failed != 0;
-  }
-  return laggard_text(s, group, self);
+  return laggard_text(rank_states(ws), group, self);
 }
 
 }  // namespace cpu

@@ -73,6 +73,24 @@ inline std::string steps_text(const std::vector<int>& steps) {
 
 }  // namespace laggard_detail
 
+// "last calls of group 0: rank 0: #1842 psum/one_shot, waiting for rank 3 at step 0 of round
+// 5; ..." for the ranks' states `s`.
+inline std::string last_calls_text(const std::vector<Seen>& s, int group) {
+  using namespace laggard_detail;
+  Text os;
+  os << "last calls of group " << group << ":";
+  for (int r = 0; r < int(s.size()); ++r) {
+    const Seen& x = s[size_t(r)];
+    os << (r ? ";" : "") << " rank " << r << ": ";
+    if (x.seq == 0) { os << "none"; continue; }
+    os << "#" << x.seq << " " << call_op_name(x.op) << "/" << algorithm_name(Algorithm(x.algo));
+    if (x.in_call()) os << (x.waiting() ? ", " + wait_text(x) : std::string(", running"));
+    else if (x.failed) os << ", failed" << (x.waiting() ? " " + wait_text(x) : std::string());
+    else os << ", done";
+  }
+  return os.str();
+}
+
 // "diagnosis: rank 3 never entered call #1842 (psum, one_shot); ranks 0-2 wait for it at step 0.
 // last calls of group 0: ..." for the ranks' states `s`, as rank `self` of `group` reports it.
 inline std::string laggard_text(const std::vector<Seen>& s, int group, int self) {
@@ -173,16 +191,7 @@ inline std::string laggard_text(const std::vector<Seen>& s, int group, int self)
       }
     }
   }
-  os << ".\nlast calls of group " << group << ":";
-  for (int r = 0; r < n; ++r) {
-    const Seen& x = s[size_t(r)];
-    os << (r ? ";" : "") << " rank " << r << ": ";
-    if (x.seq == 0) { os << "none"; continue; }
-    os << "#" << x.seq << " " << call_op_name(x.op) << "/" << algorithm_name(Algorithm(x.algo));
-    if (x.in_call()) os << (x.waiting() ? ", " + wait_text(x) : std::string(", running"));
-    else if (x.failed) os << ", failed" << (x.waiting() ? " " + wait_text(x) : std::string());
-    else os << ", done";
-  }
+  os << ".\n" << last_calls_text(s, group);
   return os.str();
 }
 
