@@ -196,19 +196,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_size_range(parser: argparse.ArgumentParser, minbytes: int, maxbytes: int | None) -> None:
+    """-b and -e as the benchmark takes them (also python -m jax_gin.tune's)."""
+    if minbytes < 1:
+        parser.error("-b/--minbytes must be at least 1 byte")
+    if maxbytes is not None and maxbytes < minbytes:
+        parser.error("-e/--maxbytes is smaller than -b/--minbytes")
+
+
 def parse_args(argv) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.minbytes < 1:
-        parser.error("-b/--minbytes must be at least 1 byte")
+    check_size_range(parser, args.minbytes, args.maxbytes)
     if args.stepfactor < 2:
         parser.error("-f/--stepfactor must be at least 2")
     if args.iters < 1 or args.warmup < 0:
         parser.error("-n/--iters must be >= 1 and -w/--warmup >= 0")
     if args.chain is not None and args.chain < 2:
         parser.error("-k/--chain must be >= 2: the per-op time is (T_K - T_1) / (K - 1)")
-    if args.maxbytes is not None and args.maxbytes < args.minbytes:
-        parser.error("-e/--maxbytes is smaller than -b/--minbytes")
     if ALL_REDUCE not in args.collective:
         if args.op != ["sum"]:
             parser.error("-o/--op is all_reduce's: psum_scatter sums and all_gather has no op")
@@ -250,11 +255,12 @@ def init_distributed(args) -> None:
 # Driver
 
 
+# How to run on 8 CPU devices (the refusals of one device say it).
+EIGHT_CPU_DEVICES = "JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8"
 ONE_DEVICE_REFUSAL = (
     "jax_gin.bench: the reduced axis has one device, where no all-reduce reduces (auto and "
     "lax return the input, an explicit algorithm copies it), so the times and vs_lax ratios "
-    "say nothing about all-reduce. For 8 CPU "
-    "devices run with JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8; "
+    f"say nothing about all-reduce. For 8 CPU devices run with {EIGHT_CPU_DEVICES}; "
     "pass --one-device to run on one device anyway (no vs_lax ratios).")
 
 

@@ -138,10 +138,7 @@ def main(argv=None) -> int:
     ap.add_argument("-n", "--iters", type=int, default=30,
                     help="timed repeats per size, whose median decides (default 30)")
     args = ap.parse_args(argv)
-    if args.minbytes < 1:
-        ap.error("-b/--minbytes must be at least 1 byte")
-    if args.maxbytes is not None and args.maxbytes < args.minbytes:
-        ap.error("-e/--maxbytes is smaller than -b/--minbytes")
+    bench.check_size_range(ap, args.minbytes, args.maxbytes)
     if args.iters < 1:
         ap.error("-n/--iters must be at least 1")
     if args.from_json:
@@ -154,7 +151,7 @@ def main(argv=None) -> int:
         if len(jax.devices()) == 1:
             print("jax_gin.tune: there is one device, where no collective moves data (auto "
                   "returns the input), so there is nothing to tune. For 8 CPU devices run with "
-                  "JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8.",
+                  f"{bench.EIGHT_CPU_DEVICES}.",
                   file=sys.stderr)
             return 1
         with tempfile.TemporaryDirectory() as d:
