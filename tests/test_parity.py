@@ -44,6 +44,19 @@ def test_parity_x64(dtype, algo):
 
 
 @pytest.mark.parametrize("algo", jax_gin.ALGORITHMS)
+@pytest.mark.parametrize("dtype", ["int32", "uint32", "int64"])
+def test_integer_sums_wrap(dtype, algo):
+    """Integer sums that overflow wrap, as XLA's do, whatever the order of the additions: the
+    values cover the whole range, so most partial sums leave it."""
+    with jax.enable_x64(dtype == "int64"):
+        mesh = mesh_1d()
+        info = np.iinfo(dtype)
+        rng = np.random.default_rng(5)
+        x = rng.integers(info.min, info.max, size=(ndev() * 97,), dtype=dtype, endpoint=True)
+        _run("psum", algo, mesh, P("i"), jnp.asarray(x), "i")
+
+
+@pytest.mark.parametrize("algo", jax_gin.ALGORITHMS)
 @pytest.mark.parametrize("axes", ["x", "y", ("x", "y"), ("y", "x")])
 @pytest.mark.parametrize("op", list(OPS))
 def test_parity_2d_mesh(op, axes, algo):

@@ -5,6 +5,8 @@
 // __host__ __device__).
 #pragma once
 
+#include <type_traits>
+
 #include "jax_gin/common.h"
 
 namespace jax_gin {
@@ -21,9 +23,17 @@ template <class T> struct Widen {
 template <class W> JG_HD bool is_nan(W x) { return x != x; }
 
 // One functor per RedOp (JAX_GIN_REDOPS). max and min propagate NaN, like XLA's maximum and
-// minimum.
+// minimum. Sum adds signed integers as their unsigned type: XLA's integer sums wrap, and a
+// signed overflow in C++ is undefined (the 64-bit sum of uint64 values travels as int64).
 struct Sum {
-  template <class W> static JG_HD W apply(W a, W b) { return a + b; }
+  template <class W> static JG_HD W apply(W a, W b) {
+    if constexpr (std::is_integral<W>::value && std::is_signed<W>::value) {
+      using U = typename std::make_unsigned<W>::type;
+      return static_cast<W>(static_cast<U>(a) + static_cast<U>(b));
+    } else {
+      return a + b;
+    }
+  }
 };
 struct Max {
   template <class W> static JG_HD W apply(W a, W b) {
