@@ -6,7 +6,8 @@ rank's window, flags and round counter -- in one shared-memory segment. Per comm
 spans processes, every process involved does this (all of them lower the same programs in
 the same order, so they all get here):
 
-1. arrive: a key per process (its host and IPC namespace), then a barrier of the processes
+1. arrive: at the first generation of the communicator's set-ups that no process gave up
+   on (SetUp), a key per process (its host and IPC namespace), then a barrier of the processes
    involved. A process that never comes makes the others fail with the group and the ranks
    that are missing; processes that cannot share memory (other hosts, another /dev/shm) fail
    with a clear error.
@@ -23,8 +24,9 @@ the same order, so they all get here):
 <job> is a random token that the first process to need it publishes in the key-value store,
 so that two jobs on one host never share a name; <communicator> is a hash of where the
 communicator meets (platform, mesh devices, mesh axes and sizes, reduced axes: _runtime's
-`meet`, without the settings, which the processes compare once they have met) and how many
-times this process created it.
+`meet`, without the settings, which the processes compare once they have met) and the
+generation of this set-up of it (SetUp), which the processes agree on through the
+key-value store.
 
 The only JAX internal used here, the jax.distributed client, is reached through _compat.
 """
@@ -169,13 +171,89 @@ def job_token(client, deadline: float) -> str:
     return token
 
 
+def _key_hash(key) -> str:
+    return hashlib.sha256(repr(key).encode()).hexdigest()[:12]
+
+
 def communicator_tag(key, generation: int) -> str:
     """A name for a communicator that every process computes alike."""
-    return f"{hashlib.sha256(repr(key).encode()).hexdigest()[:12]}.{generation}"
+    return f"{_key_hash(key)}.{generation}"
 
 
 def segment_name(token: str, tag: str, group: int) -> str:
     return f"/jax_gin.{token}.{tag}.g{group}"
+
+
+# ---------------------------------------------------------------------------------------
+# Generations: which set-up of a communicator the processes meet at
+
+
+_next_generation: dict = {}  # communicator key -> the generation this process tries next
+
+
+def _abandoned_prefix(token: str, key) -> str:
+    return f"{KV_PREFIX}/{token}/abandoned/{_key_hash(key)}/"
+
+
+def _mark_abandoned(client, token: str, key, generation: int, me: int) -> None:
+    """Record in the key-value store that process `me` gave up on `generation` of `key`."""
+    try:
+        client.key_value_set(f"{_abandoned_prefix(token, key)}{generation}", str(me))
+    except Exception:  # noqa: BLE001 - best effort, while the set-up's own error is raised
+        pass  # (ALREADY_EXISTS: another process marked it first)
+
+
+class SetUp:
+    """One attempt of this process to set up the communicator `key` with the other processes
+    of its groups: a context manager around the whole set-up, from the key-value bootstrap
+    to the native communicator.
+
+    Every set-up of a communicator has a generation, part of its key-value keys and
+    shared-memory names (communicator_tag), which the processes must agree on. Each process
+    counts the set-ups it came to; a process that never came to one (it raised before it,
+    say) while the others gave up on it would be a generation behind them from then on, and
+    every later attempt would fail. So a process whose set-up fails once it has arrived at a
+    generation marks that generation abandoned in the key-value store, and a process skips
+    the abandoned generations before it arrives. A marker written just after a process looked
+    shows at the arrival barrier instead (_Bootstrap.arrive), and the process moves on to the
+    next generation there. Either way, when all of them try again, they meet.
+    """
+
+    def __init__(self, key):
+        self.key = key
+        self.generation = _next_generation.get(key, 0)
+        self.late = False  # skipped a generation that the other processes gave up on
+        self.arrived = False  # at self.generation, which is then used up for this process
+        self._store = None  # (client, token, me), once the bootstrap has them
+
+    def skip_abandoned(self, client, token: str, me: int, doing: str) -> None:
+        self._store = (client, token, me)
+        marked = {int(k.rsplit("/", 1)[1]) for k, _ in
+                  _kv(doing, client.key_value_dir_get, _abandoned_prefix(token, self.key))}
+        while self.generation in marked:
+            self.generation += 1
+            self.late = True
+
+    def abandon(self) -> None:
+        """Mark this generation abandoned and move on to the next."""
+        client, token, me = self._store
+        _mark_abandoned(client, token, self.key, self.generation, me)
+        self.generation += 1
+        self.arrived = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        # A generation this process did not arrive at stays its next: the others may be
+        # waiting there, and meet it when it tries again.
+        if self.arrived:
+            if exc_type is None:
+                self.generation += 1
+            else:
+                self.abandon()
+            _next_generation[self.key] = self.generation
+        return False
 
 
 # ---------------------------------------------------------------------------------------
@@ -204,7 +282,8 @@ def _ranks_text(ranks) -> str:
 def _missing_error(what, spanning, proc_of, nranks, participants, me, timeout_s, tag, token,
                    missing_procs, late=False) -> BootstrapTimeoutError:
     """The error for processes that did not come to set up a communicator: the groups and
-    their missing ranks, or (late) that this process came after the others gave up."""
+    their missing ranks; (late) that this process came after the others gave up on it, and
+    the ranks missing from the next set-up, where it waited for them."""
     parts = []
     for g in spanning:
         ranks = [r for r in range(nranks) if proc_of[g][r] in missing_procs]
@@ -216,6 +295,9 @@ def _missing_error(what, spanning, proc_of, nranks, participants, me, timeout_s,
         others = ", ".join(str(p) for p in participants if p != me)
         head = (f"jax_gin: process {me} came to set up {what} after the other processes "
                 f"({others}) had stopped waiting for it (JAX_GIN_TIMEOUT_S={timeout_s:g})")
+        if parts:
+            head += (f", then timed out waiting for them to set it up again: "
+                     f"{'; '.join(parts)}")
     else:
         head = (f"jax_gin: timed out after {timeout_s:g} s setting up {what}: "
                 f"{'; '.join(parts)}")
@@ -223,24 +305,6 @@ def _missing_error(what, spanning, proc_of, nranks, participants, me, timeout_s,
         f"{head}. Every process of the job must lower the same jax_gin programs in the "
         f"same order; a peer may have failed, or may be slower: set JAX_GIN_TIMEOUT_S to "
         f"wait longer. (communicator {tag}, job {token})")
-
-
-def _arrive(client, prefix: str, me: int, participants: list, deadline: float, doing: str,
-            value: str, missing_error) -> dict:
-    """Step 1 of every set-up: a key per process (with `value`), then a barrier of the
-    participants. Returns {process: value}; a process that does not come raises
-    missing_error(missing processes, late=...)."""
-    def arrived():
-        return {int(k.rsplit("/", 1)[1]): v
-                for k, v in _kv(doing, client.key_value_dir_get, f"{prefix}/arrived/")}
-
-    try:
-        _kv(doing, client.key_value_set, f"{prefix}/arrived/{me}", value)
-        _kv(doing, client.wait_at_barrier, f"{prefix}/arrived", _ms(deadline), participants)
-    except _Deadline:
-        missing = [p for p in participants if p not in arrived()]
-        raise missing_error(missing, late=not missing) from None
-    return arrived()
 
 
 def _process_map(layout, procs: list) -> tuple:
@@ -255,27 +319,57 @@ def _process_map(layout, procs: list) -> tuple:
 
 class _Bootstrap:
     """What the processes that share spanning groups agree on before setting them up: the
-    participants, the deadline, the key-value prefix unique to the job and communicator, and
-    how to say who is missing."""
+    participants, the deadline, the generation and the key-value prefix unique to the job,
+    communicator and generation (known once arrived), and how to say who is missing."""
 
-    def __init__(self, layout, proc_of, spanning, me, key, generation, timeout_s, what):
+    def __init__(self, layout, proc_of, spanning, me, setup: SetUp, timeout_s, what):
         self.participants = sorted({p for g in spanning for p in proc_of[g]})
         self.client = distributed_client()
         if self.client is None:
             check_initialized(len(self.participants))
         self.deadline = time.monotonic() + timeout_s
         self.token = job_token(self.client, self.deadline)
-        self.tag = communicator_tag(key, generation)
-        self.prefix = f"{KV_PREFIX}/{self.token}/{self.tag}"
+        self.setup, self.me = setup, me
+        self.tag = self.prefix = None
         self.doing = f"setting up {what}"
+        self._error_args = (what, spanning, proc_of, layout.nranks, self.participants, me,
+                            timeout_s)
 
-        def missing_error(missing_procs, late=False):
-            return _missing_error(what, spanning, proc_of, layout.nranks, self.participants, me,
-                                  timeout_s, self.tag, self.token, missing_procs, late)
-        self.missing_error = missing_error
+    def missing_error(self, missing_procs, late=False) -> BootstrapTimeoutError:
+        return _missing_error(*self._error_args, self.tag, self.token, missing_procs, late)
+
+    def arrive(self, value: str) -> dict:
+        """Step 1 of every set-up: at the first generation not given up on, a key per process
+        (with `value`), then a barrier of the participants. Returns {process: value}; a
+        process that does not come raises missing_error(missing processes, late=...)."""
+        client, me, doing, setup = self.client, self.me, self.doing, self.setup
+        setup.skip_abandoned(client, self.token, me, doing)
+        while True:
+            self.tag = communicator_tag(setup.key, setup.generation)
+            self.prefix = f"{KV_PREFIX}/{self.token}/{self.tag}"
+            setup.arrived = True
+            try:
+                _kv(doing, client.key_value_set, f"{self.prefix}/arrived/{me}", value)
+                _kv(doing, client.wait_at_barrier, f"{self.prefix}/arrived", _ms(self.deadline),
+                    self.participants)
+                return self._arrived()
+            except _Deadline:
+                missing = [p for p in self.participants if p not in self._arrived()]
+            # Every process came, yet the barrier failed before this process's deadline: it
+            # had failed before this process got there, so the others gave up on this
+            # generation (their markers may not be written yet) and will try the next.
+            if not missing and time.monotonic() < self.deadline:
+                setup.abandon()
+                setup.late = True
+                continue
+            raise self.missing_error(missing, late=setup.late or not missing)
+
+    def _arrived(self) -> dict:
+        return {int(k.rsplit("/", 1)[1]): v for k, v in
+                _kv(self.doing, self.client.key_value_dir_get, f"{self.prefix}/arrived/")}
 
 
-def group_workspaces(layout, procs: list, me: int, lane_bytes: int, key, generation: int,
+def group_workspaces(layout, procs: list, me: int, lane_bytes: int, setup: SetUp,
                      timeout_s: float, what: str, record_entries: int,
                      settings: dict | None = None) -> list:
     """One Workspace per group of `layout` (None where no rank runs in this process).
@@ -286,6 +380,7 @@ def group_workspaces(layout, procs: list, me: int, lane_bytes: int, key, generat
     a group must pass the same `lane_bytes` and `record_entries` (the segment's layout):
     `settings` ({variable: value}) names them; the segment's creator publishes it beside the
     segment's name, and the others compare and raise a ValueError naming the difference.
+    `setup` (SetUp) is this attempt, which picks the generation.
     """
     ngroups, nranks = layout.ngroups, layout.nranks
     proc_of, spanning = _process_map(layout, procs)
@@ -296,15 +391,11 @@ def group_workspaces(layout, procs: list, me: int, lane_bytes: int, key, generat
     mine = [g for g in spanning if me in proc_of[g]]
     if not mine:
         return out
-    boot = _Bootstrap(layout, proc_of, spanning, me, key, generation, timeout_s, what)
-    client, deadline, token, tag = boot.client, boot.deadline, boot.token, boot.tag
-    prefix, participants, missing_error = boot.prefix, boot.participants, boot.missing_error
-
+    boot = _Bootstrap(layout, proc_of, spanning, me, setup, timeout_s, what)
     # 1. arrive, saying which /dev/shm this process sees
-    doing = boot.doing
-
-    hosts = _arrive(client, prefix, me, participants, deadline, doing, _host_identity(),
-                    missing_error)
+    hosts = boot.arrive(_host_identity())
+    client, deadline, token, tag = boot.client, boot.deadline, boot.token, boot.tag
+    prefix, doing, missing_error = boot.prefix, boot.doing, boot.missing_error
     for g in mine:
         where = {p: hosts.get(p) for p in sorted(set(proc_of[g]))}
         if len(set(where.values())) > 1:
@@ -368,7 +459,7 @@ def group_workspaces(layout, procs: list, me: int, lane_bytes: int, key, generat
 # Several processes on GPU: NCCL unique ids
 
 
-def gpu_unique_ids(layout, procs: list, me: int, key, generation: int, timeout_s: float,
+def gpu_unique_ids(layout, procs: list, me: int, setup: SetUp, timeout_s: float,
                    what: str, new_id, launch_settings: dict | None = None) -> dict:
     """{group: ncclUniqueId bytes} for every group of `layout` with a rank in this process.
 
@@ -377,8 +468,9 @@ def gpu_unique_ids(layout, procs: list, me: int, key, generation: int, timeout_s
     groups that span processes, every process involved arrives (a key and a barrier: a
     process that does not come within `timeout_s` fails the others with the group and its
     missing ranks), then the process that runs a group's rank 0 makes its id and publishes it
-    under a key unique to the job, the communicator and its generation, and the others read
-    it. After this the caller runs ncclCommInitRank (NCCL's own bootstrap).
+    under a key unique to the job, the communicator and its generation (`setup`), and the
+    others read it. After this the caller runs ncclCommInitRank (NCCL's own bootstrap),
+    within the same `setup`.
 
     `launch_settings` ({name: value}) must be equal in every process of a group: they decide
     the window layout, the lanes and the flag tags of every kernel, and a process that differs
@@ -390,11 +482,10 @@ def gpu_unique_ids(layout, procs: list, me: int, key, generation: int, timeout_s
     out = {g: bytes(new_id()) for g in mine if g not in spanning}
     if not any(g in spanning for g in mine):
         return out
-    boot = _Bootstrap(layout, proc_of, spanning, me, key, generation, timeout_s, what)
+    boot = _Bootstrap(layout, proc_of, spanning, me, setup, timeout_s, what)
+    boot.arrive(socket.gethostname())
     client, deadline, doing = boot.client, boot.deadline, boot.doing
-    prefix, participants, missing_error = boot.prefix, boot.participants, boot.missing_error
-    _arrive(client, prefix, me, participants, deadline, doing, socket.gethostname(),
-            missing_error)
+    prefix, missing_error = boot.prefix, boot.missing_error
     for g in mine:  # ascending, in every process
         if g not in spanning:
             continue

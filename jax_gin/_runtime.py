@@ -322,7 +322,6 @@ _cache: dict = {}
 # CPU communicator id -> (device id by logical id, GroupLayout): who runs each rank (trace).
 comm_devices: dict = {}
 gpu_comm_devices: dict = {}  # the same for GPU communicators (their ids are counted apart)
-_generations: dict = {}  # key -> communicators created for it so far (names in shared memory)
 
 
 def workspace_bytes(platform: str) -> int:
@@ -451,14 +450,13 @@ def _create_cpu_comm(mesh, devices, layout: GroupLayout, ws: int, key) -> int:
     procs = [int(d.process_index) for d in devices]
     workspaces = None  # every group in private memory: all devices run in this process
     if any(p != procs[0] for p in procs):
-        generation = _generations.get(key, 0)
-        _generations[key] = generation + 1
         shape = ", ".join(f"{n!r}: {mesh.shape[n]}" for n in mesh.axis_names)
         what = (f"the CPU communicator for axes {key[4]} of the mesh {{{shape}}} "
                 f"({len(set(procs))} processes)")
-        workspaces = _distributed.group_workspaces(
-            layout, procs, jax.process_index(), ws, key, generation, settings.timeout_s, what,
-            settings.record_entries, cpu_group_settings(ws))
+        with _distributed.SetUp(key) as setup:
+            workspaces = _distributed.group_workspaces(
+                layout, procs, jax.process_index(), ws, setup, settings.timeout_s, what,
+                settings.record_entries, cpu_group_settings(ws))
     comm = _native.cpu.cpu_comm_create(
         layout.nranks, list(layout.group_of), list(layout.rank_of), ws, settings.timeout_s,
         settings.fault_rank, workspaces, _FAULT_MODES[settings.fault_mode], settings.record_entries)
@@ -515,8 +513,6 @@ def _create_cuda_comm_processes(mesh, devices, layout: GroupLayout, ws: int, key
     processes x 1 GPU: see docs/multi-node.md."""
     procs = [int(d.process_index) for d in devices]
     me = jax.process_index()
-    generation = _generations.get(key, 0)
-    _generations[key] = generation + 1
     shape = ", ".join(f"{n!r}: {mesh.shape[n]}" for n in mesh.axis_names)
     what = (f"the GPU communicator for axes {key[4]} of the mesh {{{shape}}} "
             f"({len(set(procs))} processes)")
@@ -524,18 +520,21 @@ def _create_cuda_comm_processes(mesh, devices, layout: GroupLayout, ws: int, key
     # (the CPU bootstrap tests stand a fake CUDA module in, without default_max_lanes)
     lanes = min((_native.cuda.default_max_lanes(o) for o in mine), default=None) \
         if hasattr(_native.cuda, "default_max_lanes") else None
-    ids = _distributed.gpu_unique_ids(layout, procs, me, key, generation, settings.timeout_s,
-                                      what, _native.cuda.unique_id, gpu_launch_settings(ws, lanes))
     local: dict = {}  # group -> [(rank, local CUDA ordinal)]
     for logical, d in enumerate(devices):
         if procs[logical] == me:
             local.setdefault(layout.group_of[logical], []).append(
                 (layout.rank_of[logical], int(d.local_hardware_id)))
-    specs = []
-    for g in sorted(local):
-        pairs = sorted(local[g])
-        specs.append((g, layout.nranks, ids[g], [r for r, _ in pairs], [d for _, d in pairs]))
-    return _comm_create_ranks(specs, ws, what)
+    # NCCL's initialization is the set-up's last step: a failure there abandons the generation too
+    with _distributed.SetUp(key) as setup:
+        ids = _distributed.gpu_unique_ids(layout, procs, me, setup, settings.timeout_s, what,
+                                          _native.cuda.unique_id, gpu_launch_settings(ws, lanes))
+        specs = []
+        for g in sorted(local):
+            pairs = sorted(local[g])
+            specs.append((g, layout.nranks, ids[g], [r for r, _ in pairs],
+                          [d for _, d in pairs]))
+        return _comm_create_ranks(specs, ws, what)
 
 
 def _comm_create_ranks(specs: list, ws: int, what: str) -> int:

@@ -7,7 +7,8 @@ bottom), joined by jax.distributed on 127.0.0.1:
   that records what it is given. They check the real bootstrap through the key-value store:
   both processes get the same NCCL unique id for every group that spans them, each process
   passes its own ranks and local devices, the process of a group's rank 0 makes the id; a
-  missing peer gives a timeout that names the group and the missing ranks.
+  missing peer gives a timeout that names the group and the missing ranks; after a set-up
+  that one process missed and the other gave up on, both meet when they ask again.
 - test_gpu_*: 2 processes with one GPU each (CUDA_VISIBLE_DEVICES), on a machine with >= 2
   GPUs and the CUDA extension; skipped elsewhere (as in CI). Parity with lax bit for bit over
   every algorithm, op and dtype, on 1-D and 1x2 meshes, grad, repeated calls, and a clean
@@ -88,6 +89,12 @@ def test_bootstrap_two_processes():
     assert r0["missing"].startswith("BootstrapTimeoutError"), r0
     assert "timed out after 3 s setting up the GPU communicator" in r0["missing"], r0
     assert "group 0 is missing ranks 4, 5, 6, 7 (process 1)" in r0["missing"], r0
+    # A retry after a set-up that process 0 missed and process 1 gave up on: both meet.
+    assert r1["missed"].startswith("BootstrapTimeoutError"), r1
+    assert "group 0 is missing ranks 4, 5, 6, 7 (process 0)" in r1["missed"], r1
+    assert r0["retry"] == r1["retry"] == "no error", (r0, r1)
+    assert r0["cases"]["1d_rev_retry"][0][2] == r1["cases"]["1d_rev_retry"][0][2]
+    assert r0["made"]["1d_rev_retry"] == 0 and r1["made"]["1d_rev_retry"] == 1
     # Settings that differ: both processes name the setting and both values (the id's maker
     # reads the other's settings before it waits for NCCL).
     assert r0["mismatch"].startswith("ValueError"), r0
@@ -212,6 +219,15 @@ def _bootstrap_worker(pid, devices, report, _distributed, _native, _runtime):
         _runtime.settings.timeout_s = 3.0 + 2e-6  # a communicator key not used above
         report["missing"] = error_of(lambda: _runtime.communicator("cuda", mesh2, ("x", "y")))
     client.wait_at_barrier("test/end_missing", 60_000)
+
+    # A set-up that process 0 never comes to (as if it raised before it) while process 1 times
+    # out there; then both ask again and get one id.
+    _runtime.settings.timeout_s = 3.0 + 5e-6  # a new communicator key
+    if pid == 1:
+        report["missed"] = error_of(lambda: _runtime.communicator("cuda", mesh1_rev, ("i",)))
+    client.wait_at_barrier("test/missed", 60_000)
+    report["retry"] = error_of(lambda: case("1d_rev_retry", mesh1_rev, ("i",)))
+    client.wait_at_barrier("test/retried", 60_000)
 
     # Launch settings that differ between the processes of a group: refused by name (they
     # would otherwise make the kernels read data before it arrived).
