@@ -14,7 +14,8 @@ the same order, so they all get here):
    Nothing exists in /dev/shm yet, so a process that dies while the others wait leaves
    nothing behind.
 2. create: the process that runs a group's rank 0 creates its segment
-   /jax_gin.<job>.<communicator>.g<group> (O_EXCL) and publishes the name under a key.
+   /jax_gin.<job>.<communicator>.d<deadline>.g<group> (O_EXCL) and publishes the name under a
+   key. Before that it sweeps /dev/shm (sweep_stale_segments).
 3. attach: the other processes read the name and map the segment.
 4. join: each process marks its ranks in the segment's header and waits until every rank is
    marked, then every process unlinks the name (the first one wins). From then on the memory
@@ -26,7 +27,15 @@ so that two jobs on one host never share a name; <communicator> is a hash of whe
 communicator meets (platform, mesh devices, mesh axes and sizes, reduced axes: _runtime's
 `meet`, without the settings, which the processes compare once they have met) and the
 generation of this set-up of it (SetUp), which the processes agree on through the
-key-value store.
+key-value store; <deadline> is the wall-clock time (unix seconds, rounded up) when the
+creator's set-up times out.
+
+A name is needed only until that deadline: by then every process has mapped the segment (and
+the name is unlinked) or the creator gives up (and unlinks it). A name still there well after
+its deadline was left by a process that was killed (kill -9, or aborted by JAX when a peer
+died) before it could unlink it, so the next set-up on the host removes it. Wall-clock time,
+unlike process ids or the monotonic clock, means the same in every container that shares a
+/dev/shm (one kernel), so a sweep never removes a name that a live set-up needs, whoever runs it.
 
 The only JAX internal used here, the jax.distributed client, is reached through _compat.
 """
@@ -34,7 +43,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
 import secrets
 import socket
 import time
@@ -180,8 +191,53 @@ def communicator_tag(key, generation: int) -> str:
     return f"{_key_hash(key)}.{generation}"
 
 
-def segment_name(token: str, tag: str, group: int) -> str:
-    return f"/jax_gin.{token}.{tag}.g{group}"
+SHM_DIR = "/dev/shm"  # where Linux (glibc) keeps POSIX shared-memory names
+# A name is removed once its deadline is this far in the past: room for the creator to unlink
+# it itself, and for steps of the wall clock.
+STALE_MARGIN_S = 60
+_NEVER = 10**12 - 1  # a deadline (unix seconds, year 33658) that is never swept
+# segment_name's names, as found in SHM_DIR: job token, communicator tag, deadline, group
+_SEGMENT_RE = re.compile(r"jax_gin\.([0-9a-f]{16})\.([0-9a-f]{12}\.[0-9]+)\.d([0-9]{1,12})"
+                         r"\.g([0-9]+)")
+
+
+def segment_name(token: str, tag: str, group: int, deadline_unix: int) -> str:
+    return f"/jax_gin.{token}.{tag}.d{deadline_unix}.g{group}"
+
+
+def parse_segment_name(name: str):
+    """(token, tag, group, deadline_unix) of a name that segment_name made (with or without
+    its leading '/'), else None."""
+    m = _SEGMENT_RE.fullmatch(name.removeprefix("/"))
+    return None if m is None else (m[1], m[2], int(m[4]), int(m[3]))
+
+
+def _unlink_segments(match) -> list:
+    """Unlinks the names in SHM_DIR that parse as segment names and satisfy
+    match(token, tag, group, deadline_unix); returns those it removed. Names it may not
+    remove (another user's) or that vanish meanwhile are left alone."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    removed = []
+    for n in sorted(names):
+        parsed = parse_segment_name(n)
+        if parsed is not None and match(*parsed) and _native.cpu.shm_unlink("/" + n):
+            removed.append(n)
+    return removed
+
+
+def sweep_stale_segments(now: float | None = None) -> list:
+    """Removes the segment names whose deadline passed more than STALE_MARGIN_S ago (left by
+    processes that were killed during a set-up, of any job); returns them."""
+    now = time.time() if now is None else now
+    return _unlink_segments(lambda token, tag, group, deadline: deadline + STALE_MARGIN_S < now)
+
+
+def _wall_deadline(deadline: float) -> int:
+    """A time.monotonic() deadline as unix seconds, rounded up."""
+    return math.ceil(min(time.time() + max(0.0, deadline - time.monotonic()), _NEVER))
 
 
 # ---------------------------------------------------------------------------------------
@@ -408,10 +464,12 @@ def group_workspaces(layout, procs: list, me: int, lane_bytes: int, setup: SetUp
     shared: dict = {}
     try:
         # 2. create (and publish) the segments of the groups whose rank 0 runs here
+        if any(proc_of[g][0] == me for g in mine):
+            sweep_stale_segments()
         for g in mine:
             if proc_of[g][0] != me:
                 continue
-            name = segment_name(token, tag, g)
+            name = segment_name(token, tag, g, _wall_deadline(deadline))
             shared[g] = _native.cpu.Workspace.create(name, nranks, lane_bytes, record_entries)
             shared[g].join([r for r in range(nranks) if proc_of[g][r] == me], me)
             # the settings first: a reader that has the name finds them
@@ -421,20 +479,21 @@ def group_workspaces(layout, procs: list, me: int, lane_bytes: int, setup: SetUp
         for g in mine:
             if proc_of[g][0] == me:
                 continue
-            expected = segment_name(token, tag, g)
             try:
                 name = _kv(doing, client.blocking_key_value_get, f"{prefix}/g{g}", _ms(deadline))
                 theirs = json.loads(_kv(doing, client.blocking_key_value_get,
                                         f"{prefix}/settings/g{g}", _ms(deadline)))
             except _Deadline:
                 # The creator may have died between creating and publishing: drop its name.
-                _native.cpu.shm_unlink(expected)
+                _unlink_segments(lambda tk, tg, gg, _, g=g: (tk, tg, gg) == (token, tag, g))
                 raise missing_error({proc_of[g][0]}) from None
             _publish_own_settings(client, prefix, g, me, settings, doing)
             check_same_settings(settings or {}, theirs, proc_of[g][0], what)
-            if name != expected:
+            parsed = parse_segment_name(name)
+            if parsed is None or parsed[:3] != (token, tag, g):
                 raise RuntimeError(f"jax_gin: process {proc_of[g][0]} published segment "
-                                   f"{name!r} for group {g}, expected {expected!r}")
+                                   f"{name!r} for group {g}, expected a name of job "
+                                   f"{token}, communicator {tag}, group {g}")
             shared[g] = _native.cpu.Workspace.attach(name, nranks, lane_bytes, record_entries)
             shared[g].join([r for r in range(nranks) if proc_of[g][r] == me], me)
         # 4. the creator checks the others' settings too, so that both sides name a difference
