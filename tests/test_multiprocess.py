@@ -13,11 +13,15 @@ bottom) and checks what they print; every launch is bounded by a timeout. The wo
   die (they kill themselves) or exit;
 - errors: a missing peer, a late peer, an unreachable key-value store, a peer that lowered a
   program but never runs it, a peer process killed between calls;
-- a retry after a set-up that one process never came to while the other timed out there.
+- a retry after a set-up that one process never came to while the other timed out there;
+- that a set-up removes the segment names of dead set-ups whose deadline has long passed, and
+  no other name; that both processes killed during a set-up leave a name that such a sweep
+  removes once its deadline has passed.
 """
 import json
 import os
 import re
+import secrets
 import signal
 import sys
 import tempfile
@@ -147,6 +151,71 @@ def test_killed_peer_process():
     assert r0["seconds"] < 10, r0
 
 
+def _make_shm(name: str) -> None:
+    os.close(os.open(os.path.join("/dev/shm", name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+
+
+def test_setup_sweeps_stale_segments():
+    """A set-up removes the names of set-ups whose deadline passed more than the margin ago,
+    and leaves names with a deadline to come and names that are not jax_gin's segments."""
+    from jax_gin import _distributed as d
+    token, tag = secrets.token_hex(8), d.communicator_tag(("test_sweep",), 0)
+    now = int(time.time())
+    stale = d.segment_name(token, tag, 0, now - d.STALE_MARGIN_S - 3600)[1:]
+    assert d.parse_segment_name(stale) == (token, tag, 0, now - d.STALE_MARGIN_S - 3600)
+    live = d.segment_name(token, tag, 1, now + 3600)[1:]
+    foreign = [f"jax_gin_unrelated.{token}",             # another prefix
+               f"jax_gin.{token}.{tag}.g2",              # no deadline
+               f"{stale}.x",                             # more after the group
+               stale.replace(f".{token}.", f".{token.upper()}."),  # not a token
+               stale.replace(f".{token}.", f".{token}0.")]
+    assert not any(d.parse_segment_name(n) for n in foreign)
+    mine = [stale, live] + foreign
+    try:
+        for n in mine:
+            _make_shm(n)
+        reports = _reports(_launch("setup", timeout=90), "setup")
+        for i, (rc, rep, out) in enumerate(reports):
+            assert rc == 0 and rep["ok"], f"process {i} rc {rc}:\n{_tail(out)}"
+        left = {n for n in os.listdir("/dev/shm") if token in n.lower()}
+        assert left == set(mine) - {stale}, left
+    finally:
+        for n in mine:
+            try:
+                os.unlink(os.path.join("/dev/shm", n))
+            except FileNotFoundError:
+                pass
+
+
+def test_killed_during_setup_leaves_a_sweepable_name(monkeypatch):
+    """Both processes killed (kill -9) while a segment's name is linked: the name stays, and
+    carries a deadline after which a later set-up's sweep removes it, not before."""
+    from jax_gin import _distributed as d
+    t0 = time.time()
+    results = _launch("killed_in_setup", timeout=90, env_extra={"JAX_GIN_TIMEOUT_S": "20"})
+    t1 = time.time()
+    reports = _reports(results, "killed_in_setup")
+    for i, (rc, rep, out) in enumerate(reports):
+        assert rc == -signal.SIGKILL and rep["ok"], f"process {i} rc {rc}:\n{_tail(out)}"
+    names = reports[0][1]["names"]
+    assert len(names) == 1 and names == reports[1][1]["names"], reports
+    token = reports[0][1]["token"]
+    try:
+        assert names[0] in os.listdir("/dev/shm")
+        parsed = d.parse_segment_name(names[0])
+        assert parsed is not None and parsed[0] == token, names
+        deadline = parsed[3]
+        assert t0 + 20 <= deadline <= t1 + 21, (t0, deadline, t1)
+        # A later set-up's sweep, as if it were that time (it unlinks nothing here).
+        monkeypatch.setattr(d._native.cpu, "shm_unlink", lambda name: True)
+        assert names[0] not in d.sweep_stale_segments(now=deadline + d.STALE_MARGIN_S)
+        assert names[0] in d.sweep_stale_segments(now=deadline + d.STALE_MARGIN_S + 1)
+    finally:
+        monkeypatch.undo()
+        d._unlink_segments(lambda tk, *_: tk == token)
+    assert not [n for n in os.listdir("/dev/shm") if token in n]
+
+
 def test_multiprocess_job_without_initialize(monkeypatch):
     """jax_gin in a process of a multi-process job before jax.distributed.initialize()."""
     import jax
@@ -174,6 +243,15 @@ def test_multiprocess_job_without_initialize(monkeypatch):
 
 # ---------------------------------------------------------------------------------------
 # The worker: one process of the job (run as `python test_multiprocess.py SCENARIO ID PORT`).
+
+
+def _gone(pid: int) -> bool:
+    """Whether process `pid` has died (a zombie until the test reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
 
 
 def _worker(scenario: str, pid: int, port: int) -> None:
@@ -354,6 +432,49 @@ def _worker(scenario: str, pid: int, port: int) -> None:
         report["ok"] = True
         print("REPORT " + json.dumps(report), flush=True)
         os._exit(0)  # JAX's shutdown would wait for the killed process
+    elif scenario == "setup":
+        f = jax.jit(jax.shard_map(lambda v: jax_gin.psum(v, "i"), mesh=mesh1,
+                                  in_specs=P("i"), out_specs=P("i")))
+        jax.block_until_ready(f(global_input(mesh1, P("i"), 16, "float32", 0)))
+        report["ok"] = True
+        print("REPORT " + json.dumps(report), flush=True)
+    elif scenario == "killed_in_setup":
+        # Process 0 (the coordinator) creates the segment and, before it publishes the name,
+        # waits until process 1 has seen the name and died, then dies. Neither unlinks anything.
+        import threading
+        client = _distributed.distributed_client()
+        report["token"] = _distributed.job_token(client, time.monotonic() + 60)
+        f = jax.jit(jax.shard_map(lambda v: jax_gin.psum(v, "i"), mesh=mesh1,
+                                  in_specs=P("i"), out_specs=P("i")))
+        x = global_input(mesh1, P("i"), 16, "float32", 0)
+
+        def report_names():
+            report["names"] = shm_of_job()
+            report["ok"] = True
+            print("REPORT " + json.dumps(report), flush=True)
+
+        if pid == 0:
+            kv = _distributed._kv
+
+            def kv_then_die(doing, fn, *args):
+                if args and str(args[0]).endswith("/settings/g0"):
+                    report_names()
+                    other = int(client.blocking_key_value_get("test/seen", 60_000))
+                    t = time.monotonic()
+                    while not _gone(other) and time.monotonic() - t < 60:
+                        time.sleep(0.01)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return kv(doing, fn, *args)
+            _distributed._kv = kv_then_die
+            f.lower(x)
+            raise SystemExit("process 0 was not killed")
+        threading.Thread(target=lambda: f.lower(x), daemon=True).start()
+        t = time.monotonic()
+        while not shm_of_job() and time.monotonic() - t < 60:
+            time.sleep(0.01)
+        report_names()
+        client.key_value_set("test/seen", str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
     else:
         raise SystemExit(f"unknown scenario {scenario}")
 
