@@ -589,6 +589,13 @@ std::shared_ptr<Comm> find_comm(int64_t id) {
   return it == g_registry.end() ? nullptr : it->second;
 }
 
+void set_fingerprint(int64_t id, uint32_t fingerprint) {
+  std::unique_lock<std::shared_mutex> lock(g_registry_mu);
+  auto it = g_registry.find(id);
+  if (it == g_registry.end()) throw std::invalid_argument("jax_gin: no communicator " + std::to_string(id));
+  it->second->fingerprint = fingerprint;
+}
+
 int64_t num_comms() {
   std::shared_lock<std::shared_mutex> lock(g_registry_mu);
   return int64_t(g_registry.size());
@@ -623,9 +630,9 @@ std::string run_call(Comm& comm, int group, int rank, DType dtype, int op, Algor
            (g.first_error.empty() ? std::string("a rank of group ") + std::to_string(group) +
                                         " failed (in another process)"
                                   : g.first_error) +
-           ". To recover, fix the cause, call jax_gin.runtime.reset() in every process and run "
-           "freshly jitted functions (programs compiled before the reset keep the old "
-           "communicator)";
+           ". To recover, fix the cause, call jax_gin.runtime.reset() in every process and call "
+           "the jitted functions again (reset() clears JAX's compiled programs, so they are "
+           "lowered again, with a new communicator)";
   }
   const int nranks = ws.nranks();
   if (nranks > 1 && slot_bytes == 0) {

@@ -148,6 +148,7 @@ struct Group {
 
 struct Comm {
   int64_t id = 0;
+  uint32_t fingerprint = 0;  // the high half of the custom calls' "comm" attribute (ffi_common.h)
   CommConfig config;
   std::vector<std::unique_ptr<Group>> groups;
 };
@@ -158,6 +159,8 @@ int64_t create_comm(const CommConfig& config);
 int64_t create_comm(const CommConfig& config, std::vector<std::shared_ptr<Workspace>> workspaces);
 void destroy_comm(int64_t id);
 std::shared_ptr<Comm> find_comm(int64_t id);
+// Sets communicator `id`'s fingerprint, before any program that uses it is lowered.
+void set_fingerprint(int64_t id, uint32_t fingerprint);
 int64_t num_comms();
 
 // The flight recorder's ring (recorder.h) is written while this is on (process-wide; off by

@@ -26,12 +26,8 @@ ffi::Error AllReduce(ffi::Buffer<ffi::U32> partition_id, ffi::RemainingArgs& xs,
   int nseg = 0;
   if (ffi::Error err = collect_segments(xs, outs, seg, &nseg, &dtype); err.failure()) return err;
   if (ffi::Error err = check_enums(op, algorithm); err.failure()) return err;
-  auto c = cpu::find_comm(comm);
-  if (!c) {
-    return ffi::Error::Internal("jax_gin: communicator " + std::to_string(comm) +
-                                " does not exist (was jax_gin.runtime.reset() called after "
-                                "compilation?)");
-  }
+  auto c = cpu::find_comm(comm_id(comm));
+  if (!c || c->fingerprint != comm_fingerprint(comm)) return missing_comm(comm);
   const uint32_t logical_id = partition_id.typed_data()[0];
   std::string err = cpu::allreduce_logical(*c, logical_id, dtype, RedOp(op), Algorithm(algorithm),
                                            seg, nseg);
@@ -108,12 +104,8 @@ ffi::Error cpu_add_norm(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x,
       err.failure())
     return err;
   if (ffi::Error err = check_enums(int32_t(RedOp::kSum), algorithm); err.failure()) return err;
-  auto c = cpu::find_comm(comm);
-  if (!c) {
-    return ffi::Error::Internal("jax_gin: communicator " + std::to_string(comm) +
-                                " does not exist (was jax_gin.runtime.reset() called after "
-                                "compilation?)");
-  }
+  auto c = cpu::find_comm(comm_id(comm));
+  if (!c || c->fingerprint != comm_fingerprint(comm)) return missing_comm(comm);
   Segment seg{0, x.element_count(), x.untyped_data(), new_residual->untyped_data()};
   std::string err = cpu::allreduce_logical(*c, partition_id.typed_data()[0], dtype, RedOp::kSum,
                                            Algorithm(algorithm), &seg, 1);
@@ -173,12 +165,8 @@ ffi::Error CpuCollectiveImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token orde
                              int32_t algorithm) {
   (void)order_in;
   (void)order_out;
-  auto c = cpu::find_comm(comm);
-  if (!c) {
-    return ffi::Error::Internal("jax_gin: communicator " + std::to_string(comm) +
-                                " does not exist (was jax_gin.runtime.reset() called after "
-                                "compilation?)");
-  }
+  auto c = cpu::find_comm(comm_id(comm));
+  if (!c || c->fingerprint != comm_fingerprint(comm)) return missing_comm(comm);
   DType dtype;
   size_t block = 0;
   if (ffi::Error err = check_collective(x, *y, op, algorithm, c->config.nranks, &dtype, &block);

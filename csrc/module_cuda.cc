@@ -122,6 +122,8 @@ NB_MODULE(_jax_gin_cuda, m) {
     nb::gil_scoped_release release;
     gpu::comm_destroy(id);
   });
+  m.def("comm_set_fingerprint", &gpu::set_fingerprint, nb::arg("comm"), nb::arg("fingerprint"),
+        "the fingerprint that the custom calls' comm attribute carries (ffi_common.h)");
   m.def("comm_ranks_per_node", &gpu::comm_ranks_per_node, nb::arg("comm"),
         "Ranks per node if the communicator's groups span nodes (hierarchical only), else 0.");
   m.def("diagnostics", &gpu::diagnostics, nb::arg("comm") = -1,

@@ -209,6 +209,13 @@ const RankState* find_rank(int64_t id, int device) {
   return i < 0 ? nullptr : &it->second->ranks[i];
 }
 
+void set_fingerprint(int64_t id, uint32_t fingerprint) {
+  std::unique_lock<std::shared_mutex> lock(g_mu);
+  auto it = g_comms.find(id);
+  if (it == g_comms.end()) throw std::invalid_argument("jax_gin: no communicator " + std::to_string(id));
+  for (RankState& s : it->second->ranks) s.fingerprint = fingerprint;
+}
+
 std::string describe(const HangReport& r, int nranks) {
   const Diagnostic& d = r.diag;
   Text os;

@@ -28,6 +28,7 @@ struct TimeoutError : std::runtime_error {
 struct RankState {
   int device = -1;        // local CUDA ordinal
   int group = 0, rank = 0, nranks = 1;
+  uint32_t fingerprint = 0;  // its communicator's (the custom calls' "comm" attribute, ffi_common.h)
   ncclComm_t comm = nullptr;
   void* window_ptr = nullptr;       // ncclMemAlloc'd: [flags | kMaxLanes data areas]
   ncclWindow_t win = nullptr;
@@ -99,6 +100,8 @@ void comm_destroy(int64_t id);
 int comm_ranks_per_node(int64_t id);
 // The state of the rank that runs on `device`, or nullptr.
 const RankState* find_rank(int64_t id, int device);
+// Sets communicator `id`'s fingerprint, before any program that uses it is lowered.
+void set_fingerprint(int64_t id, uint32_t fingerprint);
 // Messages of every timed-out wait recorded for communicator `id` (all if id < 0).
 std::vector<std::string> diagnostics(int64_t id);
 // A timed-out wait's report as text: the wait, and the diagnosis of who is behind (from the

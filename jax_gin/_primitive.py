@@ -435,7 +435,8 @@ def resolve_call(ctx, avals, axes, op, algorithm, platform, api: str | None = No
     check_cuda_module(platform, api)
     comm = _runtime.communicator(platform, mesh, axes)
     code = _runtime.algorithm_code(platform, comm, requested, algorithm, api)
-    attrs = dict(comm=np.int64(comm), op=np.int32(OP_CODES[op]), algorithm=np.int32(code))
+    attrs = dict(comm=_runtime.comm_attribute(platform, comm), op=np.int32(OP_CODES[op]),
+                 algorithm=np.int32(code))
     return Call(comm, attrs, partial, layout.nranks, nbytes, np.dtype(avals[0].dtype).name)
 
 
@@ -531,7 +532,7 @@ def lower_done(ctx, tok, bufs, avals, call: Call, platform: str, slot: int,
     tok, *res = jax.ffi.ffi_lowering(done_target, has_side_effect=has_side_effect,
                                      operand_output_aliases={1 + i: 1 + i for i in range(k)})(
         ctx.replace(avals_in=[order, *avals], avals_out=[order, *avals]),
-        tok, *bufs, comm=np.int64(call.comm), slot=np.int32(slot))
+        tok, *bufs, comm=call.attrs["comm"], slot=np.int32(slot))
     _set_chain_token(ctx, tok, platform)
     return res
 

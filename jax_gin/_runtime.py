@@ -322,6 +322,8 @@ _cache: dict = {}
 # CPU communicator id -> (device id by logical id, GroupLayout): who runs each rank (trace).
 comm_devices: dict = {}
 gpu_comm_devices: dict = {}  # the same for GPU communicators (their ids are counted apart)
+# (is_cpu, communicator id) -> its fingerprint (comm_attribute)
+_fingerprints: dict = {}
 
 
 def workspace_bytes(platform: str) -> int:
@@ -403,11 +405,30 @@ def communicator(platform: str, mesh, axes: tuple) -> int:
         layout = group_layout(names, sizes, tuple(axes))
         if platform == "cpu":
             comm = _create_cpu_comm(mesh, devices, layout, ws, meet)
+            _native.cpu.cpu_comm_set_fingerprint(comm, _fingerprint(cache_key))
         else:
             comm = _create_cuda_comm(mesh, layout, ws, meet)
+            _native.cuda.comm_set_fingerprint(comm, _fingerprint(cache_key))
             gpu_comm_devices[comm] = (tuple(int(d.id) for d in devices), layout)
+        _fingerprints[(platform == "cpu", comm)] = _fingerprint(cache_key)
         _cache[cache_key] = comm
         return comm
+
+
+def _fingerprint(cache_key) -> int:
+    """31 bits of a digest of a communicator's cache key: where it meets and its settings, the
+    same in every process that sets it up alike."""
+    digest = hashlib.sha256(repr(cache_key).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def comm_attribute(platform: str, comm: int) -> np.int64:
+    """The "comm" attribute of a custom call on communicator `comm`: its id (counted from 1 in
+    each process) and, in the high 32 bits, its fingerprint. The handlers check both
+    (csrc/ffi_common.h), so a program run in a process that did not lower it (a serialized
+    executable, an exported module) fails with an error instead of reducing over whatever
+    communicator has that id there."""
+    return np.int64((_fingerprints[(platform == "cpu", comm)] << 32) | comm)
 
 
 def _tables_digest() -> str | None:
@@ -556,7 +577,13 @@ def num_communicators() -> int:
 
 
 def reset() -> None:
-    """Forget every cached communicator (programs compiled before this can no longer run)."""
+    """Forget every cached communicator, and JAX's compiled programs with them
+    (jax.clear_caches()): a jitted function is lowered again at its next call, with new
+    communicators. Programs compiled ahead of time (`.lower(...).compile()`) before the reset
+    can no longer run."""
+    # Without clear_caches, a function jitted again (jax.jit(f) of the same f) would get its
+    # old executable back from JAX's caches, which names a destroyed communicator.
+    jax.clear_caches()
     with _lock:
         for key, comm in list(_cache.items()):
             if key[0] == "cpu":
@@ -566,6 +593,7 @@ def reset() -> None:
                 _native.cuda.comm_destroy(comm)
                 gpu_comm_devices.pop(comm, None)
         _cache.clear()
+        _fingerprints.clear()
 
 
 def _shutdown() -> None:  # pragma: no cover - interpreter exit

@@ -358,7 +358,8 @@ def _lowering(api, ctx, x, *, axes, nranks, algorithm, platform):
             return [x]
         return _compat.xla_collective_lowering(ctx, x, api, axes, 0, True)
     _primitive.check_no_open_start(ctx, api)
-    attrs = dict(comm=np.int64(comm), op=np.int32(_native.COLLECTIVE_OPS[api]),
+    attrs = dict(comm=_runtime.comm_attribute(platform, comm),
+                 op=np.int32(_native.COLLECTIVE_OPS[api]),
                  algorithm=np.int32(ALGORITHM_CODES[algorithm]))
     call = _primitive.Call(comm, attrs, False, nranks, nbytes, np.dtype(aval.dtype).name)
     order = _primitive.order_aval(platform)

@@ -188,6 +188,9 @@ def _bootstrap_worker(pid, devices, report, _distributed, _native, _runtime):
             self.next += 1
             return self.next
 
+        def comm_set_fingerprint(self, comm, fingerprint):
+            pass
+
         def comm_destroy(self, comm):
             pass
 

@@ -1,0 +1,104 @@
+"""Programs that run where they were not lowered: after jax_gin.runtime.reset(), and in another
+process (a serialized executable). A jax_gin custom call names its communicator by an id that
+counts from 1 in each process, with a fingerprint of the communicator beside it; a program
+whose communicator this process lacks must fail with an error that says so, never reduce over
+another communicator that has the same id here."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jax_gin
+from conftest import mesh_1d, ndev, needs_devices
+from helpers import assert_bitwise, exact_input, smap
+
+MISSING = "does not exist in this process"
+
+
+def test_reset_then_the_same_functions_run_again():
+    """reset() clears JAX's compiled programs too: the same jitted function, and a new jit of
+    the same function, are lowered again with a new communicator. A program compiled ahead of
+    time before the reset names the destroyed communicator and says so."""
+    needs_devices(2)
+    mesh = mesh_1d()
+    x = exact_input((64,), ndev(), "float32")
+    step = jax.shard_map(lambda v: jax_gin.psum(v, "i", algorithm="ring"), mesh=mesh,
+                         in_specs=P("i"), out_specs=P("i"))
+    want = smap(lambda v: lax.psum(v, "i"), mesh, P("i"))(x)
+    train_step = jax.jit(step)
+    compiled = train_step.lower(x).compile()
+    assert_bitwise(train_step(x), want)
+    jax_gin.runtime.reset()
+    assert_bitwise(train_step(x), want)
+    assert_bitwise(jax.jit(step)(x), want)
+    with pytest.raises(Exception, match=MISSING):
+        jax.block_until_ready(compiled(x))
+
+
+_WORKER = textwrap.dedent("""
+    import pickle, sys
+    import jax, numpy as np
+    from jax import lax
+    from jax.experimental import serialize_executable
+    from jax.sharding import Mesh, PartitionSpec as P
+    import jax_gin
+
+    mode, path = sys.argv[1], sys.argv[2]
+    devices = np.array(jax.devices())
+    mesh = Mesh(devices, ("x",))
+    x = jax.device_put(np.arange(8 * 16, dtype=np.float32) % 7, jax.NamedSharding(mesh, P("x")))
+    def smap(body, m, spec):
+        return jax.jit(jax.shard_map(body, mesh=m, in_specs=spec, out_specs=spec))
+    f = smap(lambda v: jax_gin.psum(v, "x", algorithm="one_shot"), mesh, P("x"))
+    want = np.asarray(smap(lambda v: lax.psum(v, "x"), mesh, P("x"))(x))
+    if mode == "save":
+        compiled = f.lower(x).compile()
+        with open(path, "wb") as fh:
+            pickle.dump(serialize_executable.serialize(compiled), fh)
+        got = compiled(x)
+    else:
+        if mode == "other":  # this process's communicator 1 reduces over "b" of a 2 x 4 mesh
+            m2 = Mesh(devices.reshape(2, 4), ("a", "b"))
+            smap(lambda v: jax_gin.psum(v, "b", algorithm="one_shot"), m2, P(("a", "b")))(x)
+        else:  # "same": this process lowers the same program first (communicator 1 alike)
+            f(x)
+        with open(path, "rb") as fh:
+            got = serialize_executable.deserialize_and_load(*pickle.load(fh))(x)
+    try:
+        np.testing.assert_array_equal(np.asarray(got), want)
+        print("RESULT equal")
+    except AssertionError:
+        print("RESULT wrong")
+""")
+
+
+def _run(mode: str, path: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = os.path.join(os.path.dirname(path), "worker.py")
+    with open(script, "w") as fh:
+        fh.write(_WORKER)
+    return subprocess.run([sys.executable, script, mode, path], env=env, cwd=here,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_serialized_executable_in_another_process(tmp_path):
+    """A serialized executable loaded in another process: where that process has the same
+    communicator under the same id it runs and is right; where the id names another
+    communicator there, the call fails and says the program was lowered elsewhere."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the worker processes run on 8 CPU devices")
+    path = str(tmp_path / "program.pkl")
+    r = _run("save", path)
+    assert "RESULT equal" in r.stdout, r.stdout + r.stderr
+    r = _run("same", path)
+    assert "RESULT equal" in r.stdout, r.stdout + r.stderr
+    r = _run("other", path)
+    assert r.returncode != 0 and "RESULT" not in r.stdout, r.stdout + r.stderr
+    assert MISSING in r.stderr and "lowered in another process" in r.stderr, r.stderr
