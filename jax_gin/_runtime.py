@@ -403,14 +403,15 @@ def communicator(platform: str, mesh, axes: tuple) -> int:
         if comm is not None:
             return comm
         layout = group_layout(names, sizes, tuple(axes))
+        fingerprint = _fingerprint(cache_key)
         if platform == "cpu":
             comm = _create_cpu_comm(mesh, devices, layout, ws, meet)
-            _native.cpu.cpu_comm_set_fingerprint(comm, _fingerprint(cache_key))
+            _native.cpu.cpu_comm_set_fingerprint(comm, fingerprint)
         else:
             comm = _create_cuda_comm(mesh, layout, ws, meet)
-            _native.cuda.comm_set_fingerprint(comm, _fingerprint(cache_key))
+            _native.cuda.comm_set_fingerprint(comm, fingerprint)
             gpu_comm_devices[comm] = (tuple(int(d.id) for d in devices), layout)
-        _fingerprints[(platform == "cpu", comm)] = _fingerprint(cache_key)
+        _fingerprints[(platform == "cpu", comm)] = fingerprint
         _cache[cache_key] = comm
         return comm
 
