@@ -239,18 +239,54 @@ def test_laggard_threads_harness():
                      r"step 0", str(info.value)), str(info.value)
 
 
-def test_laggard_text_of_a_cycle():
+def test_laggard_signals_lost_ring(monkeypatch):
+    """Rank 1 of a ring loses its signals: it goes on to later steps, while its successor
+    still waits for it at step 0."""
+    msg = _fault(monkeypatch, "ring", "drop", 0.44)
+    nxt = 2 % ndev()
+    assert re.search(rf"diagnosis: rank 1 is further on in call #1 \(psum, ring\), waiting for "
+                     rf"rank 0 at step [1-9]\d* of round 1, but rank {nxt} still waits for it at "
+                     rf"step 0: its signals did not arrive\.", msg), msg
+
+
+def test_laggard_signals_lost_tree(monkeypatch):
+    """Rank 1 of a tree loses its signals. Where it waits at a later step than those waiting
+    for it, it is named; where the waits close a cycle (the two trees' halves interleave at
+    one step), the cycle is given, and rank 1 is in it."""
+    msg = _fault(monkeypatch, "tree", "drop", 0.45)
+    m = re.search(r"diagnosis: (rank 1 is further on in call #1 \(psum, tree\).*its signals did "
+                  r"not arrive|the ranks of call #1 \(psum, tree\) wait for each other in a "
+                  r"cycle \(([\d a-z]+)\): one of them sent signals that did not arrive)\.", msg)
+    assert m, msg
+    if m.group(2):
+        assert "1" in re.findall(r"\d+", m.group(2)), msg
+
+
+def test_laggard_text_ahead():
     """The states one H200's harness read through the windows when rank 1 of a two_shot psum
-    over 4 ranks lost its signals: every rank waits, in a cycle; the diagnosis names rank 1,
-    the one most waited for."""
+    over 4 ranks lost its signals: every rank waits, in a cycle, but rank 1 waits at step 1 for
+    a peer while the others wait for it at step 0, which it has passed."""
     psum, two_shot = OP_CODES["sum"], ALGORITHM_CODES["two_shot"]
     states = [(1, 0, 1, 1, 1, 0, psum, two_shot, 1), (1, 0, 1, 1, 2, 1, psum, two_shot, 0),
               (1, 0, 1, 1, 1, 0, psum, two_shot, 0), (1, 0, 1, 1, 1, 0, psum, two_shot, 0)]
     text = _native.cpu.laggard_text([list(s) for s in states], 0, 0)
-    assert text.startswith("diagnosis: the ranks of call #1 (psum, two_shot) wait for each "
-                           "other in a cycle; rank 1 is the one most waited for (by ranks 0, 2, "
-                           "3, at step 0): its signals may not have arrived."), text
+    assert text.startswith("diagnosis: rank 1 is further on in call #1 (psum, two_shot), waiting "
+                           "for rank 2 at step 1 of round 1, but ranks 0, 2, 3 still wait for it "
+                           "at step 0: its signals did not arrive."), text
     assert "rank 1: #1 psum/two_shot, waiting for rank 2 at step 1 of round 1" in text, text
+
+
+def test_laggard_text_of_a_cycle():
+    """Waits at one step that close a cycle: the cycle is given, from where the walk from the
+    reporting rank enters it."""
+    psum, ring = OP_CODES["sum"], ALGORITHM_CODES["ring"]
+    # (seq, done, wait seq, wait round, wait peer, wait step, op, algorithm, failed)
+    states = [(1, 0, 1, 1, 1, 0, psum, ring, 0), (1, 0, 1, 1, 2, 0, psum, ring, 0),
+              (1, 0, 1, 1, 0, 0, psum, ring, 1), (1, 0, 1, 1, 0, 0, psum, ring, 0)]
+    text = _native.cpu.laggard_text([list(s) for s in states], 0, 3)
+    assert text.startswith("diagnosis: the ranks of call #1 (psum, ring) wait for each other in "
+                           "a cycle (0 waits for 1 waits for 2 waits for 0): one of them sent "
+                           "signals that did not arrive."), text
 
 
 # RecEventKind (include/jax_gin/recorder.h), by the names entry_dict gives them

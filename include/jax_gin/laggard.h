@@ -160,27 +160,54 @@ inline std::string laggard_text(const std::vector<Seen>& s, int group, int self)
         }
       }
     }
+    // Else a rank waited for at a step of call k that it has passed: it waits at a later step
+    // or round of the call. Each algorithm sends a step's signals before it waits at a later
+    // step, and a signal's tag names its round and step alike on both sides (data_tag), so it
+    // sent what the others wait for, and that did not arrive. (A rank at the same step may
+    // still be about to send.)
+    int ahead = -1;
+    for (int r = 0; r < n && culprit < 0 && ahead < 0; ++r) {
+      const Seen& p = s[size_t(r)];
+      if (p.seq != k || !p.waiting()) continue;
+      std::vector<int> ww, ss;
+      for (int q = 0; q < n; ++q) {
+        const Seen& x = s[size_t(q)];
+        if (q != r && x.seq == k && x.waiting() && x.wpeer == r && x.wstep >= 0 &&
+            phase(x) < phase(p)) {
+          ww.push_back(q);
+          ss.push_back(x.wstep);
+        }
+      }
+      if (!ww.empty()) {
+        ahead = r;
+        w = ww;
+        steps = ss;
+      }
+    }
     if (culprit >= 0) {
       os << "rank " << culprit << " finished " << call_name(k, me.op, me.algo) << ", but "
          << ranks_word(w) << " still wait" << (w.size() == 1 ? "s" : "") << " for it "
          << steps_text(steps) << ": its signals did not arrive";
+    } else if (ahead >= 0) {
+      const Seen& p = s[size_t(ahead)];
+      os << "rank " << ahead << " is further on in " << call_name(k, me.op, me.algo) << ", "
+         << wait_text(p) << (p.failed ? " (failed)" : "") << ", but " << ranks_word(w)
+         << " still wait" << (w.size() == 1 ? "s" : "") << " for it " << steps_text(steps)
+         << ": its signals did not arrive";
     } else {
+      // A rank that failed (timed out) keeps the wait it failed in: follow it too.
+      auto stuck = [&](int q) { const Seen& x = s[size_t(q)]; return x.waiting() && (x.in_call() || x.failed); };
       int r = self, hops = 0;
-      while (s[size_t(r)].waiting() && s[size_t(r)].in_call() && hops++ < n) r = s[size_t(r)].wpeer;
+      while (stuck(r) && hops++ < n) r = s[size_t(r)].wpeer;
       if (hops > n) {
-        // No rank is free to move. The one most waited for is where to look first: its
-        // signals were lost (it waits for a peer that waits for it).
-        int most = -1;
-        std::vector<int> most_w, most_steps;
-        for (int q = 0; q < n; ++q) {
-          std::vector<int> ww, ss;
-          waiters_for(q, ww, ss);
-          if (ww.size() > most_w.size()) most = q, most_w = ww, most_steps = ss;
-        }
-        os << "the ranks of " << call_name(k, me.op, me.algo) << " wait for each other in a cycle";
-        if (most >= 0 && most_w.size() > 1)
-          os << "; rank " << most << " is the one most waited for (by " << ranks_word(most_w) << ", "
-             << steps_text(most_steps) << "): its signals may not have arrived";
+        // No rank is free to move: the waits form a cycle, which no algorithm makes by itself,
+        // so a signal along it was sent and did not arrive, from one of the ranks in it.
+        std::vector<int> cycle{r};
+        for (int q = s[size_t(r)].wpeer; q != r && int(cycle.size()) <= n; q = s[size_t(q)].wpeer)
+          cycle.push_back(q);
+        os << "the ranks of " << call_name(k, me.op, me.algo) << " wait for each other in a cycle (";
+        for (size_t i = 0; i < cycle.size(); ++i) os << cycle[i] << " waits for ";
+        os << r << "): one of them sent signals that did not arrive";
       } else if (r == self) {
         os << "rank " << behind << " is behind in " << call_name(k, me.op, me.algo);
       } else {
