@@ -14,9 +14,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import socket
 import sys
 import time
+import warnings
 
 CLOCK = "CLOCK_MONOTONIC"
 GPU_CLOCK = "%globaltimer"  # the GPUs' global nanosecond timer (their entries' times)
@@ -110,25 +112,53 @@ def write(path, events: list, **meta) -> None:
         json.dump(doc, f)
 
 
+def _check_writable(path, who: str) -> None:
+    """Raise OSError naming `path` if a file cannot be created there (checked before any
+    work, so that a bad path does not cost the run that would fill it)."""
+    path = os.fspath(path)
+    d = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{who}: cannot write {path}: it is a directory")
+    if not os.path.isdir(d):
+        raise FileNotFoundError(f"{who}: cannot write {path}: directory {d} does not exist")
+    if not os.access(d, os.W_OK | os.X_OK) or (os.path.exists(path) and
+                                                not os.access(path, os.W_OK)):
+        raise PermissionError(f"{who}: cannot write {path}: permission denied")
+
+
 @contextlib.contextmanager
 def trace(path):
     """Write every jax_gin call that this process's devices run inside the block to `path`
     as a Chrome/Perfetto trace (see the module docstring). The recorder is on for the block;
     results must be ready (jax.block_until_ready) before the block ends. The recorder keeps
-    the last JAX_GIN_RECORD_ENTRIES calls per rank: a longer block keeps only its last ones."""
+    the last JAX_GIN_RECORD_ENTRIES calls per rank: a longer block keeps only its last ones.
+    A path that cannot be written raises on entry; if writing fails at exit while the block
+    raised, the block's exception propagates and the failure is a warning."""
     from . import _runtime
+    _check_writable(path, "jax_gin.trace")
     before = _runtime.settings.record
     marks = gpu_marks()
     _runtime.settings.record = True
     t0 = time.monotonic_ns()
+    body_raised = False
     try:
         yield path
+    except BaseException:
+        body_raised = True
+        raise
     finally:
         t1 = time.monotonic_ns()
         _runtime.settings.record = before
-        events = collect(t0, t1, marks)
-        gpu = bool(_runtime.gpu_comm_devices)
-        write(path, events, **({"clock": GPU_CLOCK} if gpu else {}))
+        try:
+            events = collect(t0, t1, marks)
+            gpu = bool(_runtime.gpu_comm_devices)
+            write(path, events, **({"clock": GPU_CLOCK} if gpu else {}))
+        except Exception as err:
+            if not body_raised:
+                raise
+            # the block's own exception is the one to see; this one must not replace it
+            warnings.warn(f"jax_gin.trace: {os.fspath(path)} not written: "
+                          f"{type(err).__name__}: {err}", RuntimeWarning, stacklevel=3)
 
 
 def merge(paths: list, out) -> dict:

@@ -114,3 +114,29 @@ def test_trace_has_psum_add_rmsnorm(monkeypatch, tmp_path, algo):
     for s in spans:
         assert s["name"] == f"psum {algo}" and s["args"]["status"] == "done"
         assert s["args"]["bytes"] == 4 * 8 * 64 and s["args"]["dtype"] == "float32"
+
+
+def test_trace_unwritable_path_fails_on_entry(tmp_path):
+    ran = []
+    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "nodir" / "t.json"))):
+        with jax_gin.trace(tmp_path / "nodir" / "t.json"):
+            ran.append(1)
+    assert ran == [] and _runtime.settings.record is False
+    with pytest.raises(IsADirectoryError):
+        with jax_gin.trace(tmp_path):
+            pass
+
+
+def test_trace_write_failure_does_not_mask_the_block(tmp_path):
+    d = tmp_path / "gone"
+    d.mkdir()
+    with pytest.warns(RuntimeWarning, match="not written"):
+        with pytest.raises(KeyError, match="the real error"):
+            with jax_gin.trace(d / "t.json"):
+                d.rmdir()  # the directory vanishes during the block: the write fails at exit
+                raise KeyError("the real error")
+    assert _runtime.settings.record is False
+    d.mkdir()
+    with pytest.raises(FileNotFoundError):  # a block that did not raise sees the failure
+        with jax_gin.trace(d / "t.json"):
+            d.rmdir()
