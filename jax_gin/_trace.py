@@ -161,46 +161,131 @@ def trace(path):
                           f"{type(err).__name__}: {err}", RuntimeWarning, stacklevel=3)
 
 
+class MergeError(ValueError):
+    """An input or output that `merge` refuses; its message names the file and the problem."""
+
+
+def _sources(p, doc) -> set:
+    """(clock, host) of each process in `doc`: its own, or a merged file's "sources"."""
+    meta = doc.get("metadata", {})
+    meta = meta.get("jax_gin", {}) if isinstance(meta, dict) else {}
+    if not isinstance(meta, dict):
+        meta = {}
+    if "sources" in meta:
+        src = meta["sources"]
+        if not isinstance(src, list) or not all(isinstance(x, list) for x in src):
+            raise MergeError(f"{p}: metadata.jax_gin.sources is not a list of [clock, host]")
+        return {tuple(x) for x in src}
+    if isinstance(meta.get("clock"), list):  # merges before "sources" wrote their clocks so
+        raise MergeError(f"{p}: merged by an older jax_gin; merge its inputs instead")
+    return {(meta.get("clock"), meta.get("host"))}
+
+
+def _read(p) -> dict:
+    try:
+        with open(p, "rb") as f:
+            doc = json.loads(f.read())
+    except OSError as err:
+        raise MergeError(f"{p}: cannot read: {err.strerror or err}") from None
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        raise MergeError(f"{p}: not JSON: {err}") from None
+    if not isinstance(doc, dict) or "traceEvents" not in doc:
+        raise MergeError(f"{p}: not a trace (no traceEvents)")
+    ev = doc["traceEvents"]
+    if not isinstance(ev, list) or not all(isinstance(e, dict) for e in ev):
+        raise MergeError(f"{p}: not a trace (traceEvents is not a list of events)")
+    if any(not isinstance(e.get("ts", 0), (int, float)) for e in ev):
+        raise MergeError(f"{p}: not a trace (an event's ts is not a number)")
+    return doc
+
+
+def _check_paths(paths: list, out) -> None:
+    """Refusals that need no input read: a file given twice, -o naming an input, an output
+    that cannot be written, an input that does not exist."""
+    seen = {}
+    for p in paths:
+        if not os.path.isfile(p):
+            raise MergeError(f"{p}: " + ("is a directory" if os.path.isdir(p) else
+                                         "no such file"))
+        key = os.path.realpath(p)
+        if key in seen:
+            raise MergeError(f"{p}: given twice (as {seen[key]} too); its events would be "
+                             "duplicated")
+        seen[key] = p
+    if os.path.realpath(out) in seen:
+        raise MergeError(f"{out}: the output is one of the inputs; it would be overwritten")
+    try:
+        _check_writable(out, "jax_gin.trace merge")
+    except OSError as err:
+        raise MergeError(str(err).removeprefix("jax_gin.trace merge: ")) from None
+
+
 def merge(paths: list, out) -> dict:
     """One trace from the per-process files `paths`: events of every file, on one time axis
     (the recorded clock, rebased to the earliest event), a file's pid kept unless another
-    file used it already."""
+    file used it already (then renumbered, its process_name naming the file). A merged file
+    is an input like the others (its events back on its clock via its origin_us). Raises
+    MergeError (naming the file) for an input that is no trace, a file given twice (by path
+    or identical content), or an output that is an input or cannot be written."""
+    paths = [os.fspath(p) for p in paths]
+    _check_paths(paths, out)
     docs = []
+    contents: dict = {}
     for p in paths:
-        with open(p) as f:
-            doc = json.load(f)
-        if not isinstance(doc, dict) or "traceEvents" not in doc:
-            raise ValueError(f"jax_gin.trace merge: {p} is not a trace (no traceEvents)")
-        docs.append((p, doc))
-    clocks = {(d.get("metadata", {}).get("jax_gin", {}).get("clock"),
-               d.get("metadata", {}).get("jax_gin", {}).get("host")) for _, d in docs}
+        doc = _read(p)
+        key = json.dumps(doc["traceEvents"], sort_keys=True)
+        timed = any("ts" in e for e in doc["traceEvents"])  # empty blocks may well be equal
+        if timed and key in contents:
+            raise MergeError(f"{p}: the same events as {contents[key]}; they would be "
+                             "duplicated")
+        contents[key] = p
+        docs.append((p, doc, _sources(p, doc)))
+    clocks = set().union(*(c for _, _, c in docs))
     if len(clocks) > 1:
         print("jax_gin.trace merge: the files come from different clocks or hosts "
               f"({sorted(map(str, clocks))}); their times are not aligned", file=sys.stderr)
-    stamps = [e["ts"] for _, d in docs for e in d["traceEvents"] if "ts" in e]
+
+    def origin(d):  # a merged file's times are rebased: back on the recorded clock
+        meta = d.get("metadata")
+        meta = meta.get("jax_gin") if isinstance(meta, dict) else None
+        if not isinstance(meta, dict) or "merged" not in meta:
+            return 0.0
+        o = meta.get("origin_us", 0.0)
+        return o if isinstance(o, (int, float)) else 0.0
+
+    stamps = [e["ts"] + origin(d) for _, d, _ in docs for e in d["traceEvents"] if "ts" in e]
     base = min(stamps) if stamps else 0.0
     used: set = set()
     events: list = []
-    for _, d in docs:
+    for p, d, _ in docs:
+        shift = origin(d) - base
         pids = {e.get("pid") for e in d["traceEvents"] if "pid" in e}
-        remap = {}
-        for p in sorted(pids, key=str):
-            q = p
-            while q in used:
+        # kept where free; else the next free of +1000 steps, clear of this file's own pids
+        remap = {q0: q0 for q0 in pids if q0 not in used}
+        for q0 in sorted(pids - set(remap), key=str):
+            q = q0
+            while q in used or q in pids or q in remap.values():
                 q = (q if isinstance(q, int) else 0) + 1000
-            remap[p] = q
+            remap[q0] = q
         used |= set(remap.values())
         for e in d["traceEvents"]:
             e = dict(e)
             if "pid" in e:
-                e["pid"] = remap[e["pid"]]
+                q0, e["pid"] = e["pid"], remap[e["pid"]]
+                if e["pid"] != q0 and e.get("ph") == "M" and e.get("name") == "process_name":
+                    # the track's number changed: its label says which file it came from
+                    args = dict(e.get("args") or {})
+                    args["name"] = f"{args.get('name', f'process {q0}')} [{os.path.basename(p)}]"
+                    e["args"] = args
             if "ts" in e:
-                e["ts"] = e["ts"] - base
+                e["ts"] = e["ts"] + shift
             events.append(e)
     events.sort(key=lambda e: (e.get("ph") != "M", e.get("ts", 0.0)))
-    doc = {"traceEvents": events, "displayTimeUnit": "ns",
-           "metadata": {"jax_gin": {"clock": sorted(map(str, clocks)), "origin_us": base,
-                                    "merged": [str(p) for p in paths]}}}
+    meta = {"sources": sorted(map(list, clocks), key=str), "origin_us": base,
+            "merged": [os.path.abspath(p) for p in paths]}
+    if len(clocks) == 1:
+        (meta["clock"], meta["host"]), = clocks
+    doc = {"traceEvents": events, "displayTimeUnit": "ns", "metadata": {"jax_gin": meta}}
     with open(out, "w") as f:
         json.dump(doc, f)
     return doc
@@ -212,12 +297,17 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("merge", help="merge per-process trace files into one")
     m.add_argument("files", nargs="+", metavar="FILE",
-                   help="trace files that jax_gin.trace wrote, one per process")
+                   help="trace files that jax_gin.trace (or merge) wrote, one per process")
     m.add_argument("-o", "--output", required=True, metavar="PATH",
                    help="the merged trace: every file's events on one time axis, starting at "
                         "the earliest")
     args = ap.parse_args(argv)
-    doc = merge(args.files, args.output)
+    try:
+        doc = merge(args.files, args.output)
+    except MergeError as err:
+        # as argparse reports a usage error: one line, status 2
+        print(f"{m.prog}: error: {err}", file=sys.stderr)
+        return 2
     n = sum(1 for e in doc["traceEvents"] if e.get("cat") == "jax_gin")
     print(f"{args.output}: {n} calls from {len(args.files)} files")
     return 0

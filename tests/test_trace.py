@@ -140,3 +140,87 @@ def test_trace_write_failure_does_not_mask_the_block(tmp_path):
     with pytest.raises(FileNotFoundError):  # a block that did not raise sees the failure
         with jax_gin.trace(d / "t.json"):
             d.rmdir()
+
+
+def _fake_trace(path, pid, t0, host="h"):
+    """A file as jax_gin.trace writes it: one process, one device, two calls."""
+    events = [{"name": "process_name", "ph": "M", "pid": pid,
+               "args": {"name": f"process {pid} ({host})"}},
+              {"name": "thread_name", "ph": "M", "pid": pid, "tid": 0,
+               "args": {"name": "device 0"}}]
+    events += [{"name": "psum ring", "cat": "jax_gin", "ph": "X", "pid": pid, "tid": 0,
+                "ts": t0 + 10.0 * i, "dur": 5.0, "args": {"seq": i}} for i in range(2)]
+    path.write_text(json.dumps({"traceEvents": events, "metadata": {"jax_gin": {
+        "clock": "CLOCK_MONOTONIC", "host": host, "process": pid}}}))
+    return str(path)
+
+
+def _merge(capsys, *argv):
+    from jax_gin._trace import main
+    rc = main(["merge", *map(str, argv)])
+    return rc, capsys.readouterr()
+
+
+def _canon(doc):
+    return sorted(json.dumps(e, sort_keys=True) for e in doc["traceEvents"])
+
+
+def test_merge_of_a_merged_file(tmp_path, capsys):
+    """A merged file merges again, its events back on their clock: merging (a+b)+c gives
+    what a+b+c gives, and a renumbered process's track names its file."""
+    a, b, c = (_fake_trace(tmp_path / f"{n}.json", pid, t0)
+               for n, pid, t0 in (("a", 0, 1000.0), ("b", 1, 1003.0), ("c", 0, 1100.0)))
+    assert _merge(capsys, a, b, "-o", tmp_path / "ab.json")[0] == 0
+    assert _merge(capsys, tmp_path / "ab.json", c, "-o", tmp_path / "abc2.json")[0] == 0
+    rc, out = _merge(capsys, a, b, c, "-o", tmp_path / "abc.json")
+    assert rc == 0 and "6 calls from 3 files" in out.out
+    once, twice = (json.loads((tmp_path / f).read_text()) for f in ("abc.json", "abc2.json"))
+    assert _canon(once) == _canon(twice)
+    meta = once["metadata"]["jax_gin"]
+    assert meta["origin_us"] == 1000.0 and meta["clock"] == "CLOCK_MONOTONIC"
+    assert min(e["ts"] for e in once["traceEvents"] if "ts" in e) == 0
+    names = {e["pid"]: e["args"]["name"] for e in once["traceEvents"]
+             if e["name"] == "process_name"}
+    assert names == {0: "process 0 (h)", 1: "process 1 (h)", 1000: "process 0 (h) [c.json]"}
+
+
+def test_merge_refusals(tmp_path, capsys):
+    """Each refusal: status 2, one line naming the file, nothing written."""
+    a = _fake_trace(tmp_path / "a.json", 0, 1000.0)
+    b = _fake_trace(tmp_path / "b.json", 1, 1000.0)
+    (tmp_path / "copy.json").write_text((tmp_path / "a.json").read_text())
+    (tmp_path / "bad.json").write_text("{bad")
+    (tmp_path / "oops.json").write_text('{"traceEvents": "oops"}')
+    (tmp_path / "old.json").write_text(json.dumps({"traceEvents": [], "metadata": {
+        "jax_gin": {"clock": ["('CLOCK_MONOTONIC', 'h')"], "origin_us": 0, "merged": []}}}))
+    out = tmp_path / "out.json"
+    cases = [((a, a), "a.json: given twice"),
+             ((a, tmp_path / "copy.json"), "copy.json: the same events as"),
+             ((tmp_path / "missing.json", a), "missing.json: no such file"),
+             ((tmp_path / "bad.json",), "bad.json: not JSON"),
+             ((tmp_path / "oops.json",), "oops.json: not a trace"),
+             ((tmp_path / "old.json",), "old.json: merged by an older jax_gin")]
+    for files, msg in cases:
+        rc, got = _merge(capsys, *files, "-o", out)
+        assert rc == 2 and msg in got.err and got.err.count("\n") == 1, (files, got.err)
+        assert not out.exists()
+    before = (tmp_path / "b.json").read_text()
+    rc, got = _merge(capsys, a, b, "-o", b)
+    assert rc == 2 and "the output is one of the inputs" in got.err
+    assert (tmp_path / "b.json").read_text() == before
+    rc, got = _merge(capsys, a, "-o", tmp_path / "nodir" / "m.json")
+    assert rc == 2 and "nodir" in got.err and "does not exist" in got.err
+
+
+def test_merge_renumbers_clear_of_the_files_own_pids(tmp_path, capsys):
+    a = _fake_trace(tmp_path / "a.json", 0, 1000.0)
+    b = _fake_trace(tmp_path / "b.json", 0, 1050.0)
+    c = _fake_trace(tmp_path / "c.json", 0, 1100.0)
+    assert _merge(capsys, b, c, "-o", tmp_path / "bc.json")[0] == 0  # pids 0 and 1000
+    assert _merge(capsys, a, tmp_path / "bc.json", "-o", tmp_path / "all.json")[0] == 0
+    doc = json.loads((tmp_path / "all.json").read_text())
+    by_pid = {}
+    for e in doc["traceEvents"]:
+        if e.get("cat") == "jax_gin":
+            by_pid.setdefault(e["pid"], []).append(e["ts"])
+    assert sorted(len(v) for v in by_pid.values()) == [2, 2, 2]
