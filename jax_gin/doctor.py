@@ -53,6 +53,7 @@ import jax_gin
 
 from . import _native, _runtime, _scatter_gather, _select
 from ._bench_inputs import format_size
+from ._trace import _check_writable
 from .bench import parse_size
 
 DEFAULT_SIZES = (1 << 10, 1 << 20)  # bytes per device
@@ -217,6 +218,25 @@ def _error(e: Exception) -> str:
     return "; ".join([f"{type(e).__name__}: {str(e).strip()}"] + list(found))
 
 
+TIMEOUT_FIX = ("read the error: a timed-out wait names the op, rank, peer and step it waited at "
+               "(JAX_GIN_TIMEOUT_S: how long)")
+
+
+def _fix(e: Exception) -> str:
+    """The fix line for a self-test call that raised `e`: what its kind of error calls for."""
+    text = str(e)
+    if "cannot be reused" in text:  # the communicator stopped at an earlier row's failure
+        return "fix the first failure above: a failed call stops the mesh's communicator"
+    if "timed out" in text:
+        return TIMEOUT_FIX
+    if isinstance(e, ValueError) and "jax_gin" in text:
+        # jax_gin's ValueErrors end with their remedy ("...; raise JAX_GIN_WORKSPACE_BYTES")
+        advice = text.rsplit("; ", 1)[1].strip().rstrip(".") if "; " in text else ""
+        return (f"as the error says: {advice}" if advice else
+                "read the error: it names the setting or argument to change")
+    return "read the error; unless a setting or input of yours causes it, report it with this output"
+
+
 def _exact_input(mesh, per_device: int):
     """float32 small integers, `per_device` on each device of `mesh`: every sum is exact, so
     every algorithm must equal lax bit for bit."""
@@ -246,9 +266,7 @@ def _case(r: Report, row: dict, label: str, shown: str, fn, x, runs: int, want, 
     except Exception as e:
         row["ok"], row["error"] = False, _error(e)
         r.line(f"{label:<24} {shown:>5}  ERROR  {row['error']}")
-        r.fail(f"{what} at {shown} per device raised an error (self-test above)",
-               "read the error: a timed-out wait names the op, rank, peer and step it waited "
-               "at (JAX_GIN_TIMEOUT_S: how long)")
+        r.fail(f"{what} at {shown} per device raised an error (self-test above)", _fix(e))
         return
     row["ok"] = bool(np.array_equal(got.view(np.uint32), want.view(np.uint32)))
     r.line(f"{label:<24} {shown:>5}  {'ok' if row['ok'] else 'WRONG':<6} "
@@ -342,6 +360,11 @@ def main(argv=None) -> int:
     p.add_argument("--num-processes", type=int, default=1)
     p.add_argument("--process-id", type=int, default=0)
     args = p.parse_args(argv)
+    if args.json:
+        try:  # before the run, which the report would otherwise be lost after
+            _check_writable(args.json, "--json")
+        except OSError as e:
+            p.error(str(e))
     invalid = invalid_settings()  # before anything reads the settings
     r = Report()
     if args.coordinator:

@@ -150,3 +150,34 @@ def test_settings_that_differ_across_processes():
     assert "JAX_GIN_WORKSPACE_BYTES=2097152 here but 1048576 in process 0" in outs[1], outs[1]
     assert "JAX_GIN_WORKSPACE_BYTES=1048576 here but 2097152 in process 1" in outs[0], outs[0]
     assert "FAIL:" in outs[0] and "FAIL:" in outs[1]
+
+
+def test_fix_fits_the_error(monkeypatch, capsys):
+    """A FAIL row's fix follows its exception: jax_gin's ValueError its own remedy, a timeout
+    the timeout's reading, a stopped communicator the first failure."""
+    def psum(x, axis, **kw):
+        raise ValueError("jax_gin.psum: workspace too small: 64 bytes per rank cannot hold "
+                         "one round; raise JAX_GIN_WORKSPACE_BYTES or jax_gin.runtime.settings")
+    monkeypatch.setattr(jax_gin, "psum", psum)
+    rc = doctor.main(["--quick", "--sizes", "4K"])
+    verdict = capsys.readouterr().out.rstrip().split("\n\n")[-1]
+    assert rc == 1
+    assert "fix: as the error says: raise JAX_GIN_WORKSPACE_BYTES or jax_gin.runtime.settings" \
+        in verdict
+    assert "timed-out" not in verdict
+    assert doctor._fix(RuntimeError("jax_gin psum (ring) on CPU: rank 1 timed out after 1 s "
+                                    "waiting for peer 0")) == doctor.TIMEOUT_FIX
+    assert "first failure above" in doctor._fix(RuntimeError(
+        "jax_gin: this communicator stopped after an earlier failure and cannot be reused: "
+        "... timed out ..."))
+    assert "setting or argument" in doctor._fix(ValueError("jax_gin.psum: bad axis"))
+    assert "report it" in doctor._fix(TypeError("something else"))
+
+
+def test_json_path_checked_first(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        doctor.main(["--quick", "--json", str(tmp_path / "nodir" / "d.json")])
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert "nodir" in captured.err and "does not exist" in captured.err
+    assert "self-test" not in captured.out  # refused before the run
