@@ -262,14 +262,21 @@ def test_laggard_signals_lost_tree(monkeypatch):
         assert "1" in re.findall(r"\d+", m.group(2)), msg
 
 
+def _diagnose(algorithm: str, waits: list, self: int) -> str:
+    """laggard_text of ranks that are all in call #1 (psum, `algorithm`), each waiting in round
+    1 as waits[rank] = (peer, step, failed) says, as rank `self` of group 0 reports it."""
+    psum, algo = OP_CODES["sum"], ALGORITHM_CODES[algorithm]
+    # a state: (seq, done, wait seq, wait round, wait peer, wait step, op, algorithm, failed)
+    states = [[1, 0, 1, 1, peer, step, psum, algo, int(failed)] for peer, step, failed in waits]
+    return _native.cpu.laggard_text(states, 0, self)
+
+
 def test_laggard_text_ahead():
     """The states one H200's harness read through the windows when rank 1 of a two_shot psum
     over 4 ranks lost its signals: every rank waits, in a cycle, but rank 1 waits at step 1 for
     a peer while the others wait for it at step 0, which it has passed."""
-    psum, two_shot = OP_CODES["sum"], ALGORITHM_CODES["two_shot"]
-    states = [(1, 0, 1, 1, 1, 0, psum, two_shot, 1), (1, 0, 1, 1, 2, 1, psum, two_shot, 0),
-              (1, 0, 1, 1, 1, 0, psum, two_shot, 0), (1, 0, 1, 1, 1, 0, psum, two_shot, 0)]
-    text = _native.cpu.laggard_text([list(s) for s in states], 0, 0)
+    # rank 0 failed waiting for rank 1 at step 0; rank 1 waits for rank 2 at step 1
+    text = _diagnose("two_shot", [(1, 0, True), (2, 1, False), (1, 0, False), (1, 0, False)], 0)
     assert text.startswith("diagnosis: rank 1 is further on in call #1 (psum, two_shot), waiting "
                            "for rank 2 at step 1 of round 1, but ranks 0, 2, 3 still wait for it "
                            "at step 0: its signals did not arrive."), text
@@ -279,11 +286,7 @@ def test_laggard_text_ahead():
 def test_laggard_text_of_a_cycle():
     """Waits at one step that close a cycle: the cycle is given, from where the walk from the
     reporting rank enters it."""
-    psum, ring = OP_CODES["sum"], ALGORITHM_CODES["ring"]
-    # (seq, done, wait seq, wait round, wait peer, wait step, op, algorithm, failed)
-    states = [(1, 0, 1, 1, 1, 0, psum, ring, 0), (1, 0, 1, 1, 2, 0, psum, ring, 0),
-              (1, 0, 1, 1, 0, 0, psum, ring, 1), (1, 0, 1, 1, 0, 0, psum, ring, 0)]
-    text = _native.cpu.laggard_text([list(s) for s in states], 0, 3)
+    text = _diagnose("ring", [(1, 0, False), (2, 0, False), (0, 0, True), (0, 0, False)], 3)
     assert text.startswith("diagnosis: the ranks of call #1 (psum, ring) wait for each other in "
                            "a cycle (0 waits for 1 waits for 2 waits for 0): one of them sent "
                            "signals that did not arrive."), text

@@ -111,15 +111,30 @@ inline std::string laggard_text(const std::vector<Seen>& s, int group, int self)
     const Seen& b = s[size_t(behind)];
     if (a.seq < b.seq || (a.seq == b.seq && phase(a) < phase(b))) behind = r;
   }
-  // Who waits in call k, and for whom.
-  auto waiters_for = [&](int target, std::vector<int>& ranks, std::vector<int>& steps) {
+  // Who waits in call k for `target` (those of them that keep(x) holds for), and at which step.
+  auto waiters_where = [&](int target, auto keep, std::vector<int>& ranks, std::vector<int>& steps) {
     for (int r = 0; r < n; ++r) {
       const Seen& x = s[size_t(r)];
-      if (x.seq == k && x.waiting() && x.wpeer == target) {
+      if (x.seq == k && x.waiting() && x.wpeer == target && keep(x)) {
         ranks.push_back(r);
         steps.push_back(x.wstep);
       }
     }
+  };
+  auto waiters_for = [&](int target, std::vector<int>& ranks, std::vector<int>& steps) {
+    waiters_where(target, [](const Seen&) { return true; }, ranks, steps);
+  };
+  // The first rank p that is_suspect(p) holds for and that some rank waits for with
+  // waits_in_vain(p, x) (filling w and steps with those), or -1.
+  auto first_waited = [&](auto is_suspect, auto waits_in_vain, std::vector<int>& w,
+                          std::vector<int>& steps) {
+    for (int r = 0; r < n; ++r) {
+      const Seen& p = s[size_t(r)];
+      if (!is_suspect(p)) continue;
+      waiters_where(r, [&](const Seen& x) { return waits_in_vain(p, x); }, w, steps);
+      if (!w.empty()) return r;
+    }
+    return -1;
   };
   Text os;
   os << "diagnosis: ";
@@ -147,43 +162,18 @@ inline std::string laggard_text(const std::vector<Seen>& s, int group, int self)
   } else {
     // Every rank entered call k. A rank waited for that has finished the call did not deliver
     // its signals; else follow the waits from this rank to one that is not waiting.
-    int culprit = -1;
-    for (int r = 0; r < n && culprit < 0; ++r) {
-      const Seen& x = s[size_t(r)];
-      if (x.seq == k && !x.in_call() && !x.failed) {
-        std::vector<int> ww, ss;
-        waiters_for(r, ww, ss);
-        if (!ww.empty()) {
-          culprit = r;
-          w = ww;
-          steps = ss;
-        }
-      }
-    }
+    const int culprit = first_waited(
+        [&](const Seen& p) { return p.seq == k && !p.in_call() && !p.failed; },
+        [](const Seen&, const Seen&) { return true; }, w, steps);
     // Else a rank waited for at a step of call k that it has passed: it waits at a later step
     // or round of the call. Each algorithm sends a step's signals before it waits at a later
     // step, and a signal's tag names its round and step alike on both sides (data_tag), so it
     // sent what the others wait for, and that did not arrive. (A rank at the same step may
     // still be about to send.)
-    int ahead = -1;
-    for (int r = 0; r < n && culprit < 0 && ahead < 0; ++r) {
-      const Seen& p = s[size_t(r)];
-      if (p.seq != k || !p.waiting()) continue;
-      std::vector<int> ww, ss;
-      for (int q = 0; q < n; ++q) {
-        const Seen& x = s[size_t(q)];
-        if (q != r && x.seq == k && x.waiting() && x.wpeer == r && x.wstep >= 0 &&
-            phase(x) < phase(p)) {
-          ww.push_back(q);
-          ss.push_back(x.wstep);
-        }
-      }
-      if (!ww.empty()) {
-        ahead = r;
-        w = ww;
-        steps = ss;
-      }
-    }
+    const int ahead = culprit >= 0 ? -1 : first_waited(
+        [&](const Seen& p) { return p.seq == k && p.waiting(); },
+        [&](const Seen& p, const Seen& x) { return x.wstep >= 0 && phase(x) < phase(p); }, w,
+        steps);
     if (culprit >= 0) {
       os << "rank " << culprit << " finished " << call_name(k, me.op, me.algo) << ", but "
          << ranks_word(w) << " still wait" << (w.size() == 1 ? "s" : "") << " for it "
