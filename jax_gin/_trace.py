@@ -165,12 +165,16 @@ class MergeError(ValueError):
     """An input or output that `merge` refuses; its message names the file and the problem."""
 
 
+def _meta(doc) -> dict:
+    """The trace's metadata.jax_gin, or {} where it has none (or not a dict)."""
+    meta = doc.get("metadata")
+    meta = meta.get("jax_gin") if isinstance(meta, dict) else None
+    return meta if isinstance(meta, dict) else {}
+
+
 def _sources(p, doc) -> set:
     """(clock, host) of each process in `doc`: its own, or a merged file's "sources"."""
-    meta = doc.get("metadata", {})
-    meta = meta.get("jax_gin", {}) if isinstance(meta, dict) else {}
-    if not isinstance(meta, dict):
-        meta = {}
+    meta = _meta(doc)
     if "sources" in meta:
         src = meta["sources"]
         if not isinstance(src, list) or not all(isinstance(x, list) for x in src):
@@ -246,9 +250,8 @@ def merge(paths: list, out) -> dict:
               f"({sorted(map(str, clocks))}); their times are not aligned", file=sys.stderr)
 
     def origin(d):  # a merged file's times are rebased: back on the recorded clock
-        meta = d.get("metadata")
-        meta = meta.get("jax_gin") if isinstance(meta, dict) else None
-        if not isinstance(meta, dict) or "merged" not in meta:
+        meta = _meta(d)
+        if "merged" not in meta:
             return 0.0
         o = meta.get("origin_us", 0.0)
         return o if isinstance(o, (int, float)) else 0.0
