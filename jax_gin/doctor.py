@@ -16,7 +16,9 @@ It prints five sections, then the verdict:
   nccl        NCCL_NVLS_ENABLE, which must be 0 on GPUs (NVLink multicast stays off), other
               NCCL_* variables, and GIN (it needs a network; one node never uses it).
   settings    every field of jax_gin.runtime.settings with its value and environment
-              variable; '*' marks a variable set in the environment.
+              variable; '*' marks a variable set in the environment. A JAX_GIN_* variable
+              that no setting reads (a typo, or a build variable) is named, with the
+              setting it may have meant.
   self-test   jax_gin.psum with each algorithm and "auto", and one overlap=True call, over a
               mesh of all local devices on exact float32 inputs: ok when bit for bit equal to
               lax.psum, WRONG otherwise; median microseconds of both. At the first size also
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import os
 import platform
@@ -178,6 +181,19 @@ def check_settings(r: Report, invalid: dict, gpu_device) -> None:
     for env, message in invalid.items():
         r.line(f"invalid: {message}")
         r.fail(f"a setting is invalid: {message}", f"correct or unset {env}")
+    f["not_settings"] = unknown = unknown_variables()
+    for env, near in unknown.items():
+        r.line(f"{env} is set but is no setting, so nothing reads it at run time"
+               + (f" (did you mean {near}?)" if near else ""))
+
+
+def unknown_variables() -> dict:
+    """Each JAX_GIN_* variable of the environment that no setting reads (a typo, or a build
+    variable such as JAX_GIN_CUDA, which CMake reads when jax_gin is built): the closest
+    setting's variable, or None."""
+    known = sorted({env for env, _ in _runtime._RULES.values()})
+    return {name: next(iter(difflib.get_close_matches(name, known, n=1, cutoff=0.8)), None)
+            for name in sorted(os.environ) if name.startswith("JAX_GIN_") and name not in known}
 
 
 def invalid_settings() -> dict:

@@ -108,6 +108,27 @@ def test_invalid_environment_fails():
     assert "JAX_GIN_TIMEOUT_S='abc'" in done.stdout + done.stderr
 
 
+def test_variables_no_setting_reads(monkeypatch, capsys):
+    # a typo of a setting's variable is named with the setting meant; a build variable, or
+    # one far from every setting, is named alone; neither fails the check
+    monkeypatch.setenv("JAX_GIN_TIMEOUT", "5")
+    monkeypatch.setenv("JAX_GIN_CUDA", "OFF")
+    for name in [n for n in os.environ if n.startswith("JAX_GIN_")]:  # the test's own only
+        if name not in ("JAX_GIN_TIMEOUT", "JAX_GIN_CUDA"):
+            monkeypatch.delenv(name)
+    assert doctor.unknown_variables() == {"JAX_GIN_CUDA": None,
+                                          "JAX_GIN_TIMEOUT": "JAX_GIN_TIMEOUT_S"}
+    r = doctor.Report()
+    doctor.check_settings(r, {}, None)
+    out = capsys.readouterr().out
+    assert "JAX_GIN_TIMEOUT is set but is no setting, so nothing reads it at run time (did you " \
+           "mean JAX_GIN_TIMEOUT_S?)" in out, out
+    assert "JAX_GIN_CUDA is set but is no setting, so nothing reads it at run time\n" in out, out
+    assert r.problems == []
+    assert r.facts["settings"]["not_settings"] == {"JAX_GIN_CUDA": None,
+                                                   "JAX_GIN_TIMEOUT": "JAX_GIN_TIMEOUT_S"}
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="on GPUs NCCL_NVLS_ENABLE=1 fails")
 def test_nvls_is_only_reported_on_cpu():
     done = _doctor_subprocess(NCCL_NVLS_ENABLE="1")
