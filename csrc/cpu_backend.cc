@@ -91,6 +91,8 @@ std::vector<Seen> rank_states(const Workspace& ws) {
     x.op = st.op;
     x.algo = st.algorithm;
     x.failed = st.failed != 0;
+    x.wplace = st.wait_place;
+    x.wkind = st.wait_kind;
   }
   return s;
 }
@@ -192,6 +194,8 @@ class HostTransport {
     st.wait_peer = peer;
     st.wait_step = step;
     st.wait_round = round_of_wait(value, step);
+    st.wait_place = uint16_t(place_of_wait(value, step));
+    st.wait_kind = uint8_t(kind);
     store_release(st.wait_seq, st.seq);
     using clock = std::chrono::steady_clock;
     const auto start = clock::now();

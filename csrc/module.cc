@@ -278,13 +278,14 @@ NB_MODULE(_jax_gin, m) {
         }, nb::arg("notes"), nb::arg("raw"));
   // The hang report's diagnosis from the ranks' states (include/jax_gin/laggard.h), as the
   // CPU backend and the GPU's reports write it; each state is (seq, done, wait_seq,
-  // wait_round, wait_peer, wait_step, op, algorithm, failed).
+  // wait_round, wait_peer, wait_step, op, algorithm, failed, wait_place, wait_kind).
   m.def("laggard_text", [](const std::vector<std::vector<int64_t>>& states, int group, int self) {
           std::vector<Seen> s;
           for (const auto& v : states) {
-            if (v.size() != 9) throw nb::value_error("laggard_text: 9 fields per rank");
+            if (v.size() != 11) throw nb::value_error("laggard_text: 11 fields per rank");
             s.push_back(Seen{uint64_t(v[0]), uint64_t(v[1]), uint64_t(v[2]), uint64_t(v[3]),
-                             int(v[4]), int(v[5]), int(v[6]), int(v[7]), v[8] != 0});
+                             int(v[4]), int(v[5]), int(v[6]), int(v[7]), v[8] != 0, int(v[9]),
+                             int(v[10])});
           }
           return laggard_text(s, group, self);
         }, nb::arg("states"), nb::arg("group"), nb::arg("self"));

@@ -77,7 +77,7 @@ __global__ void ce_sync_kernel(Peers peers, LaneParams p, int step, int begin) {
     while (seen < tag) {
       seen = ld_acquire_sys(f);
       if ((++spins & 1023u) == 0 && globaltimer_ns() - start > p.timeout_ns) {
-        report_timeout(peers, p, 0, q, step, round, tag, seen);
+        report_timeout(peers, p, 0, q, step, round, tag, seen, place_of_wait(tag, step), kData);
         __trap();
       }
     }

@@ -144,12 +144,15 @@ __device__ inline void state_enter(const LaneParams& p, uint64_t calls) {
   st->bytes = p.bytes;
   st->seq = calls + 1;
 }
-__device__ inline void state_wait(const LaneParams& p, int peer, int step, uint64_t round) {
+__device__ inline void state_wait(const LaneParams& p, int peer, int step, uint64_t round,
+                                  uint32_t place, int kind) {
   volatile RecState* st = p.state;
   if (st == nullptr) return;
   st->wait_peer = peer;
   st->wait_step = step;
   st->wait_round = round;
+  st->wait_place = uint16_t(place);
+  st->wait_kind = uint8_t(kind);
   st->wait_seq = st->seq;
 }
 
@@ -319,11 +322,12 @@ __device__ inline void record_timeout(const LaneParams& p, int lane, int peer, i
 
 // A wait timed out: this rank's state says so, every rank's state block is read through its
 // window into the report (the host names the rank that is behind from them), then the wait's
-// diagnostic; the caller traps.
+// diagnostic; the caller traps. `place` and `kind` as state_wait's.
 template <class Peers>
 __device__ inline void report_timeout(const Peers& peers, const LaneParams& p, int lane, int peer,
-                                      int step, uint64_t round, uint64_t expected, uint64_t seen) {
-  state_wait(p, peer, step, round);
+                                      int step, uint64_t round, uint64_t expected, uint64_t seen,
+                                      uint32_t place, int kind) {
+  state_wait(p, peer, step, round, place, kind);
   if (p.state != nullptr) static_cast<volatile RecState*>(p.state)->failed = 1;
   if (p.diag != nullptr && p.state != nullptr) {
     constexpr int kWords = sizeof(RecState) / sizeof(uint64_t);
@@ -502,11 +506,11 @@ class GpuTransport {
           if ((++spins & 1023u) == 0) {
             const uint64_t waited = globaltimer_ns() - start;
             if (!said && waited > kWaitPublishNs) {
-              state_wait(p_, peer, step, round_of_wait(value, step));
+              state_wait(p_, peer, step, round_of_wait(value, step), place_of_wait(value, step), kind);
               said = true;
             }
             if (waited > p_.timeout_ns) {
-              report(peer, step, value, seen);
+              report(peer, kind, step, value, seen);
               __trap();
             }
           }
@@ -519,8 +523,9 @@ class GpuTransport {
   }
 
  private:
-  __device__ void report(int peer, int step, uint64_t expected, uint64_t seen) const {
-    report_timeout(peers_, p_, lane_, peer, step, round_of_wait(expected, step), expected, seen);
+  __device__ void report(int peer, int kind, int step, uint64_t expected, uint64_t seen) const {
+    report_timeout(peers_, p_, lane_, peer, step, round_of_wait(expected, step), expected, seen,
+                   place_of_wait(expected, step), kind);
   }
 
   Peers peers_;

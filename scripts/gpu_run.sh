@@ -88,6 +88,10 @@ harness() {
     --fault-rank 1 >> "$OUT/harness.log" 2>&1
   log "fault injection rc=$? (3 expected): $(grep -m1 'timed out' "$OUT/harness.log")"
   log "$(grep -m1 '^diagnosis' "$OUT/harness.log")"
+  # a tree over several chunks: the faulty rank may wait at the same step as its waiters
+  $H --ranks 8 --counts 100000 --algos tree --dtypes f32 --ops sum --iters 1 --timeout-s 1 \
+    --chunk-bytes 4096 --fault-rank 5 >> "$OUT/harness.log" 2>&1
+  log "fault injection, tree rc=$? (3 expected): $(grep '^diagnosis' "$OUT/harness.log" | tail -1)"
   $H --collectives only --ranks 2 --dtypes f32 --algos ring --block-bytes 4096 --timeout-s 1 \
     --fault-rank 1 >> "$OUT/harness.log" 2>&1
   log "fault injection, psum_scatter rc=$? (3 expected): $(grep 'timed out' "$OUT/harness.log" | tail -1)"

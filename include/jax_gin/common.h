@@ -187,6 +187,11 @@ JG_HD uint64_t data_tag(uint64_t round, int step) {
 JG_HD uint64_t round_of_wait(uint64_t expected, int step) {
   return step < 0 ? expected + 1 : (expected - 1) / kTagsPerRound;
 }
+// Where in its round a data wait (step >= 0) stands, from the flag value it waits for: the
+// step argument of data_tag() (step * chunks + chunk where pipelined); 0 for a credit.
+JG_HD uint32_t place_of_wait(uint64_t expected, int step) {
+  return step < 0 ? 0u : uint32_t((expected - 1) % kTagsPerRound);
+}
 
 // Offset (in uint64 words) of a flag inside one rank's flag area.
 JG_HD size_t flag_index(int lane, int sender, int kind, int nranks) {

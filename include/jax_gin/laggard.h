@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "jax_gin/common.h"
@@ -13,11 +14,13 @@
 
 namespace jax_gin {
 
-// One rank's state as read: calls entered and returned, and the wait it was in.
+// One rank's state as read: calls entered and returned, and the wait it was in (its place in
+// the round and its flag kind order the waits of one step: chunks, a double tree's halves).
 struct Seen {
   uint64_t seq, done, wseq, wround;
   int wpeer, wstep, op, algo;
   bool failed;
+  int wplace = 0, wkind = kData;
   bool in_call() const { return seq != 0 && done != seq; }
   bool waiting() const { return seq != 0 && wseq == seq && wpeer >= 0; }
 };
@@ -99,11 +102,13 @@ inline std::string laggard_text(const std::vector<Seen>& s, int group, int self)
   const Seen& me = s[size_t(self)];
   const uint64_t k = me.seq;
   // The rank that is behind: the lowest call number, then the earliest phase (waiting in an
-  // earlier round or step, before a rank that finished the call).
-  auto phase = [](const Seen& x) -> uint64_t {
-    if (!x.in_call() && !x.failed) return ~0ull;
-    if (!x.waiting()) return 0;
-    return x.wround * kTagsPerRound + uint64_t(x.wstep + 1);
+  // earlier round, step, chunk of a step, or tree of a double tree's step (kData's before
+  // kDataB's), before a rank that finished the call). A rank waits in this order.
+  using Phase = std::tuple<uint64_t, int, int, int>;
+  auto phase = [](const Seen& x) -> Phase {
+    if (!x.in_call() && !x.failed) return Phase{~0ull, 0, 0, 0};
+    if (!x.waiting()) return Phase{0, 0, 0, 0};
+    return Phase{x.wround, x.wstep + 1, x.wplace, x.wkind};
   };
   int behind = 0;
   for (int r = 1; r < n; ++r) {
@@ -165,11 +170,11 @@ inline std::string laggard_text(const std::vector<Seen>& s, int group, int self)
     const int culprit = first_waited(
         [&](const Seen& p) { return p.seq == k && !p.in_call() && !p.failed; },
         [](const Seen&, const Seen&) { return true; }, w, steps);
-    // Else a rank waited for at a step of call k that it has passed: it waits at a later step
-    // or round of the call. Each algorithm sends a step's signals before it waits at a later
-    // step, and a signal's tag names its round and step alike on both sides (data_tag), so it
-    // sent what the others wait for, and that did not arrive. (A rank at the same step may
-    // still be about to send.)
+    // Else a rank waited for at a phase of call k that it has passed: it waits at a later
+    // round, step, chunk or tree of the call. Each algorithm sends a chunk's signals before it
+    // waits at a later phase, and a signal's tag names its round, step and chunk alike on both
+    // sides (data_tag), so it sent what the others wait for, and that did not arrive. (A rank
+    // at the same phase may still be about to send.)
     const int ahead = culprit >= 0 ? -1 : first_waited(
         [&](const Seen& p) { return p.seq == k && p.waiting(); },
         [&](const Seen& p, const Seen& x) { return x.wstep >= 0 && phase(x) < phase(p); }, w,
@@ -180,8 +185,18 @@ inline std::string laggard_text(const std::vector<Seen>& s, int group, int self)
          << steps_text(steps) << ": its signals did not arrive";
     } else if (ahead >= 0) {
       const Seen& p = s[size_t(ahead)];
+      // Where the waits are at one step, say what sets this rank's wait after theirs.
+      bool same_step = true;
+      int place = 0;  // the latest chunk a waiter waits at
+      for (int q : w) {
+        const Seen& x = s[size_t(q)];
+        same_step = same_step && x.wround == p.wround && x.wstep == p.wstep;
+        place = std::max(place, x.wplace);
+      }
+      const char* later = !same_step ? "" : p.wplace > place ? " (a later chunk)"
+                                        : p.wkind == kDataB ? " (its second tree)" : "";
       os << "rank " << ahead << " is further on in " << call_name(k, me.op, me.algo) << ", "
-         << wait_text(p) << (p.failed ? " (failed)" : "") << ", but " << ranks_word(w)
+         << wait_text(p) << later << (p.failed ? " (failed)" : "") << ", but " << ranks_word(w)
          << " still wait" << (w.size() == 1 ? "s" : "") << " for it " << steps_text(steps)
          << ": its signals did not arrive";
     } else {

@@ -79,7 +79,9 @@ struct alignas(64) RecState {
   int8_t algorithm;
   int8_t dtype;
   uint8_t failed;       // call `seq` returned an error
-  uint32_t pad;
+  uint16_t wait_place;  // place_of_wait (common.h): the chunk of a pipelined step
+  uint8_t wait_kind;    // FlagKind: which of a double tree's two trees
+  uint8_t pad;
   uint64_t bytes;       // of call `seq`
 };
 static_assert(sizeof(RecState) == 64, "RecState is one cache line");
