@@ -254,9 +254,9 @@ def test_laggard_signals_lost_tree(monkeypatch):
     those waiting for it (a later chunk, or the second tree of the double tree)."""
     msg = _fault(monkeypatch, "tree", "drop", 0.45)
     assert re.search(r"diagnosis: rank 1 is further on in call #1 \(psum, tree\), waiting for rank "
-                     r"\d+ at step \d of round 1( \(a later chunk\)| \(its second tree\))?, but "
-                     r"ranks? [\d, -]+ still waits? for it at steps? [\d, ]+: its signals did not "
-                     r"arrive\.", msg), msg
+                     r"\d+ at step \d of round 1( \(((a later chunk|its second tree)(; failed)?|"
+                     r"failed)\))?, but ranks? [\d, -]+ still waits? for it at steps? [\d, ]+: its "
+                     r"signals did not arrive\.", msg), msg
 
 
 @pytest.mark.parametrize("algo", ["one_shot", "two_shot", "ring", "tree"])
@@ -305,11 +305,12 @@ def test_laggard_text_later_chunk_and_tree():
     assert text.startswith("diagnosis: rank 1 is further on in call #1 (psum, one_shot), waiting "
                            "for rank 0 at step 0 of round 1 (a later chunk), but ranks 0, 2 still "
                            "wait for it at step 0: its signals did not arrive."), text
-    # rank 2 waits in its second tree for rank 0, which waits for it in the first, same chunk
-    text = _diagnose("tree", [(2, 0, True, 0, 0), (0, 1, False, 4, 0), (0, 0, False, 0, 2)], 0)
+    # rank 2 waits in its second tree for rank 0, which waits for it in the first, same chunk;
+    # both timed out
+    text = _diagnose("tree", [(2, 0, True, 0, 0), (0, 1, False, 4, 0), (0, 0, True, 0, 2)], 0)
     assert text.startswith("diagnosis: rank 2 is further on in call #1 (psum, tree), waiting for "
-                           "rank 0 at step 0 of round 1 (its second tree), but rank 0 still waits "
-                           "for it at step 0: its signals did not arrive."), text
+                           "rank 0 at step 0 of round 1 (its second tree; failed), but rank 0 "
+                           "still waits for it at step 0: its signals did not arrive."), text
     # the same waits without the tree: a cycle, as no rank is further on
     text = _diagnose("tree", [(2, 0, True, 0, 0), (0, 1, False, 4, 0), (0, 0, False, 0, 0)], 0)
     assert "wait for each other in a cycle (2 waits for 0 waits for 2)" in text, text

@@ -193,10 +193,11 @@ inline std::string laggard_text(const std::vector<Seen>& s, int group, int self)
         same_step = same_step && x.wround == p.wround && x.wstep == p.wstep;
         place = std::max(place, x.wplace);
       }
-      const char* later = !same_step ? "" : p.wplace > place ? " (a later chunk)"
-                                        : p.wkind == kDataB ? " (its second tree)" : "";
+      std::string note = !same_step ? "" : p.wplace > place ? "a later chunk"
+                                         : p.wkind == kDataB ? "its second tree" : "";
+      if (p.failed) note += note.empty() ? "failed" : "; failed";
       os << "rank " << ahead << " is further on in " << call_name(k, me.op, me.algo) << ", "
-         << wait_text(p) << later << (p.failed ? " (failed)" : "") << ", but " << ranks_word(w)
+         << wait_text(p) << (note.empty() ? "" : " (" + note + ")") << ", but " << ranks_word(w)
          << " still wait" << (w.size() == 1 ? "s" : "") << " for it " << steps_text(steps)
          << ": its signals did not arrive";
     } else {
