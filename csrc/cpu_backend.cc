@@ -807,6 +807,8 @@ std::vector<RecEntry> recorder_entries(const Workspace& ws, int rank) {
   return out;
 }
 
+uint64_t calls_entered(const Workspace& ws, int rank) { return load_acquire(ws.rec_state(rank).seq); }
+
 std::string laggard_report(const Workspace& ws, int group, int self) {
   return laggard_text(rank_states(ws), group, self);
 }

@@ -169,6 +169,8 @@ void set_record(bool on);
 bool recording();
 // The ring of `rank` (a rank this process runs), oldest call first; empty slots left out.
 std::vector<RecEntry> recorder_entries(const Workspace& ws, int rank);
+// The calls `rank` has entered (its state block's seq: recorded or not), which numbers them.
+uint64_t calls_entered(const Workspace& ws, int rank);
 // Each rank's state and last recorded call, and who is behind, as text (the hang report).
 std::string laggard_report(const Workspace& ws, int group, int self);
 

@@ -254,6 +254,20 @@ NB_MODULE(_jax_gin, m) {
           }
           return out;
         }, nb::arg("comm"), "the recorded calls of the ranks this process runs, by rank, oldest first");
+  m.def("cpu_call_counts", [](int64_t id) {
+          auto comm = cpu::find_comm(id);
+          if (!comm) throw nb::value_error(("jax_gin: no communicator " + std::to_string(id)).c_str());
+          std::vector<std::array<int64_t, 3>> out;
+          for (size_t g = 0; g < comm->groups.size(); ++g) {
+            const auto& ws = comm->groups[g]->ws;
+            if (!ws) continue;
+            for (int r = 0; r < ws->nranks(); ++r)
+              if (ws->runs_here(r)) out.push_back({int64_t(g), r, int64_t(cpu::calls_entered(*ws, r))});
+          }
+          return out;
+        }, nb::arg("comm"),
+        "(group, rank, calls entered) of the ranks this process runs: a recorded call's seq "
+        "numbers it among them");
   m.def("cpu_laggard_report", [](int64_t id, int group, int rank) {
           auto comm = cpu::find_comm(id);
           if (!comm || group < 0 || group >= int(comm->groups.size()) || !comm->groups[group]->ws)

@@ -577,11 +577,17 @@ def num_communicators() -> int:
     return len(_cache)
 
 
+# How many times reset() ran (jax_gin.trace tells a block that reset from one that did not).
+resets = 0
+
+
 def reset() -> None:
     """Forget every cached communicator, and JAX's compiled programs with them
     (jax.clear_caches()): a jitted function is lowered again at its next call, with new
     communicators. Programs compiled ahead of time (`.lower(...).compile()`) before the reset
     can no longer run."""
+    global resets
+    resets += 1
     # Without clear_caches, a function jitted again (jax.jit(f) of the same f) would get its
     # old executable back from JAX's caches, which names a destroyed communicator.
     jax.clear_caches()

@@ -7,7 +7,10 @@ trace (JSON `traceEvents`): pid = process index, tid = device id, one span per c
 instant per recorded phase (sends and satisfied waits of each step, coalesced over chunks and
 peers; on GPUs, lane 0's). Times are the recorder's clock in microseconds: CLOCK_MONOTONIC on
 CPU devices, which the processes of one host share, and the GPUs' %globaltimer on GPUs;
-`merge` rebases files onto their earliest event.
+`merge` rebases files onto their earliest event. A rank whose ring wrapped in the block (it
+ran more calls than JAX_GIN_RECORD_ENTRIES) gets an instant event "N earlier calls not kept"
+before its first kept call, and the block warns, as it does for a communicator destroyed in
+the block (jax_gin.runtime.reset()), whose calls are lost.
 """
 from __future__ import annotations
 
@@ -47,24 +50,30 @@ def _events(entries: list, pid: int) -> list:
     return out
 
 
-def gpu_marks() -> dict:
-    """(comm, group, rank) -> calls recorded so far, for this process's GPU ranks."""
+def marks() -> dict:
+    """(backend, comm, group, rank) -> the seq of its last call so far, for this process's
+    ranks: on CPUs the calls entered (every call is numbered), on GPUs the calls recorded
+    (only recorded calls are). A call recorded later has a higher seq."""
     from . import _native, _runtime
-    marks = {}
-    if not hasattr(_native.cuda, "recorder_counts"):
-        return marks
-    for comm in list(_runtime.gpu_comm_devices):
-        try:
-            for group, rank, n in _native.cuda.recorder_counts(comm):
-                marks[(comm, group, rank)] = n
-        except ValueError:  # destroyed meanwhile
-            continue
-    return marks
+    out = {}
+    sources = [("cpu", _runtime.comm_devices, _native.cpu.cpu_call_counts)]
+    if hasattr(_native.cuda, "recorder_counts"):
+        sources.append(("gpu", _runtime.gpu_comm_devices, _native.cuda.recorder_counts))
+    for backend, comms, read in sources:
+        for comm in list(comms):
+            try:
+                rows = read(comm)
+            except ValueError:  # destroyed meanwhile
+                continue
+            for group, rank, n in rows:
+                out[(backend, comm, group, rank)] = n
+    return out
 
 
-def _gather(comms: dict, read, keep) -> list:
+def _gather(backend: str, comms: dict, read, keep) -> list:
     """The entries read(comm) of every communicator of `comms` ({comm: (device ids by logical
-    id, GroupLayout)}) that keep(comm, entry) accepts, each with its device id as "tid"."""
+    id, GroupLayout)}) that keep(comm, entry) accepts, each with its device id as "tid", its
+    communicator as "comm" and `backend` ("cpu" or "gpu") as "backend"."""
     entries = []
     for comm, (device_ids, layout) in list(comms.items()):
         try:
@@ -75,32 +84,58 @@ def _gather(comms: dict, read, keep) -> list:
         for e in got:
             if keep(comm, e):
                 e["tid"] = device.get((e["group"], e["rank"]), 1_000_000 + e["rank"])
+                e["comm"], e["backend"] = comm, backend
                 entries.append(e)
     return entries
 
 
-def collect(t_begin_ns: int, t_end_ns: int | None = None, marks: dict | None = None) -> list:
-    """The recorded calls of this process's ranks, as trace events with metadata for the
-    process and each device: CPU calls that entered in [t_begin_ns, t_end_ns]
-    (time.monotonic_ns()), GPU calls recorded after `marks` (gpu_marks())."""
+def collect(since: dict, t_end_ns: int | None = None) -> tuple:
+    """The calls of this process's ranks recorded after `since` (marks()), and on CPUs
+    entered by t_end_ns (time.monotonic_ns()), as trace events with metadata for the process
+    and each device; and the calls not kept: {device id: count} of the calls after `since`
+    that a wrapped ring no longer holds."""
     import jax
 
     from . import _native, _runtime
+
+    def after(backend):
+        return lambda comm, e: e["seq"] > since.get((backend, comm, e["group"], e["rank"]), 0)
+
     pid = int(jax.process_index())
-    entries = _gather(_runtime.comm_devices, _native.cpu.cpu_recorder_entries,
-                      lambda comm, e: e["t_start"] >= t_begin_ns and
+    cpu_after = after("cpu")
+    entries = _gather("cpu", _runtime.comm_devices, _native.cpu.cpu_recorder_entries,
+                      lambda comm, e: cpu_after(comm, e) and
                       (t_end_ns is None or e["t_start"] <= t_end_ns))
     if hasattr(_native.cuda, "recorder_entries"):
-        marks = marks or {}
-        entries += _gather(_runtime.gpu_comm_devices, _native.cuda.recorder_entries,
-                           lambda comm, e: e["seq"] > marks.get((comm, e["group"], e["rank"]), 0))
+        entries += _gather("gpu", _runtime.gpu_comm_devices, _native.cuda.recorder_entries,
+                           after("gpu"))
     entries.sort(key=lambda e: (e["t_start"], e["rank"]))
+    # A rank's calls after its mark are numbered without a gap, so those before its first
+    # kept one were overwritten.
+    first: dict = {}
+    for e in entries:
+        key = (e["backend"], e["comm"], e["group"], e["rank"])
+        if key not in first or e["seq"] < first[key]["seq"]:
+            first[key] = e
+    kept: dict = {}
+    for e in entries:
+        key = (e["backend"], e["comm"], e["group"], e["rank"])
+        kept[key] = kept.get(key, 0) + 1
+    lost: dict = {}
+    gaps = []
+    for key, e in first.items():
+        n = e["seq"] - since.get(key, 0) - 1
+        if n > 0:
+            lost[e["tid"]] = lost.get(e["tid"], 0) + n
+            gaps.append({"name": f"{n} earlier calls not kept", "cat": "jax_gin.lost", "ph": "i",
+                         "s": "t", "pid": pid, "tid": e["tid"], "ts": e["t_start"] / 1e3,
+                         "args": {"calls": n, "kept": kept[key], "comm": e["comm"]}})
     events = [{"name": "process_name", "ph": "M", "pid": pid,
                "args": {"name": f"process {pid} ({socket.gethostname()})"}}]
     for tid in sorted({e["tid"] for e in entries}):
         events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
                        "args": {"name": f"device {tid}"}})
-    return events + _events(entries, pid)
+    return events + gaps + _events(entries, pid), lost
 
 
 def write(path, events: list, **meta) -> None:
@@ -131,15 +166,17 @@ def trace(path):
     """Write every jax_gin call that this process's devices run inside the block to `path`
     as a Chrome/Perfetto trace (see the module docstring). The recorder is on for the block;
     results must be ready (jax.block_until_ready) before the block ends. The recorder keeps
-    the last JAX_GIN_RECORD_ENTRIES calls per rank: a longer block keeps only its last ones.
+    the last JAX_GIN_RECORD_ENTRIES calls per rank: a longer block keeps only its last ones,
+    and warns (RuntimeWarning) with the count of the others, as it does where
+    jax_gin.runtime.reset() in the block destroyed the calls recorded before it.
     A path that cannot be written raises on entry; if writing fails at exit while the block
     raised, the block's exception propagates and the failure is a warning."""
     from . import _runtime
     _check_writable(path, "jax_gin.trace")
     before = _runtime.settings.record
-    marks = gpu_marks()
-    _runtime.settings.record = True
-    t0 = time.monotonic_ns()
+    _runtime.settings.record = True  # first: every call numbered after the marks is recorded
+    since = marks()
+    resets = _runtime.resets
     body_raised = False
     try:
         yield path
@@ -150,9 +187,24 @@ def trace(path):
         t1 = time.monotonic_ns()
         _runtime.settings.record = before
         try:
-            events = collect(t0, t1, marks)
+            events, lost = collect(since, t1)
             gpu = bool(_runtime.gpu_comm_devices)
             write(path, events, **({"clock": GPU_CLOCK} if gpu else {}))
+            if lost:
+                warnings.warn(
+                    f"jax_gin.trace: {sum(lost.values())} calls that devices "
+                    f"{', '.join(map(str, sorted(lost)))} ran in the block are not in "
+                    f"{os.fspath(path)}: the recorder keeps the last "
+                    f"JAX_GIN_RECORD_ENTRIES calls of each rank (now "
+                    f"{_runtime.settings.record_entries}); raise it (a power of two, at most "
+                    f"{_runtime.REC_MAX_ENTRIES}) for programs lowered after the change",
+                    RuntimeWarning, stacklevel=3)
+            if _runtime.resets != resets:
+                warnings.warn(
+                    f"jax_gin.trace: jax_gin.runtime.reset() ran in the block; the calls "
+                    f"before it are not in {os.fspath(path)} (their communicators, and the "
+                    f"recorder's entries with them, were destroyed)",
+                    RuntimeWarning, stacklevel=3)
         except Exception as err:
             if not body_raised:
                 raise

@@ -4,6 +4,7 @@ each call a span with its phases inside it (on GPUs, lane 0's)."""
 import itertools
 import json
 import re
+import warnings
 
 import jax
 import pytest
@@ -18,10 +19,18 @@ from helpers import OPS, exact_input, smap
 _timeouts = itertools.count()
 
 
+def _own_communicators(monkeypatch):
+    """A timeout of the test's own, so that it gets communicators of its own."""
+    monkeypatch.setattr(_runtime.settings, "timeout_s", 25.0 + 0.001 * next(_timeouts))
+
+
+def _psum(algo):
+    return smap(lambda v: jax_gin.psum(v, "i", algorithm=algo), mesh_1d(), P("i"))
+
+
 @pytest.mark.parametrize("size", [300, 70_001])  # one_shot's LL path on GPUs; flags everywhere
 def test_trace_every_algorithm(monkeypatch, tmp_path, size):
-    # a timeout of its own: communicators of its own
-    monkeypatch.setattr(_runtime.settings, "timeout_s", 25.0 + 0.001 * next(_timeouts))
+    _own_communicators(monkeypatch)
     needs_devices(2)  # a group of one rank only copies: no phases to trace
     gpu = jax.default_backend() != "cpu"
     x = exact_input((size,), ndev(), "float32")
@@ -114,6 +123,70 @@ def test_trace_has_psum_add_rmsnorm(monkeypatch, tmp_path, algo):
     for s in spans:
         assert s["name"] == f"psum {algo}" and s["args"]["status"] == "done"
         assert s["args"]["bytes"] == 4 * 8 * 64 and s["args"]["dtype"] == "float32"
+
+
+@pytest.mark.parametrize("on_before", [False, True], ids=["recorder_off", "recorder_on"])
+def test_trace_counts_the_calls_not_kept(tmp_path, monkeypatch, on_before):
+    """A block of more calls than the ring holds keeps the last ones, marks the others on each
+    track and warns with their count, whether or not the recorder was on before the block."""
+    needs_devices(2)  # over one device a psum launches nothing
+    _own_communicators(monkeypatch)
+    monkeypatch.setattr(_runtime.settings, "record_entries", 4)
+    monkeypatch.setattr(_runtime.settings, "record", on_before)
+    f = _psum("one_shot")
+    x = exact_input((8,), ndev(), "float32")
+    for _ in range(3):  # calls before the block: numbered, not in the trace
+        jax.block_until_ready(f(x))
+    path = tmp_path / "t.json"
+    with pytest.warns(RuntimeWarning, match=rf"jax_gin.trace: {3 * ndev()} calls that devices "
+                      rf"0, 1.* ran in the block are not in .*t.json: the recorder keeps the last "
+                      rf"JAX_GIN_RECORD_ENTRIES calls of each rank \(now 4\)"):
+        with jax_gin.trace(path):
+            for _ in range(7):
+                jax.block_until_ready(f(x))
+    events = json.loads(path.read_text())["traceEvents"]
+    for tid in range(ndev()):
+        mine = [e for e in events if e.get("tid") == tid and e.get("cat") == "jax_gin"]
+        seqs = [s["args"]["seq"] for s in sorted(mine, key=lambda s: s["ts"])]
+        # the block's last 4 calls (GPUs number only recorded calls; CPUs every call)
+        assert seqs == list(range(seqs[0], seqs[0] + 4)), seqs
+        (gap,) = [e for e in events if e.get("tid") == tid and e.get("cat") == "jax_gin.lost"]
+        assert gap["name"] == "3 earlier calls not kept" and gap["ph"] == "i"
+        assert gap["args"]["calls"] == 3 and gap["args"]["kept"] == 4
+        assert gap["ts"] == min(s["ts"] for s in mine)
+
+
+def test_trace_of_a_ring_that_did_not_wrap_warns_nothing(tmp_path, monkeypatch):
+    needs_devices(2)  # over one device a psum launches nothing
+    _own_communicators(monkeypatch)
+    monkeypatch.setattr(_runtime.settings, "record_entries", 4)
+    f = _psum("ring")
+    x = exact_input((8,), ndev(), "float32")
+    jax.block_until_ready(f(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with jax_gin.trace(tmp_path / "t.json"):
+            for _ in range(4):
+                jax.block_until_ready(f(x))
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert len([e for e in events if e.get("cat") == "jax_gin"]) == 4 * ndev()
+    assert not [e for e in events if e.get("cat") == "jax_gin.lost"]
+
+
+def test_trace_warns_of_a_reset_in_the_block(tmp_path, monkeypatch):
+    needs_devices(2)  # over one device a psum launches nothing
+    _own_communicators(monkeypatch)
+    f = _psum("ring")
+    x = exact_input((8,), ndev(), "float32")
+    with pytest.warns(RuntimeWarning, match=r"reset\(\) ran in the block; the calls before it "
+                      r"are not in"):
+        with jax_gin.trace(tmp_path / "t.json"):
+            jax.block_until_ready(f(x))
+            _runtime.reset()
+            jax.block_until_ready(f(x))
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    spans = [e for e in events if e.get("cat") == "jax_gin"]
+    assert len(spans) == ndev() and {s["args"]["seq"] for s in spans} == {1}
 
 
 def test_trace_unwritable_path_fails_on_entry(tmp_path):
