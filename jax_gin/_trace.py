@@ -192,8 +192,9 @@ def trace(path):
             write(path, events, **({"clock": GPU_CLOCK} if gpu else {}))
             if lost:
                 warnings.warn(
-                    f"jax_gin.trace: {sum(lost.values())} calls that devices "
-                    f"{', '.join(map(str, sorted(lost)))} ran in the block are not in "
+                    f"jax_gin.trace: {sum(lost.values())} calls that "
+                    f"device{'s' if len(lost) > 1 else ''} {', '.join(map(str, sorted(lost)))} "
+                    f"ran in the block are not in "
                     f"{os.fspath(path)}: the recorder keeps the last "
                     f"JAX_GIN_RECORD_ENTRIES calls of each rank (now "
                     f"{_runtime.settings.record_entries}); raise it (a power of two, at most "
