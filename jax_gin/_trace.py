@@ -161,6 +161,36 @@ def _check_writable(path, who: str) -> None:
         raise PermissionError(f"{who}: cannot write {path}: permission denied")
 
 
+def _calls(n: int) -> str:
+    return f"{n} call{'s' if n != 1 else ''}"
+
+
+def _block_warnings(path, events: list, lost: dict, reset: bool) -> list:
+    """What a trace block's file lacks: calls that the ring no longer held (lost: {device:
+    count}), calls still running at the block's end, calls destroyed by a reset() in it."""
+    from . import _runtime
+    path = os.fspath(path)
+    out = []
+    if lost:
+        out.append(f"jax_gin.trace: {_calls(sum(lost.values()))} that "
+                   f"device{'s' if len(lost) > 1 else ''} {', '.join(map(str, sorted(lost)))} "
+                   f"ran in the block are not in {path}: the recorder keeps the last "
+                   f"JAX_GIN_RECORD_ENTRIES calls of each rank (now "
+                   f"{_runtime.settings.record_entries}); raise it (a power of two, at most "
+                   f"{_runtime.REC_MAX_ENTRIES}) for programs lowered after the change")
+    running = sum(1 for e in events if e.get("cat") == "jax_gin" and
+                  e["args"]["status"] == "running")
+    if running:
+        out.append(f"jax_gin.trace: {_calls(running)} still running when the block ended; "
+                   f"their spans in {path} have no end (dur 0, status 'running'): wait for "
+                   f"their results (jax.block_until_ready) inside the block")
+    if reset:
+        out.append(f"jax_gin.trace: jax_gin.runtime.reset() ran in the block; the calls before "
+                   f"it are not in {path} (their communicators, and the recorder's entries "
+                   f"with them, were destroyed)")
+    return out
+
+
 @contextlib.contextmanager
 def trace(path):
     """Write every jax_gin call that this process's devices run inside the block to `path`
@@ -168,7 +198,8 @@ def trace(path):
     results must be ready (jax.block_until_ready) before the block ends. The recorder keeps
     the last JAX_GIN_RECORD_ENTRIES calls per rank: a longer block keeps only its last ones,
     and warns (RuntimeWarning) with the count of the others, as it does where
-    jax_gin.runtime.reset() in the block destroyed the calls recorded before it.
+    jax_gin.runtime.reset() in the block destroyed the calls recorded before it, and where
+    calls were still running at its end.
     A path that cannot be written raises on entry; if writing fails at exit while the block
     raised, the block's exception propagates and the failure is a warning."""
     from . import _runtime
@@ -190,22 +221,8 @@ def trace(path):
             events, lost = collect(since, t1)
             gpu = bool(_runtime.gpu_comm_devices)
             write(path, events, **({"clock": GPU_CLOCK} if gpu else {}))
-            if lost:
-                warnings.warn(
-                    f"jax_gin.trace: {sum(lost.values())} calls that "
-                    f"device{'s' if len(lost) > 1 else ''} {', '.join(map(str, sorted(lost)))} "
-                    f"ran in the block are not in "
-                    f"{os.fspath(path)}: the recorder keeps the last "
-                    f"JAX_GIN_RECORD_ENTRIES calls of each rank (now "
-                    f"{_runtime.settings.record_entries}); raise it (a power of two, at most "
-                    f"{_runtime.REC_MAX_ENTRIES}) for programs lowered after the change",
-                    RuntimeWarning, stacklevel=3)
-            if _runtime.resets != resets:
-                warnings.warn(
-                    f"jax_gin.trace: jax_gin.runtime.reset() ran in the block; the calls "
-                    f"before it are not in {os.fspath(path)} (their communicators, and the "
-                    f"recorder's entries with them, were destroyed)",
-                    RuntimeWarning, stacklevel=3)
+            for message in _block_warnings(path, events, lost, _runtime.resets != resets):
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
         except Exception as err:
             if not body_raised:
                 raise

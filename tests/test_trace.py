@@ -215,6 +215,22 @@ def test_trace_write_failure_does_not_mask_the_block(tmp_path):
             d.rmdir()
 
 
+def test_trace_warns_of_calls_still_running(tmp_path, monkeypatch):
+    from jax_gin import _trace
+    span = {"name": "psum ring", "cat": "jax_gin", "ph": "X", "pid": 0, "tid": 0, "ts": 1.0,
+            "dur": 0.0, "args": {"status": "running", "seq": 1}}
+    monkeypatch.setattr(_trace, "collect", lambda since, t_end_ns=None: ([span], {}))
+    with pytest.warns(RuntimeWarning, match=r"1 call still running when the block ended; "
+                      r"their spans in .*t.json have no end"):
+        with jax_gin.trace(tmp_path / "t.json"):
+            pass
+    span["args"]["status"] = "done"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with jax_gin.trace(tmp_path / "t.json"):
+            pass
+
+
 def _fake_trace(path, pid, t0, host="h"):
     """A file as jax_gin.trace writes it: one process, one device, two calls."""
     events = [{"name": "process_name", "ph": "M", "pid": pid,
