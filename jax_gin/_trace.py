@@ -9,8 +9,8 @@ peers; on GPUs, lane 0's). Times are the recorder's clock in microseconds: CLOCK
 CPU devices, which the processes of one host share, and the GPUs' %globaltimer on GPUs;
 `merge` rebases files onto their earliest event. A rank whose ring wrapped in the block (it
 ran more calls than JAX_GIN_RECORD_ENTRIES) gets an instant event "N earlier calls not kept"
-before its first kept call, and the block warns, as it does for a communicator destroyed in
-the block (jax_gin.runtime.reset()), whose calls are lost.
+before its first kept call, and the block warns, as it does for calls still running at its
+end and for a jax_gin.runtime.reset() in it (which destroys the calls recorded before it).
 """
 from __future__ import annotations
 
@@ -112,23 +112,20 @@ def collect(since: dict, t_end_ns: int | None = None) -> tuple:
     entries.sort(key=lambda e: (e["t_start"], e["rank"]))
     # A rank's calls after its mark are numbered without a gap, so those before its first
     # kept one were overwritten.
-    first: dict = {}
-    for e in entries:
-        key = (e["backend"], e["comm"], e["group"], e["rank"])
-        if key not in first or e["seq"] < first[key]["seq"]:
-            first[key] = e
-    kept: dict = {}
+    first, kept = {}, {}
     for e in entries:
         key = (e["backend"], e["comm"], e["group"], e["rank"])
         kept[key] = kept.get(key, 0) + 1
+        if key not in first or e["seq"] < first[key]["seq"]:
+            first[key] = e
     lost: dict = {}
     gaps = []
     for key, e in first.items():
         n = e["seq"] - since.get(key, 0) - 1
         if n > 0:
             lost[e["tid"]] = lost.get(e["tid"], 0) + n
-            gaps.append({"name": f"{n} earlier calls not kept", "cat": "jax_gin.lost", "ph": "i",
-                         "s": "t", "pid": pid, "tid": e["tid"], "ts": e["t_start"] / 1e3,
+            gaps.append({"name": f"{_calls(n, 'earlier ')} not kept", "cat": "jax_gin.lost",
+                         "ph": "i", "s": "t", "pid": pid, "tid": e["tid"], "ts": e["t_start"] / 1e3,
                          "args": {"calls": n, "kept": kept[key], "comm": e["comm"]}})
     events = [{"name": "process_name", "ph": "M", "pid": pid,
                "args": {"name": f"process {pid} ({socket.gethostname()})"}}]
@@ -161,8 +158,9 @@ def _check_writable(path, who: str) -> None:
         raise PermissionError(f"{who}: cannot write {path}: permission denied")
 
 
-def _calls(n: int) -> str:
-    return f"{n} call{'s' if n != 1 else ''}"
+def _calls(n: int, what: str = "") -> str:
+    """'1 call', '3 calls' ('3 earlier calls' with what='earlier ')."""
+    return f"{n} {what}call{'s' if n != 1 else ''}"
 
 
 def _block_warnings(path, events: list, lost: dict, reset: bool) -> list:
