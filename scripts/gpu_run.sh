@@ -95,6 +95,7 @@ harness() {
   $H --collectives only --ranks 2 --dtypes f32 --algos ring --block-bytes 4096 --timeout-s 1 \
     --fault-rank 1 >> "$OUT/harness.log" 2>&1
   log "fault injection, psum_scatter rc=$? (3 expected): $(grep 'timed out' "$OUT/harness.log" | tail -1)"
+  log "$(grep '^diagnosis' "$OUT/harness.log" | tail -1)"
   grep FAIL "$OUT/harness.log" | head -5
 }
 

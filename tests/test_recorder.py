@@ -316,6 +316,25 @@ def test_laggard_text_later_chunk_and_tree():
     assert "wait for each other in a cycle (2 waits for 0 waits for 2)" in text, text
 
 
+def test_laggard_text_of_a_rank_gone_on_to_its_next_call():
+    """The states one H200's harness read when rank 1 of a ring over 2 ranks lost its signals
+    and went on to its next call: rank 0 still waits for it in call #1, while rank 1 waits
+    for rank 0's credit in call #2. From either rank, rank 1 finished the call."""
+    psum, ring = OP_CODES["sum"], ALGORITHM_CODES["ring"]
+    # (seq, done, wait seq, wait round, wait peer, wait step, op, algorithm, failed, place, kind)
+    rank0 = [1, 0, 1, 1, 1, 0, psum, ring, 1, 0, 0]
+    rank1 = [2, 1, 2, 2, 0, -1, psum, ring, 0, 0, 1]
+    text = _native.cpu.laggard_text([rank0, rank1], 0, 0)
+    assert text.startswith("diagnosis: rank 1 finished call #1 (psum, ring), but rank 0 still "
+                           "waits for it at step 0: its signals did not arrive."), text
+    rank1[8] = 1  # it timed out too, and reports
+    text = _native.cpu.laggard_text([rank0, rank1], 0, 1)
+    assert text.startswith("diagnosis: rank 0 never entered call #2 (psum, ring); rank 1 waits "
+                           "for it for its credit; it is still in its call #1 (psum, ring), "
+                           "waiting for rank 1 at step 0 of round 1; rank 1 has finished that "
+                           "call: its signals did not arrive."), text
+
+
 def test_laggard_text_of_a_cycle():
     """Waits at one step that close a cycle: the cycle is given, from where the walk from the
     reporting rank enters it."""

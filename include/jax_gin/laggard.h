@@ -164,11 +164,16 @@ inline std::string laggard_text(const std::vector<Seen>& s, int group, int self)
     else if (lb.in_call()) os << "; it is still in its " << call_name(lb.seq, lb.op, lb.algo)
                              << (lb.waiting() ? ", " + wait_text(lb) : std::string(", not waiting"));
     else os << "; its last call was " << call_name(lb.seq, lb.op, lb.algo) << (lb.failed ? ", failed" : ", done");
+    // It waits, in its call, for a rank that has gone on to a later call: that rank finished
+    // the call, so what it sent there did not arrive.
+    if (lb.waiting() && lb.wpeer < n && s[size_t(lb.wpeer)].seq > lb.seq)
+      os << "; rank " << lb.wpeer << " has finished that call: its signals did not arrive";
   } else {
-    // Every rank entered call k. A rank waited for that has finished the call did not deliver
-    // its signals; else follow the waits from this rank to one that is not waiting.
+    // Every rank entered call k. A rank waited for that has finished the call (it returned,
+    // or is in a later call) did not deliver its signals; else follow the waits from this rank
+    // to one that is not waiting.
     const int culprit = first_waited(
-        [&](const Seen& p) { return p.seq == k && !p.in_call() && !p.failed; },
+        [&](const Seen& p) { return p.seq > k || (p.seq == k && !p.in_call() && !p.failed); },
         [](const Seen&, const Seen&) { return true; }, w, steps);
     // Else a rank waited for at a phase of call k that it has passed: it waits at a later
     // round, step, chunk or tree of the call. Each algorithm sends a chunk's signals before it
