@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 import jax_gin
 from jax_gin import _native, _runtime
 from jax_gin._ops import ALGORITHM_CODES, OP_CODES
+from jax_gin._select import COLLECTIVE_ALGORITHMS
 from conftest import mesh_1d, ndev, needs_devices
 from helpers import OPS, exact_input, smap
 
@@ -184,13 +185,15 @@ def test_merge(fresh, tmp_path):
     assert min(s["ts"] for s in second) + base >= a_end
 
 
-def _fault(monkeypatch, algo, mode, timeout, rank=1, size=256):
+def _fault(monkeypatch, algo, mode, timeout, rank=1, size=256, api="psum"):
     needs_devices(2)  # a fault needs a peer to wait for
     monkeypatch.setattr(_runtime.settings, "timeout_s", timeout)
     monkeypatch.setattr(_runtime.settings, "fault_rank", rank)
     monkeypatch.setattr(_runtime.settings, "fault_mode", mode)
+    f = _fn(api, algo) if api == "psum" else smap(
+        lambda v: getattr(jax_gin, api)(v, "i", algorithm=algo, tiled=True), mesh_1d(), P("i"))
     with pytest.raises(Exception) as info:
-        jax.block_until_ready(_fn("psum", algo)(exact_input((size,), ndev(), "float32")))
+        jax.block_until_ready(f(exact_input((size,), ndev(), "float32")))
     return str(info.value)
 
 
@@ -265,9 +268,21 @@ def test_laggard_names_every_rank_that_loses_signals(monkeypatch, algo):
     it finished the call, or it waits further on (a later step, chunk or tree) than those
     that wait for it."""
     for rank in range(ndev()):
-        msg = _fault(monkeypatch, algo, "drop", 0.3 + 0.001 * next(_timeouts), rank, 1 << 14)
+        # 256 KiB a device: a ring's step is 2 chunks of the CPU's 16 KiB over 8 devices
+        msg = _fault(monkeypatch, algo, "drop", 0.3 + 0.001 * next(_timeouts), rank, 1 << 16)
         assert re.search(rf"diagnosis: rank {rank} (finished|is further on in) call #1 "
                          rf"\(psum, {algo}\).*: its signals did not arrive\.", msg), msg
+
+
+@pytest.mark.parametrize("algo", COLLECTIVE_ALGORITHMS)
+@pytest.mark.parametrize("api", ["psum_scatter", "all_gather"])
+def test_laggard_names_every_rank_that_loses_signals_in_collectives(monkeypatch, api, algo):
+    """As for psum: psum_scatter's and all_gather's schedules (one block of several chunks)."""
+    for rank in range(ndev()):
+        msg = _fault(monkeypatch, algo, "drop", 0.3 + 0.001 * next(_timeouts), rank,
+                     ndev() * 8192, api)  # blocks of 32 KiB: 2 chunks
+        assert re.search(rf"diagnosis: rank {rank} (finished|is further on in) call #1 "
+                         rf"\({api}, {algo}\).*: its signals did not arrive\.", msg), msg
 
 
 def _diagnose(algorithm: str, waits: list, self: int) -> str:
