@@ -189,8 +189,8 @@ def check_settings(r: Report, invalid: dict, gpu_device) -> None:
 
 def unknown_variables() -> dict:
     """Each JAX_GIN_* variable of the environment that no setting reads (a typo, or a build
-    variable such as JAX_GIN_CUDA, which CMake reads when jax_gin is built): the closest
-    setting's variable, or None."""
+    variable such as JAX_GIN_CUDA, which pyproject.toml hands to CMake when jax_gin is built):
+    the closest setting's variable, or None."""
     known = sorted({env for env, _ in _runtime._RULES.values()})
     return {name: next(iter(difflib.get_close_matches(name, known, n=1, cutoff=0.8)), None)
             for name in sorted(os.environ) if name.startswith("JAX_GIN_") and name not in known}
