@@ -81,18 +81,8 @@ std::vector<Seen> rank_states(const Workspace& ws) {
   std::vector<Seen> s(static_cast<size_t>(n));
   for (int r = 0; r < n; ++r) {
     const RecState& st = ws.rec_state(r);
-    Seen& x = s[size_t(r)];
-    x.seq = load_acquire(st.seq);
-    x.done = load_acquire(st.done);
-    x.wseq = load_acquire(st.wait_seq);
-    x.wround = st.wait_round;
-    x.wpeer = st.wait_peer;
-    x.wstep = st.wait_step;
-    x.op = st.op;
-    x.algo = st.algorithm;
-    x.failed = st.failed != 0;
-    x.wplace = st.wait_place;
-    x.wkind = st.wait_kind;
+    s[size_t(r)] =
+        seen_of(st, load_acquire(st.seq), load_acquire(st.done), load_acquire(st.wait_seq));
   }
   return s;
 }

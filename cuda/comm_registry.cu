@@ -231,9 +231,7 @@ std::string describe(const HangReport& r, int nranks) {
     std::vector<Seen> seen(static_cast<size_t>(nranks));
     for (int q = 0; q < nranks; ++q) {
       const RecState& st = r.states[q];
-      seen[size_t(q)] = Seen{st.seq, st.done, st.wait_seq, st.wait_round, st.wait_peer,
-                             st.wait_step, st.op, st.algorithm, st.failed != 0,
-                             st.wait_place, st.wait_kind};
+      seen[size_t(q)] = seen_of(st, st.seq, st.done, st.wait_seq);
     }
     os << "\n" << laggard_text(seen, d.group, d.rank);
   }

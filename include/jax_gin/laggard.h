@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "jax_gin/common.h"
+#include "jax_gin/recorder.h"
 #include "jax_gin/text.h"
 
 namespace jax_gin {
@@ -24,6 +25,13 @@ struct Seen {
   bool in_call() const { return seq != 0 && done != seq; }
   bool waiting() const { return seq != 0 && wseq == seq && wpeer >= 0; }
 };
+
+// State block `st` as a reader saw it: its calls entered and returned and its wait's call as
+// the reader loaded them (the CPU, with acquire), the other fields as they are (advisory).
+inline Seen seen_of(const RecState& st, uint64_t seq, uint64_t done, uint64_t wait_seq) {
+  return Seen{seq, done, wait_seq, st.wait_round, st.wait_peer, st.wait_step, st.op,
+              st.algorithm, st.failed != 0, st.wait_place, st.wait_kind};
+}
 
 namespace laggard_detail {
 
