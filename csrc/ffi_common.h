@@ -21,6 +21,12 @@ namespace jax_gin {
 // over other groups.
 inline int64_t comm_id(int64_t attr) { return attr & 0xffffffffLL; }
 inline uint32_t comm_fingerprint(int64_t attr) { return uint32_t(uint64_t(attr) >> 32); }
+// Whether `c`, what this process has under comm_id(attr) (a CPU communicator or a GPU rank's
+// state; nullptr where it has none), is the communicator that `attr` names.
+template <class C>
+bool names_comm(const C* c, int64_t attr) {
+  return c != nullptr && c->fingerprint == comm_fingerprint(attr);
+}
 
 // The error of a call whose communicator this process does not have (no communicator of that
 // id, or one with another fingerprint).

@@ -27,7 +27,7 @@ ffi::Error AllReduce(ffi::Buffer<ffi::U32> partition_id, ffi::RemainingArgs& xs,
   if (ffi::Error err = collect_segments(xs, outs, seg, &nseg, &dtype); err.failure()) return err;
   if (ffi::Error err = check_enums(op, algorithm); err.failure()) return err;
   auto c = cpu::find_comm(comm_id(comm));
-  if (!c || c->fingerprint != comm_fingerprint(comm)) return missing_comm(comm);
+  if (!names_comm(c.get(), comm)) return missing_comm(comm);
   const uint32_t logical_id = partition_id.typed_data()[0];
   std::string err = cpu::allreduce_logical(*c, logical_id, dtype, RedOp(op), Algorithm(algorithm),
                                            seg, nseg);
@@ -105,7 +105,7 @@ ffi::Error cpu_add_norm(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x,
     return err;
   if (ffi::Error err = check_enums(int32_t(RedOp::kSum), algorithm); err.failure()) return err;
   auto c = cpu::find_comm(comm_id(comm));
-  if (!c || c->fingerprint != comm_fingerprint(comm)) return missing_comm(comm);
+  if (!names_comm(c.get(), comm)) return missing_comm(comm);
   Segment seg{0, x.element_count(), x.untyped_data(), new_residual->untyped_data()};
   std::string err = cpu::allreduce_logical(*c, partition_id.typed_data()[0], dtype, RedOp::kSum,
                                            Algorithm(algorithm), &seg, 1);
@@ -166,7 +166,7 @@ ffi::Error CpuCollectiveImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token orde
   (void)order_in;
   (void)order_out;
   auto c = cpu::find_comm(comm_id(comm));
-  if (!c || c->fingerprint != comm_fingerprint(comm)) return missing_comm(comm);
+  if (!names_comm(c.get(), comm)) return missing_comm(comm);
   DType dtype;
   size_t block = 0;
   if (ffi::Error err = check_collective(x, *y, op, algorithm, c->config.nranks, &dtype, &block);

@@ -32,9 +32,7 @@ namespace {
 // earlier; fills *st.
 ffi::Error live_rank(int64_t comm, int32_t device, const gpu::RankState** st) {
   *st = gpu::find_rank(comm_id(comm), device);
-  if (*st == nullptr || (*st)->fingerprint != comm_fingerprint(comm)) {
-    return missing_comm(comm);
-  }
+  if (!names_comm(*st, comm)) return missing_comm(comm);
   // A kernel of this rank timed out earlier (and trapped): say so instead of launching again.
   if ((*st)->diag_host->diag.valid) {
     return ffi::Error::Internal(
@@ -163,7 +161,7 @@ ffi::Error CudaCollectiveImpl(cudaStream_t stream, int32_t device,
 // The rank state of an asynchronous start or done, with its event slot checked.
 ffi::Error async_rank(int64_t comm, int32_t device, int32_t slot, const gpu::RankState** st) {
   *st = gpu::find_rank(comm_id(comm), device);
-  if (*st == nullptr || (*st)->fingerprint != comm_fingerprint(comm)) return missing_comm(comm);
+  if (!names_comm(*st, comm)) return missing_comm(comm);
   if (slot < 0 || slot >= kAsyncSlots)
     return ffi::Error::Internal("jax_gin: no event slot " + std::to_string(slot));
   return ffi::Error::Success();
