@@ -50,16 +50,24 @@ def _events(entries: list, pid: int) -> list:
     return out
 
 
+def _backends() -> list:
+    """(backend, its communicators ({comm: (device ids by logical id, GroupLayout)}), its
+    call counts reader, its entries reader) of each backend this process has."""
+    from . import _native, _runtime
+    out = [("cpu", _runtime.comm_devices, _native.cpu.cpu_call_counts,
+            _native.cpu.cpu_recorder_entries)]
+    if hasattr(_native.cuda, "recorder_entries"):
+        out.append(("gpu", _runtime.gpu_comm_devices, _native.cuda.recorder_counts,
+                    _native.cuda.recorder_entries))
+    return out
+
+
 def marks() -> dict:
     """(backend, comm, group, rank) -> the seq of its last call so far, for this process's
     ranks: on CPUs the calls entered (every call is numbered), on GPUs the calls recorded
     (only recorded calls are). A call recorded later has a higher seq."""
-    from . import _native, _runtime
     out = {}
-    sources = [("cpu", _runtime.comm_devices, _native.cpu.cpu_call_counts)]
-    if hasattr(_native.cuda, "recorder_counts"):
-        sources.append(("gpu", _runtime.gpu_comm_devices, _native.cuda.recorder_counts))
-    for backend, comms, read in sources:
+    for backend, comms, read, _ in _backends():
         for comm in list(comms):
             try:
                 rows = read(comm)
@@ -96,19 +104,16 @@ def collect(since: dict, t_end_ns: int | None = None) -> tuple:
     that a wrapped ring no longer holds."""
     import jax
 
-    from . import _native, _runtime
-
-    def after(backend):
-        return lambda comm, e: e["seq"] > since.get((backend, comm, e["group"], e["rank"]), 0)
+    def keep(backend):
+        # GPU entries are on the GPUs' clock, which t_end_ns is not
+        return lambda comm, e: (e["seq"] > since.get((backend, comm, e["group"], e["rank"]), 0)
+                                and (backend != "cpu" or t_end_ns is None
+                                     or e["t_start"] <= t_end_ns))
 
     pid = int(jax.process_index())
-    cpu_after = after("cpu")
-    entries = _gather("cpu", _runtime.comm_devices, _native.cpu.cpu_recorder_entries,
-                      lambda comm, e: cpu_after(comm, e) and
-                      (t_end_ns is None or e["t_start"] <= t_end_ns))
-    if hasattr(_native.cuda, "recorder_entries"):
-        entries += _gather("gpu", _runtime.gpu_comm_devices, _native.cuda.recorder_entries,
-                           after("gpu"))
+    entries = []
+    for backend, comms, _, read in _backends():
+        entries += _gather(backend, comms, read, keep(backend))
     entries.sort(key=lambda e: (e["t_start"], e["rank"]))
     # A rank's calls after its mark are numbered without a gap, so those before its first
     # kept one were overwritten.
