@@ -9,6 +9,7 @@
 //                        [--lane-bytes B] [--chunk-bytes B] [--timeout-s T] [--fault-rank R]
 //                        [--ranks-per-node L,...] [--max-lanes K]
 //                        [--collectives 0|1|only] [--block-bytes B,...] [--segments S]
+//                        [--late-rank R --late-ms M]
 // --ranks-per-node runs the hierarchical kernel of groups that span nodes (algorithm
 // "hierarchical", the default algos then) for every L that divides N and is smaller: ranks
 // node*L .. node*L+L-1 play a node, reached by load/store, and the rail between nodes goes
@@ -33,6 +34,11 @@
 // --record 1 turns each rank's flight recorder on and checks its entries after each rank count;
 // 0 (the default) leaves it off, as the runtime does; -1 gives the kernels no recorder at all
 // (no ring, no switch to read), to measure what the recorder costs when it is off.
+// --late-rank R --late-ms M launches rank R M ms after the others in every all-reduce, so that
+// their waits spin long enough to be published in their state blocks (RecState,
+// transport.cuh state_wait), and checks after each case that every published wait was
+// cleared when it ended: no rank's block still shows a wait of its finished call, and with
+// ring, tree and two_shot every other rank published one.
 // --dtypes takes the short names of JAX_GIN_DTYPES (common.h): f32, f64, bf16, f16, i32, i64,
 // u32 (unsigned types get inputs 0..14, the others -7..7).
 // Exit code: 0 all correct, 1 mismatch or CUDA error, 3 a wait timed out (diagnostic printed).
@@ -43,12 +49,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -257,6 +265,51 @@ bool wait_all(std::vector<Rank>& rk, int N) {
     if (rk[r].diag_host->diag.valid) std::printf("%s\n", gpu::describe(*rk[r].diag_host, N).c_str());
   std::printf("launch failed (a wait timed out)\n");
   return false;
+}
+
+// --late-rank: rank r's state block (RecState, in its window), as the kernels find it.
+RecState* state_block(const Rank& R, int r, int N, size_t lane_bytes, int rpn) {
+  return rank_config(R, r, N, lane_bytes, rpn, 0).state;
+}
+
+// --late-rank: every rank's block says "no wait published" (wait_peer -1) before a case.
+// 0, or 1 after a CUDA error (printed).
+int unmark_waits(std::vector<Rank>& rk, int N, size_t lane_bytes, int rpn) {
+  const int32_t none = -1;
+  for (int r = 0; r < N; ++r) {
+    RecState* st = state_block(rk[r], r, N, lane_bytes, rpn);
+    if (st == nullptr) continue;
+    CK(cudaSetDevice(rk[r].dev));
+    CK(cudaMemcpy(reinterpret_cast<char*>(st) + offsetof(RecState, wait_peer), &none, sizeof none,
+                  cudaMemcpyHostToDevice));
+  }
+  return 0;
+}
+
+// --late-rank: after a case whose calls all returned, no rank's block may still show a wait
+// of its last call, and where `published` (algorithms whose waits go through
+// Transport::wait) every rank but `late` must have published one. Returns the problems
+// (printed; a CUDA error counts as one).
+long check_waits_cleared(std::vector<Rank>& rk, int N, size_t lane_bytes, int rpn, int late,
+                         bool published, const char* what) {
+  long bad = 0;
+  for (int r = 0; r < N; ++r) {
+    RecState* at = state_block(rk[r], r, N, lane_bytes, rpn);
+    if (at == nullptr) continue;
+    RecState st;
+    CK(cudaSetDevice(rk[r].dev));
+    CK(cudaMemcpy(&st, at, sizeof st, cudaMemcpyDeviceToHost));
+    if (st.seq != 0 && st.wait_seq == st.seq) {
+      std::printf("FAIL late rank %d, %s: rank %d still shows its wait for rank %d at step %d of "
+                  "call #%llu, which returned\n", late, what, r, st.wait_peer, st.wait_step,
+                  (unsigned long long)st.seq);
+      ++bad;
+    } else if (published && r != late && st.wait_peer < 0) {
+      std::printf("FAIL late rank %d, %s: rank %d published no wait\n", late, what, r);
+      ++bad;
+    }
+  }
+  return bad;
 }
 
 // A run of cases with one window layout: ranks_per_node 0 for the one-node algorithms, L for
@@ -537,6 +590,7 @@ int main(int argc, char** argv) {
   int add_rmsnorm = 0;  // --add-rmsnorm 1: the fused norms' one-kernel path, after each rank count
   int segments = 1;     // --segments S: each all-reduce as S buffers in one call
   std::string collectives = "0";  // --collectives 1 | only
+  int late_rank = -1, late_ms = 0;  // --late-rank R --late-ms M
   std::vector<std::string> block_bytes_s = {"16", "48", "1008", "65584", "1048592"};
   size_t lane_bytes = 256 << 10;
   size_t ll_max_bytes = gpu::LaunchConfig().ll_max_bytes;
@@ -567,6 +621,8 @@ int main(int argc, char** argv) {
     else if (k == "--add-rmsnorm") add_rmsnorm = std::atoi(v.c_str());
     else if (k == "--segments") segments = std::atoi(v.c_str());
     else if (k == "--collectives") collectives = v;
+    else if (k == "--late-rank") late_rank = std::atoi(v.c_str());
+    else if (k == "--late-ms") late_ms = std::atoi(v.c_str());
     else if (k == "--block-bytes") block_bytes_s = split(v);
     else if (k == "--lane-grain") lane_grain = std::strtoull(v.c_str(), nullptr, 10);
     else if (k == "--one-shot-chunk-bytes") one_shot_chunk = std::strtoull(v.c_str(), nullptr, 10), one_shot_chunk_set = true;
@@ -588,6 +644,10 @@ int main(int argc, char** argv) {
   }
   if (collectives != "0" && collectives != "1" && collectives != "only") {
     std::fprintf(stderr, "--collectives takes 0, 1 or only\n");
+    return 2;
+  }
+  if ((late_rank >= 0) != (late_ms > 0)) {
+    std::fprintf(stderr, "--late-rank R and --late-ms M (M > 0) go together\n");
     return 2;
   }
   const bool coll_only = collectives == "only";
@@ -788,9 +848,13 @@ int main(int argc, char** argv) {
                                        static_cast<char*>(rk[r].in) + phys[k] * dt->size,
                                        static_cast<char*>(rk[r].out) + phys[k] * dt->size};
               // One launch of every rank. All ranks are launched before any is synchronized (a
-              // blocking call before the last launch would leave the others spinning).
+              // blocking call before the last launch would leave the others spinning); with
+              // --late-rank, that rank last, --late-ms after the others.
+              const bool late = late_ms > 0 && late_rank < N;
               auto launch_all = [&]() -> cudaError_t {
-                for (int r = 0; r < N; ++r) {
+                for (int i = 0; i < N; ++i) {
+                  const int r = !late ? i : i < late_rank ? i : i + 1 < N ? i + 1 : late_rank;
+                  if (late && r == late_rank) std::this_thread::sleep_for(std::chrono::milliseconds(late_ms));
                   Rank& R = rk[r];
                   cudaError_t e = cudaSetDevice(R.dev);
                   if (e != cudaSuccess) return e;
@@ -816,6 +880,7 @@ int main(int argc, char** argv) {
                 }
                 return cudaSuccess;
               };
+              if (late && unmark_waits(rk, N, lane_bytes, rpn)) return 1;
               for (int it = 0; it < iters; ++it) CK(launch_all());
               if (time_iters > 0) {
                 double us_per_iter = 0;
@@ -828,6 +893,15 @@ int main(int argc, char** argv) {
               }
               if (!wait_all(rk, N)) return 3;
               long bad = 0;
+              if (late) {
+                // waits through Transport::wait publish; LL one_shot (small messages), the copy
+                // engines and hierarchical's rail do not
+                const bool published = !copy_engine && rpn == 0 && count > 0 &&
+                                        (algo == Algorithm::kRing || algo == Algorithm::kTree ||
+                                         algo == Algorithm::kTwoShot);
+                const std::string what = std::string(as) + " count=" + std::to_string(count);
+                failures += check_waits_cleared(rk, N, lane_bytes, rpn, late_rank, published, what.c_str());
+              }
               std::vector<char> got(plen * dt->size);
               for (int r = 0; r < N; ++r) {
                 CK(cudaSetDevice(rk[r].dev));

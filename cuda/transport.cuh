@@ -123,8 +123,8 @@ struct TablePeers {
 // s = null; rec_begin with local = null, rec_current, rec_end).
 // The state block (always on, whether or not the recorder is): the thread that opens a call
 // marks it entered, and marks it returned when lane 0 is done; a wait that has
-// spun for kWaitPublishNs says what it waits for. Plain volatile stores into the rank's own
-// window: peers read them only when a wait times out.
+// spun for kWaitPublishNs says what it waits for, and clears that when it ends. Plain
+// volatile stores into the rank's own window: peers read them only when a wait times out.
 constexpr uint64_t kWaitPublishNs = 1000000;
 constexpr int kRecThread = 32;  // lane 0's recording thread, and its warp stores the entry
 // The calls this rank has entered (state_calls), then the call marked entered (state_enter):
@@ -154,6 +154,18 @@ __device__ inline void state_wait(const LaneParams& p, int peer, int step, uint6
   st->wait_place = uint16_t(place);
   st->wait_kind = uint8_t(kind);
   st->wait_seq = st->seq;
+}
+// The wait that state_wait published with these fields is over: unless another lane's wait
+// has replaced it, the rank no longer waits (as the CPU clears its own). A clear that races
+// with another lane's state_wait can hide that lane's wait; Transport::wait publishes again
+// every kWaitPublishNs while it spins, so a wait that lasts is shown again within that time.
+__device__ inline void state_unwait(const LaneParams& p, int peer, int step, uint64_t round,
+                                    uint32_t place, int kind) {
+  volatile RecState* st = p.state;
+  if (st == nullptr) return;
+  if (st->wait_peer == peer && st->wait_step == step && st->wait_round == round &&
+      st->wait_place == uint16_t(place) && st->wait_kind == uint8_t(kind))
+    st->wait_seq = 0;
 }
 
 // The switch: recording on, and the calls recorded so far (both 0 without a recorder), in
@@ -501,13 +513,13 @@ class GpuTransport {
       if (seen < value) {
         const uint64_t start = globaltimer_ns();
         uint32_t spins = 0;
-        bool said = false;  // this wait is in the state block
+        uint64_t publish = kWaitPublishNs;  // when this wait is next put in the state block
         while ((seen = ld_acquire_sys(f)) < value) {
           if ((++spins & 1023u) == 0) {
             const uint64_t waited = globaltimer_ns() - start;
-            if (!said && waited > kWaitPublishNs) {
+            if (waited > publish) {
               state_wait(p_, peer, step, round_of_wait(value, step), place_of_wait(value, step), kind);
-              said = true;
+              publish = waited + kWaitPublishNs;
             }
             if (waited > p_.timeout_ns) {
               report(peer, kind, step, value, seen);
@@ -515,6 +527,8 @@ class GpuTransport {
             }
           }
         }
+        if (publish != kWaitPublishNs)
+          state_unwait(p_, peer, step, round_of_wait(value, step), place_of_wait(value, step), kind);
       }
     }
     __syncthreads();

@@ -78,6 +78,9 @@ harness() {
   $H --ranks 2,3,4,8 --lane-bytes 4096 --algos copy_engine,two_shot,copy_engine,ring \
     --counts 1,1001,300001,1000003 --dtypes f32,bf16 --ops sum,max --iters 2 >> "$OUT/harness.log" 2>&1
   log "harness, copy engines over several rounds rc=$? $(tail -1 "$OUT/harness.log")"
+  $H --ranks 2,4 --algos ring,tree,two_shot,one_shot,copy_engine --counts 1,1000,300001 \
+    --dtypes f32 --ops sum --iters 2 --late-rank 1 --late-ms 5 >> "$OUT/harness.log" 2>&1
+  log "harness, a late rank: waits published and cleared rc=$? $(tail -1 "$OUT/harness.log")"
   $H --collectives only --ranks 1,2,3,4,8 --dtypes f32,f64,bf16,f16,i32,i64,u32 \
     >> "$OUT/harness.log" 2>&1
   log "harness, psum_scatter and all_gather rc=$? $(tail -1 "$OUT/harness.log")"

@@ -65,7 +65,7 @@ struct RecEntry {
 static_assert(sizeof(RecEntry) % 8 == 0, "RecEntry keeps 8-byte alignment in a ring");
 
 // Always on, one per rank (a cache line): the call it is in and, while a wait sleeps (CPU) or
-// has spun for a millisecond (GPU), what it waits for. On the CPU `seq` and `done` are stored
+// has spun for a millisecond (GPU) and until it ends, what it waits for. On the CPU `seq` and `done` are stored
 // with release and loaded with acquire; on the GPU the block lies in the rank's window, and a
 // rank whose wait times out reads its peers' through theirs.
 struct alignas(64) RecState {
