@@ -892,7 +892,7 @@ int main(int argc, char** argv) {
                             nbuf > 1 ? (" buffers=" + std::to_string(nbuf)).c_str() : "", us_per_iter);
               }
               if (!wait_all(rk, N)) return 3;
-              long bad = 0;
+              long bad = 0, stale = 0;
               if (late) {
                 // waits through Transport::wait publish; LL one_shot (small messages), the copy
                 // engines and hierarchical's rail do not
@@ -900,7 +900,7 @@ int main(int argc, char** argv) {
                                         (algo == Algorithm::kRing || algo == Algorithm::kTree ||
                                          algo == Algorithm::kTwoShot);
                 const std::string what = std::string(as) + " count=" + std::to_string(count);
-                failures += check_waits_cleared(rk, N, lane_bytes, rpn, late_rank, published, what.c_str());
+                stale = check_waits_cleared(rk, N, lane_bytes, rpn, late_rank, published, what.c_str());
               }
               std::vector<char> got(plen * dt->size);
               for (int r = 0; r < N; ++r) {
@@ -915,11 +915,10 @@ int main(int argc, char** argv) {
                 }
               }
               ++cases;
-              if (bad) {
-                ++failures;
+              failures += bad || stale;  // a case fails once, whatever its problems (printed)
+              if (bad)
                 std::printf("FAIL ranks=%d ranks_per_node=%d dtype=%s op=%s algo=%s count=%zu buffers=%zu wrong=%ld\n",
                             N, rpn, dt->name, os_.c_str(), as.c_str(), count, nbuf, bad);
-              }
             }
           }
         }
