@@ -205,7 +205,7 @@ class HostTransport {
       // A peer that already failed (in this process or another) will never signal: give up
       // now instead of waiting out the whole timeout. Where a process of the group is gone,
       // say so, whichever rank's error the caller sees first.
-      const bool broken = ws_.header().broken.load(std::memory_order_relaxed);
+      const bool broken = ws_.header().broken.load(std::memory_order_acquire);
       // A peer whose process is gone will never signal either (checked every ~100 ms).
       if (broken || (++sleeps & 127u) == 0) {
         std::string dead = ws_.gone(peer);
@@ -219,7 +219,7 @@ class HostTransport {
         }
       }
       if (broken) {
-        record(peer, step, value, seen, "gave up because another rank of the group failed");
+        record(peer, step, value, seen, "gave up", nullptr, nullptr, /*after_another=*/true);
         return false;
       }
       if (clock::now() - start > limit) {
@@ -243,22 +243,33 @@ class HostTransport {
 
   // `why`: why the wait gave up (null: the timeout); `advice`: what to do (null: for the
   // timeout, set a longer one; for a failed peer, nothing); `gone`: the process that is gone,
-  // if that is why.
+  // if that is why; `after_another`: another rank failed first (the header says which, and
+  // how, and this error repeats it).
   void record(int peer, int step, uint64_t expected, uint64_t seen, const char* why,
-              const char* advice = nullptr, const std::string* gone = nullptr) {
+              const char* advice = nullptr, const std::string* gone = nullptr,
+              bool after_another = false) {
+    WorkspaceHeader& h = ws_.header();
+    Text wait;  // "waiting for peer 5 at step 2 of round 1 (flag 65538, expected 65539)"
+    wait << "waiting for peer " << peer;
+    const uint64_t round = round_of_wait(expected, step);
+    if (step < 0) wait << " to release its window (credit) before round " << round;
+    else wait << " at step " << step << " of round " << round;
+    wait << " (flag " << seen << ", expected " << expected << ")";
+    Text what;  // this rank's failure, from its wait
+    if (why) what << why << ", while " << wait.str() << ".";
+    else what << "timed out after " << cfg_.timeout_s << " s " << wait.str() << ".";
+    what << (advice ? advice : why ? "" : " Set JAX_GIN_TIMEOUT_S to wait longer.");
     Text os;
     os << "jax_gin " << call_op_name(op_) << " (" << algorithm_name(algo_) << ") on CPU: rank "
        << rank_ << " of group " << group_ << " (" << nranks() << " ranks) ";
-    if (why) {
-      os << why << ", while waiting for peer " << peer;
-    } else {
-      os << "timed out after " << cfg_.timeout_s << " s waiting for peer " << peer;
-    }
-    const uint64_t round = round_of_wait(expected, step);
-    if (step < 0) os << " to release its window (credit) before round " << round;
-    else os << " at step " << step << " of round " << round;
-    os << " (flag " << seen << ", expected " << expected << ")."
-       << (advice ? advice : why ? "" : " Set JAX_GIN_TIMEOUT_S to wait longer.");
+    const int first = h.first_failed.load(std::memory_order_acquire) - 1;
+    if (after_another && first >= 0 && first != rank_)
+      os << "gave up " << wait.str() << ", because rank " << first << " failed first: it "
+         << h.first_failure;
+    else if (after_another)
+      os << "gave up " << wait.str() << ", because another rank of the group failed.";
+    else
+      os << what.str();
     // A process that is gone: its ranks' records stopped where it died, so a laggard or a cycle
     // read from them would mislead. The diagnosis is that it is gone; the last calls follow.
     const std::vector<Seen> states = rank_states(ws_);
@@ -267,7 +278,14 @@ class HostTransport {
                       last_calls_text(states, group_)
                 : laggard_text(states, group_, rank_));
     error_ = os.str();
-    ws_.header().broken.store(1);
+    int32_t none = 0;
+    if (!after_another && h.first_failed.compare_exchange_strong(none, rank_ + 1)) {
+      const std::string w = what.str();
+      const size_t n = std::min(w.size(), sizeof h.first_failure - 1);
+      std::memcpy(h.first_failure, w.data(), n);
+      h.first_failure[n] = '\0';
+    }
+    h.broken.store(1);  // after first_failure: a rank that sees it reads that whole
   }
 
   Workspace& ws_;
@@ -309,7 +327,7 @@ bool run_all(HostTransport& tp, Algorithm algo, const Segment* seg, int nseg, si
 namespace {
 
 constexpr uint64_t kWorkspaceMagic = 0x314e49475f58414aull;  // "JAX_GIN1", little-endian
-constexpr uint32_t kWorkspaceVersion = 5;  // 2: three flag kinds per (lane, sender); 3: kMaxLanes 128; 4: recorder; 5: pid per rank
+constexpr uint32_t kWorkspaceVersion = 6;  // 2: three flag kinds per (lane, sender); 3: kMaxLanes 128; 4: recorder; 5: pid per rank; 6: first failure
 constexpr size_t kHeaderBytes = 4096;
 constexpr size_t kPageBytes = 4096;
 

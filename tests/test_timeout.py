@@ -30,12 +30,46 @@ def test_fault_injection_times_out(monkeypatch, algo):
     msg = str(info.value)
     # Which device's error XLA reports first is arbitrary; each names op, rank, peer, step.
     assert re.search(rf"jax_gin psum \({algo}\) on CPU: rank \d+ of group 0 \(\d+ ranks\)", msg), msg
-    assert re.search(rf"(timed out after {timeout:g} s|gave up).*waiting for peer \d+", msg), msg
+    # the wait that timed out first, as that rank's own error or repeated by one that gave up
+    assert re.search(rf"timed out after {timeout:g} s waiting for peer \d+", msg.splitlines()[0]), msg
     # the broken communicator refuses later calls instead of running on corrupted state, and
     # says how to recover
     with pytest.raises(Exception, match=r"(?s)cannot be reused.*jax_gin\.runtime\.reset\(\)"):
         jax.block_until_ready(f(x))
     assert re.search(r"(at step \d+ of round \d+|\(credit\) before round \d+)", msg), msg
+
+
+def test_every_rank_names_the_first_failure(monkeypatch):
+    """Whichever device's error the caller sees, its first line has the wait that timed out
+    first: a rank that gave up after another failed names that rank and repeats its wait."""
+    needs_devices(2)  # a fault needs a peer to wait for
+    if jax.default_backend() != "cpu":
+        pytest.skip("CPU only: on a GPU each rank's wait times out on its own (harness)")
+    timeout = 0.43
+    monkeypatch.setattr(jax_gin.runtime.settings, "timeout_s", timeout)
+    monkeypatch.setattr(jax_gin.runtime.settings, "fault_rank", 1)
+    monkeypatch.setattr(jax_gin.runtime.settings, "fault_mode", "absent")
+    x = exact_input((1000,), ndev(), "float32")
+    out = smap(lambda v: jax_gin.psum(v, "i", algorithm="ring"), mesh_1d(), P("i"))(x)
+    first_lines = {}
+    for shard in out.addressable_shards:
+        with pytest.raises(Exception) as info:
+            if shard.device.id == 1:  # the absent rank returned at once: no error of its own
+                raise RuntimeError("absent")
+            shard.data.block_until_ready()
+        first_lines[shard.device.id] = str(info.value).splitlines()[0]
+    timed_out = {r for r, line in first_lines.items()
+                 if re.search(rf"rank {r} of group 0 \(\d+ ranks\) timed out after {timeout:g} s "
+                              r"waiting for peer \d+", line)}
+    assert timed_out, first_lines
+    for r, line in first_lines.items():
+        if r == 1 or r in timed_out:
+            continue
+        m = re.search(rf"rank {r} of group 0 \(\d+ ranks\) gave up waiting for peer \d+ at step "
+                      rf"\d+ of round \d+ \(flag \d+, expected \d+\), because rank (\d+) failed "
+                      rf"first: it timed out after {timeout:g} s waiting for peer \d+ .*Set "
+                      r"JAX_GIN_TIMEOUT_S to wait longer\.$", line)
+        assert m and int(m.group(1)) in timed_out, (r, line)
 
 
 def test_recovery_after_a_failure(monkeypatch):
