@@ -170,6 +170,11 @@ class Settings:
     """Runtime settings, read from the environment when jax_gin is imported. Native code reads
     no environment variable of its own: it gets these values from here.
 
+    A program takes the values in force when it is lowered (a jitted function: at its first
+    call), and keeps them; only `record` also switches programs already compiled. To give new
+    values to a function compiled before, call jax_gin.runtime.reset(): its next call lowers
+    it again.
+
     cpu_workspace_bytes, gpu_workspace_bytes: symmetric workspace per rank on CPU devices
         (default 1 MiB) and on GPUs (default 64 MiB), both set by JAX_GIN_WORKSPACE_BYTES (a
         positive integer); messages larger than one round's capacity are pipelined through it in

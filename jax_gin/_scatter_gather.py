@@ -121,10 +121,13 @@ def _apply(api, x, axis_name, dim, tiled, algorithm, bucket_bytes):
     return tree_util.tree_unflatten(treedef, out)
 
 
-def _canonical_dim(dim: int, ndim: int, api: str, name: str, shape) -> int:
+def _canonical_dim(dim: int, ndim: int, api: str, name: str, shape, stacked: bool = False) -> int:
+    """`dim` in [0, ndim), or a ValueError naming it; `stacked`: ndim counts the dimension
+    that an untiled all_gather adds to a value of `shape`."""
     if not -ndim <= dim < ndim:
+        where = (f", whose stacked result has {ndim} dimensions" if stacked else "")
         raise ValueError(f"jax_gin.{api}: {name}={dim} is out of range for a value of shape "
-                         f"{tuple(shape)} (valid: {-ndim} to {ndim - 1})")
+                         f"{tuple(shape)}{where} (valid: {-ndim} to {ndim - 1})")
     return dim % ndim
 
 
@@ -235,7 +238,7 @@ def _gather_plan(leaf, axes, nranks, dim, tiled):
                              "to concatenate along, got a scalar")
         d = _canonical_dim(dim, ndim, "all_gather", "axis", shape)
     else:
-        d = _canonical_dim(dim, ndim + 1, "all_gather", "axis", shape + (1,))
+        d = _canonical_dim(dim, ndim + 1, "all_gather", "axis", shape, stacked=True)
     x, undo = _prepare(leaf, axes, "all_gather")
     moved = jnp.moveaxis(x, d, 0) if tiled else x
     m = int(np.prod(moved.shape, dtype=np.int64))

@@ -153,6 +153,8 @@ def _check_writable(path, who: str) -> None:
     """Raise OSError naming `path` if a file cannot be created there (checked before any
     work, so that a bad path does not cost the run that would fill it)."""
     path = os.fspath(path)
+    if not path:
+        raise FileNotFoundError(f"{who}: cannot write '': the path is empty")
     d = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise IsADirectoryError(f"{who}: cannot write {path}: it is a directory")

@@ -103,8 +103,13 @@ def build_table(results: list, meta: dict, dtype: str = "float32", op: str | Non
 def _load_results(paths: list) -> tuple[list, dict]:
     results, meta = [], {}
     for p in paths:
-        with open(p) as f:
-            d = json.load(f)
+        try:
+            with open(p) as f:
+                d = json.load(f)
+        except OSError as e:
+            raise SystemExit(f"jax_gin.tune: cannot read {p}: {e.strerror}")
+        except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
+            raise SystemExit(f"jax_gin.tune: {p} is not JSON ({e})")
         if not isinstance(d, dict) or not isinstance(d.get("results"), list):
             raise SystemExit(f"jax_gin.tune: {p} is not the JSON of an op sweep "
                              "(`python -m jax_gin.bench --json`, not --workload): it has no "

@@ -325,6 +325,12 @@ def test_tune_refuses_bad_input(tmp_path, capsys):
     path.write_text('{"meta": {}, "workload": "dp-train"}')  # a --workload file
     with pytest.raises(SystemExit, match="not the JSON of an op sweep"):
         tune.main(["--from-json", str(path)])
+    bad = tmp_path / "log.txt"
+    bad.write_text("not json\n")
+    with pytest.raises(SystemExit, match=r"log\.txt is not JSON \(Expecting value"):
+        tune.main(["--from-json", str(bad)])
+    with pytest.raises(SystemExit, match=r"cannot read .*missing\.json: No such file"):
+        tune.main(["--from-json", str(tmp_path / "missing.json")])
 
 
 @pytest.mark.parametrize("algo", jax_gin.ALGORITHMS)

@@ -421,7 +421,8 @@ def test_errors_at_trace_time():
                 (n * 4, n + 1))
     with pytest.raises(ValueError, match=r"scatter_dimension=2 is out of range"):
         run(lambda v: jax_gin.psum_scatter(v, "i", scatter_dimension=2, tiled=True))
-    with pytest.raises(ValueError, match=r"axis=3 is out of range"):
+    with pytest.raises(ValueError, match=r"axis=3 is out of range for a value of shape \(4, 6\), "
+                                         r"whose stacked result has 3 dimensions \(valid: -3 to 2\)"):
         run(lambda v: jax_gin.all_gather(v, "i", axis=3)[0])
     with pytest.raises(ValueError, match=r"tiled=True needs an array"):
         run(lambda v: jax_gin.all_gather(v[0, 0], "i", tiled=True)[None])

@@ -198,6 +198,10 @@ def test_trace_unwritable_path_fails_on_entry(tmp_path):
     with pytest.raises(IsADirectoryError):
         with jax_gin.trace(tmp_path):
             pass
+    with pytest.raises(FileNotFoundError, match="jax_gin.trace: cannot write '': the path is empty"):
+        with jax_gin.trace(""):
+            ran.append(1)
+    assert ran == []
 
 
 def test_trace_write_failure_does_not_mask_the_block(tmp_path):
