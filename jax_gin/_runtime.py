@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import math
 import os
+import sys
 import threading
 
 import jax
@@ -55,6 +56,11 @@ _MAX_TIMEOUT_S = 1e9
 _MAX_INT = 1 << 63
 
 _BYTES = "a positive integer number of bytes, below 2**63"
+# Words a boolean variable may take, as JAX's own boolean flags (any case).
+_TRUE_WORDS = ("1", "true", "t", "yes", "y", "on")
+_FALSE_WORDS = ("0", "false", "f", "no", "n", "off")
+_BOOL = ("True or False (in the environment: " + ", ".join(_TRUE_WORDS) + "; or "
+         + ", ".join(_FALSE_WORDS) + ")")
 # Settings field -> (environment variable, what a valid value is).
 _RULES = {
     "cpu_workspace_bytes": ("JAX_GIN_WORKSPACE_BYTES", _BYTES),
@@ -74,12 +80,11 @@ _RULES = {
                              "an integer number of bytes from 0 (no chunks) to below 2**63"),
     "ll_max_bytes": ("JAX_GIN_LL_MAX_BYTES",
                      "an integer number of bytes from 0 (no LL) to below 2**63"),
-    "experimental_gin": ("JAX_GIN_EXPERIMENTAL_GIN", "1 or 0 (True or False)"),
-    "record": ("JAX_GIN_RECORD", "1 or 0 (True or False)"),
+    "experimental_gin": ("JAX_GIN_EXPERIMENTAL_GIN", _BOOL),
+    "record": ("JAX_GIN_RECORD", _BOOL),
     "record_entries": ("JAX_GIN_RECORD_ENTRIES", f"a power of two from 1 to {REC_MAX_ENTRIES}"),
     "tuning_dir": ("JAX_GIN_TUNING_DIR", "a directory path, or None"),
-    "single_process": ("JAX_GIN_SINGLE_PROCESS",
-                       "True or False (in the environment: 0 is False, any other value True)"),
+    "single_process": ("JAX_GIN_SINGLE_PROCESS", _BOOL),
 }
 # Fields that may be None: the kernels' default (GPU launch settings); tuning_dir: no
 # directory of tables but the ones jax_gin ships.
@@ -127,10 +132,9 @@ def _parse(field: str, text: str):
     """The value `text` stands for (numbers: integers may be written as 64e6), or None."""
     if field == "tuning_dir":
         return text
-    if field == "single_process":
-        return text != "0"
-    if field in ("experimental_gin", "record"):
-        return {"0": 0, "1": 1}.get(text.strip())
+    if field in ("single_process", "experimental_gin", "record"):
+        word = text.strip().lower()
+        return True if word in _TRUE_WORDS else False if word in _FALSE_WORDS else None
     try:
         return float(text) if field == "timeout_s" else int(text)
     except ValueError:
@@ -287,9 +291,39 @@ class Settings:
             _select_cache["load_table"].cache_clear()  # tables are read again from there
 
 
+def _running_doctor() -> bool:
+    """Is this process `python -m jax_gin.doctor` (the command line as Python got it)?"""
+    argv = getattr(sys, "orig_argv", [])
+    return "-m" in argv and argv[argv.index("-m") + 1:argv.index("-m") + 2] == ["jax_gin.doctor"]
+
+
+def _settings_at_import() -> Settings:
+    """The settings of the environment: an invalid JAX_GIN_* variable raises, so that
+    `import jax_gin` fails naming it. Under `python -m jax_gin.doctor` the fields of invalid
+    variables take their defaults instead, so that the doctor runs and names every invalid
+    variable in its verdict (doctor.invalid_settings reads the environment again)."""
+    try:
+        return Settings()
+    except ValueError:
+        if not _running_doctor():
+            raise
+    invalid = {}
+    for field, (env, _) in _RULES.items():
+        try:
+            _from_env(field, None)
+        except ValueError:
+            invalid[env] = os.environ[env]
+    for env in invalid:
+        del os.environ[env]
+    try:
+        return Settings()
+    finally:
+        os.environ.update(invalid)
+
+
 _FAULT_MODES = {"drop": 0, "absent": 1}  # CommConfig::fault_mode (csrc/cpu_backend.h)
 _select_cache: dict = {}  # _select.load_table, registered by _select (imported after us)
-settings = Settings()
+settings = _settings_at_import()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,9 +29,9 @@ each followed by the fix (exit code 1). It fails on a GPU backend whose NCCL_NVL
 0 (then the self-test is skipped; on CPU the variable is only reported), on loaded and
 built-against NCCL versions that differ, on an invalid JAX_GIN_* variable, and on any wrong
 result or error in the self-test. A call that fails stops the mesh's communicator, so the rows
-after it repeat that first error. An invalid JAX_GIN_* variable present when the process starts
-already stops `import jax_gin` (which reads every setting) with a ValueError naming it, before
-the doctor runs.
+after it repeat that first error. An invalid JAX_GIN_* variable stops `import jax_gin` with a
+ValueError naming it, except under `python -m jax_gin.doctor`: there its setting keeps its
+default for the self-test, and the verdict names the variable.
 """
 from __future__ import annotations
 

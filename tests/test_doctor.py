@@ -101,11 +101,22 @@ def test_gpu_checks(monkeypatch, capsys):
 
 
 def test_invalid_environment_fails():
-    # `python -m jax_gin.doctor` imports jax_gin first, which reads every setting: the
-    # invalid one stops it there with a ValueError that names the variable, and exit code 1.
-    done = _doctor_subprocess(JAX_GIN_TIMEOUT_S="abc")
+    # `import jax_gin` fails on an invalid variable, naming it; `python -m jax_gin.doctor`
+    # runs all the same (that setting at its default) and names each one in its verdict.
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_GIN_TIMEOUT_S": "abc"}
+    done = subprocess.run([sys.executable, "-c", "import jax_gin"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "ValueError: jax_gin: JAX_GIN_TIMEOUT_S='abc': must be" \
+        in done.stderr, done.stderr
+    done = _doctor_subprocess(JAX_GIN_TIMEOUT_S="abc", JAX_GIN_RECORD="yes please")
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "JAX_GIN_TIMEOUT_S='abc'" in done.stdout + done.stderr
+    verdict = done.stdout.rstrip().split("\n\n")[-1]
+    assert "FAIL: a setting is invalid: JAX_GIN_TIMEOUT_S='abc': must be a positive finite " \
+        "number of seconds" in verdict, done.stdout
+    assert "fix: correct or unset JAX_GIN_RECORD" in verdict, done.stdout
+    assert "timeout_s                  30.0" in done.stdout, done.stdout  # the default
+    rows = _section(done.stdout, "self-test")[1:]
+    assert rows and all(row.split()[-3] == "ok" for row in rows), done.stdout
 
 
 def test_variables_no_setting_reads(monkeypatch, capsys):

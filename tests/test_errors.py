@@ -165,7 +165,8 @@ def test_gpu_launch_settings_must_match_across_processes(monkeypatch):
     ("JAX_GIN_OVERLAP_LANES", "2.5"), ("JAX_GIN_MAX_LANES", "0"), ("JAX_GIN_MAX_LANES", "129"),
     ("JAX_GIN_LANE_GRAIN_BYTES", "0"), ("JAX_GIN_CHUNK_BYTES", "-1"),
     ("JAX_GIN_ONE_SHOT_CHUNK_BYTES", "1.5"), ("JAX_GIN_LL_MAX_BYTES", "big"),
-    ("JAX_GIN_EXPERIMENTAL_GIN", "yes"), ("JAX_GIN_EXPERIMENTAL_GIN", "2"),
+    ("JAX_GIN_EXPERIMENTAL_GIN", "yes please"), ("JAX_GIN_EXPERIMENTAL_GIN", "2"),
+    ("JAX_GIN_RECORD", "enabled"), ("JAX_GIN_SINGLE_PROCESS", "-1"),
 ])
 def test_bad_env_values(monkeypatch, var, value):
     monkeypatch.setenv(var, value)
@@ -194,6 +195,13 @@ def test_good_env_values(monkeypatch):
     monkeypatch.setenv("JAX_GIN_EXPERIMENTAL_GIN", "1")
     s = jax_gin.runtime.Settings()
     assert s.max_lanes == 128 and s.experimental_gin is True
+    # boolean variables take JAX's words for its own flags, in any case
+    for text, value in (("true", True), ("Yes", True), ("ON", True), ("false", False),
+                        ("No", False), ("off", False), ("0", False), ("1", True)):
+        for var in ("JAX_GIN_SINGLE_PROCESS", "JAX_GIN_RECORD", "JAX_GIN_EXPERIMENTAL_GIN"):
+            monkeypatch.setenv(var, text)
+        s = jax_gin.runtime.Settings()
+        assert s.single_process is s.record is s.experimental_gin is value, text
 
 
 @pytest.mark.parametrize("field,value,var", [
