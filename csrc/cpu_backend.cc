@@ -719,7 +719,7 @@ std::string locate(const Comm& comm, uint32_t logical_id, int* group, int* rank)
 }  // namespace
 
 std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Algorithm algo,
-                      Segment* seg, int nseg) {
+                      Segment* seg, int nseg, int call_op) {
   if (nseg < 1 || nseg > kMaxSegments) return "jax_gin: " + std::to_string(nseg) + " buffers in one call (1.." +
                                               std::to_string(kMaxSegments) + " allowed)";
   const int nranks = comm.config.nranks;
@@ -737,7 +737,8 @@ std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Al
     return os.str();
   }
   const size_t slot_bytes = schedule::slot_elems(algo, nranks, lane_bytes, esize, rpn) * esize;
-  return run_call(comm, group, rank, dtype, int(op), algo, slot_bytes, count * esize,
+  return run_call(comm, group, rank, dtype, call_op >= 0 ? call_op : int(op), algo, slot_bytes,
+                  count * esize,
                   [&](HostTransport& tp, uint64_t& round) {
     return with_dtype<HostElem>(dtype, false, [&](auto elem) {
       using T = typename decltype(elem)::type;
@@ -787,11 +788,11 @@ std::string collective_logical(Comm& comm, uint32_t logical_id, DType dtype, int
 }
 
 std::string allreduce_logical(Comm& comm, uint32_t logical_id, DType dtype, RedOp op,
-                              Algorithm algo, Segment* seg, int nseg) {
+                              Algorithm algo, Segment* seg, int nseg, int call_op) {
   int group = 0, rank = 0;
   std::string err = locate(comm, logical_id, &group, &rank);
   if (!err.empty()) return err;
-  return allreduce(comm, group, rank, dtype, op, algo, seg, nseg);
+  return allreduce(comm, group, rank, dtype, op, algo, seg, nseg, call_op);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -187,8 +187,10 @@ std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Al
 
 // Several buffers of one dtype reduced as one message (message.h): `seg` holds each buffer's
 // count, in and out; this fills in their logical starts. 1 <= nseg <= kMaxSegments.
+// `call_op`: the call as recorded and reported (CallOp) where it is not `op`'s all-reduce
+// (the fused norms'); -1: op.
 std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Algorithm algo,
-                      Segment* seg, int nseg);
+                      Segment* seg, int nseg, int call_op = -1);
 
 // One rank's part of a reduce-scatter (call_op kOpReduceScatter, a sum) or all-gather
 // (kOpAllGather) of blocks of `block` elements (collectives.h): a reduce-scatter reads
@@ -201,7 +203,7 @@ std::string collective_logical(Comm& comm, uint32_t logical_id, DType dtype, int
 
 // Same, addressed by the logical device id that XLA reports as the partition id.
 std::string allreduce_logical(Comm& comm, uint32_t logical_id, DType dtype, RedOp op,
-                              Algorithm algo, Segment* seg, int nseg);
+                              Algorithm algo, Segment* seg, int nseg, int call_op = -1);
 
 }  // namespace cpu
 }  // namespace jax_gin

@@ -108,7 +108,8 @@ ffi::Error cpu_add_norm(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x,
   if (!names_comm(c.get(), comm)) return missing_comm(comm);
   Segment seg{0, x.element_count(), x.untyped_data(), new_residual->untyped_data()};
   std::string err = cpu::allreduce_logical(*c, partition_id.typed_data()[0], dtype, RedOp::kSum,
-                                           Algorithm(algorithm), &seg, 1);
+                                           Algorithm(algorithm), &seg, 1,
+                                           bias ? kOpAddLayerNorm : kOpAddRmsNorm);
   if (!err.empty()) return ffi::Error::Internal(err);
   const bool ok = with_dtype<HostElem>(dtype, false, [&](auto tag) {
     using T = typename decltype(tag)::type;

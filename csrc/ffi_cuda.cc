@@ -228,17 +228,19 @@ ffi::Error cuda_add_norm(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
   if (ffi::Error err = rank_state(comm, device, algorithm, &st); err.failure()) return err;
   const gpu::PeerAccess peers{st->win, nullptr, hier ? &st->devcomm : nullptr};
   const void* b = bias ? bias->untyped_data() : nullptr;
+  gpu::LaunchConfig cfg = st->cfg;  // recorded and reported as the fused call, not as psum
+  cfg.call_op = bias ? kOpAddLayerNorm : kOpAddRmsNorm;
   // one_shot over LL: the sum, the add and the norm in one kernel where the rows fit it
   if (Algorithm(algorithm) == Algorithm::kOneShot) {
     const cudaError_t e = gpu::launch_add_norm_ll(
-        peers, st->cfg, dtype, x.untyped_data(), residual.untyped_data(),
+        peers, cfg, dtype, x.untyped_data(), residual.untyped_data(),
         new_residual->untyped_data(), weight.untyped_data(), b, normed->untyped_data(), rows, d,
         eps, stream);
     if (e == cudaSuccess) return ffi::Error::Success();
     if (e != cudaErrorNotSupported) return cuda_error("kernel launch failed", e);
   }
   Segment seg{0, x.element_count(), x.untyped_data(), new_residual->untyped_data()};
-  if (cudaError_t e = gpu::launch_allreduce(peers, st->cfg, dtype, RedOp::kSum,
+  if (cudaError_t e = gpu::launch_allreduce(peers, cfg, dtype, RedOp::kSum,
                                             Algorithm(algorithm), &seg, 1, stream))
     return cuda_error("kernel launch failed", e);
   if (cudaError_t e = gpu::launch_add_norm(dtype, residual.untyped_data(),

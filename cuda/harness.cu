@@ -147,9 +147,10 @@ gpu::LaunchConfig rank_config(const Rank& R, int r, int N, size_t lane_bytes, in
 }
 
 // --record 1: rank R's recorder counted every call, and its last entries are whole: in order,
-// done, with their phases inside [t_start, t_end], and the phases their algorithm has.
+// done, named by a known call op, with their phases inside [t_start, t_end], and the phases
+// their algorithm has; with `norms` (the fused norms ran last), some are named as those.
 // Returns the number of problems (printed).
-long check_recorder(const Rank& R, int r) {
+long check_recorder(const Rank& R, int r, bool norms) {
   uint64_t ctl[2];
   std::vector<RecEntry> ring(kHarnessRecEntries);
   CK(cudaSetDevice(R.dev));
@@ -161,11 +162,13 @@ long check_recorder(const Rank& R, int r) {
     ++bad;
   }
   const uint64_t last = ctl[1], first = last > ring.size() ? last - ring.size() + 1 : 1;
+  long named_norms = 0;
   for (uint64_t seq = first; seq <= last; ++seq) {
     RecEntry& e = ring[rec_slot(seq, ring.size())];
     rec_settle(e);  // the kernels store phases raw
+    named_norms += e.op == kOpAddRmsNorm || e.op == kOpAddLayerNorm;
     bool ok = e.seq == seq && e.status == kRecDone && e.t_end >= e.t_start && e.rank == r &&
-              e.nevents <= kRecEvents;
+              e.nevents <= kRecEvents && call_op_name(e.op)[0] != '?';
     // every phase inside the call; ring, two_shot and tree (flags at every rank count) sent
     // and awaited; ring's waits in schedule order (a lost mark count would overwrite events)
     bool sent = false, awaited = false;
@@ -189,6 +192,10 @@ long check_recorder(const Rank& R, int r) {
                   (unsigned long long)seq, (unsigned long long)e.seq, int(e.status), int(e.nevents));
       ++bad;
     }
+  }
+  if (norms && named_norms == 0) {
+    std::printf("FAIL recorder rank %d: no entry named psum_add_rmsnorm or psum_add_layernorm\n", r);
+    ++bad;
   }
   return bad;
 }
@@ -359,6 +366,7 @@ long check_add_norm(std::vector<Rank>& rk, int N, size_t lane_bytes, double time
         CK(cudaMemcpy(b[r].res, res.data(), bytes, cudaMemcpyHostToDevice));
         CK(cudaMemcpy(b[r].w, w.data(), sh.d * dt->size, cudaMemcpyHostToDevice));
         cfg[r] = rank_config(rk[r], r, N, lane_bytes, 0, timeout_s);
+        cfg[r].call_op = layer ? kOpAddLayerNorm : kOpAddRmsNorm;  // as ffi_cuda.cc launches them
       }
       const float eps = 1e-6f;
       // every rank's one kernel; every rank's all-reduce, and with `epilogue` the epilogue
@@ -950,7 +958,7 @@ int main(int argc, char** argv) {
         CK(cudaDeviceSynchronize());
       }
       long bad = 0;
-      for (int r = 0; r < N; ++r) bad += check_recorder(rk[r], r);
+      for (int r = 0; r < N; ++r) bad += check_recorder(rk[r], r, add_rmsnorm != 0);
       failures += bad;
       ++cases;
       std::printf("ranks=%d: recorder %s (%ld calls per rank)\n", N, bad ? "FAILED" : "ok", rk[0].calls);

@@ -147,7 +147,8 @@ int lanes_for(const LaunchConfig& cfg, Algorithm algo, size_t bytes, bool ll) {
 
 // A launch's kernel parameters from the rank's configuration, for a call of `count` elements
 // of `dtype` (also copy_engine.cu). `op` is what the recorder and hang reports name the call
-// by (call_op_name): a RedOp's code, or kOpReduceScatter / kOpAllGather.
+// by (call_op_name): a RedOp's code, or kOpReduceScatter / kOpAllGather; cfg.call_op, where
+// set, instead (the fused norms).
 LaneParams lane_params(const LaunchConfig& cfg, int32_t op, Algorithm algo, DType dtype,
                        size_t count) {
   LaneParams p;
@@ -163,7 +164,7 @@ LaneParams lane_params(const LaunchConfig& cfg, int32_t op, Algorithm algo, DTyp
   p.state = cfg.state;
   p.timeout_ns = cfg.timeout_ns;
   p.fault_rank = cfg.fault_rank;
-  p.op = op;
+  p.op = cfg.call_op >= 0 ? cfg.call_op : op;
   p.algorithm = int32_t(algo);
   p.ll_offset = cfg.ll_offset;
   p.ll = 0;

@@ -79,6 +79,9 @@ struct LaunchConfig {
   uint64_t* rec_ctl = nullptr;
   uint32_t rec_entries = 0;
   int rec_comm = 0;
+  // The call as recorded and reported (CallOp) where it is not the launch's own op: the fused
+  // norms' all-reduce. -1: the launch's op.
+  int32_t call_op = -1;
 };
 
 // Number of lanes (CTAs) used for a message of `bytes` with `algo`. Depends only on its

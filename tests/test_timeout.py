@@ -72,6 +72,28 @@ def test_every_rank_names_the_first_failure(monkeypatch):
         assert m and int(m.group(1)) in timed_out, (r, line)
 
 
+@pytest.mark.parametrize("api", ["psum_add_rmsnorm", "psum_add_layernorm"])
+def test_fused_norms_are_named_in_hang_reports(monkeypatch, api):
+    needs_devices(2)  # a fault needs a peer to wait for
+    if jax.default_backend() != "cpu":
+        pytest.skip("CPU only: the GPU fault test runs in the native harness")
+    # a distinct timeout gives each case its own communicator (a timed-out one is never reused)
+    timeout = {"psum_add_rmsnorm": 0.41, "psum_add_layernorm": 0.42}[api]
+    monkeypatch.setattr(jax_gin.runtime.settings, "timeout_s", timeout)
+    monkeypatch.setattr(jax_gin.runtime.settings, "fault_rank", 1)
+    x = exact_input((4, 64), ndev(), "float32")
+    w = jax.numpy.ones((64,), "float32")
+    fn = getattr(jax_gin, api)
+    norm = (lambda v: fn(v, v, w, "i", algorithm="ring")) if api.endswith("rmsnorm") else \
+        (lambda v: fn(v, v, w, w, "i", algorithm="ring"))
+    f = smap(lambda v: norm(v)[0], mesh_1d(), P("i"))
+    with pytest.raises(Exception) as info:
+        jax.block_until_ready(f(x))
+    msg = str(info.value)
+    assert re.search(rf"jax_gin {api} \(ring\) on CPU: rank \d+ of group 0", msg), msg
+    assert re.search(rf"call #\d+ \({api}, ring\)", msg), msg
+
+
 def test_recovery_after_a_failure(monkeypatch):
     """What the refusal says works: reset(), then a freshly jitted function."""
     needs_devices(2)  # a fault needs a peer to wait for

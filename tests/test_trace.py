@@ -104,8 +104,8 @@ def test_trace_names_psum_scatter_and_all_gather(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("algo", ["one_shot", "ring"])
 def test_trace_has_psum_add_rmsnorm(monkeypatch, tmp_path, algo):
-    """psum_add_rmsnorm is recorded as its all-reduce (a psum of x, with its algorithm); on
-    GPUs one_shot runs it in one kernel over LL, which records it too."""
+    """psum_add_rmsnorm is recorded under its own name, with the algorithm and bytes of its
+    all-reduce of x; on GPUs one_shot runs it in one kernel over LL, which records it too."""
     monkeypatch.setattr(_runtime.settings, "timeout_s", 27.5 + 0.001 * next(_timeouts))
     needs_devices(2)  # a group of one rank only copies: no phases to trace
     n = ndev()
@@ -121,7 +121,7 @@ def test_trace_has_psum_add_rmsnorm(monkeypatch, tmp_path, algo):
     spans = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "jax_gin"]
     assert sorted(s["tid"] for s in spans) == sorted(int(d.id) for d in jax.devices())
     for s in spans:
-        assert s["name"] == f"psum {algo}" and s["args"]["status"] == "done"
+        assert s["name"] == f"psum_add_rmsnorm {algo}" and s["args"]["status"] == "done"
         assert s["args"]["bytes"] == 4 * 8 * 64 and s["args"]["dtype"] == "float32"
 
 

@@ -132,15 +132,23 @@ JG_HD const char* redop_name(RedOp op) {
 }
 
 // What a call does, as recorder entries, hang reports and profiles name it: an all-reduce's
-// RedOp code, or one of the collectives below, numbered after the RedOps. psum_scatter always
-// sums, as lax.psum_scatter does; all_gather reduces nothing.
-enum CallOp : int32_t { kOpReduceScatter = kNumRedOps, kOpAllGather = kNumRedOps + 1 };
-constexpr int kNumCallOps = kNumRedOps + 2;
+// RedOp code, or one of the calls below, numbered after the RedOps. psum_scatter always sums,
+// as lax.psum_scatter does; all_gather reduces nothing; the fused norms sum, then add and
+// normalize.
+enum CallOp : int32_t {
+  kOpReduceScatter = kNumRedOps,
+  kOpAllGather = kNumRedOps + 1,
+  kOpAddRmsNorm = kNumRedOps + 2,
+  kOpAddLayerNorm = kNumRedOps + 3,
+};
+constexpr int kNumCallOps = kNumRedOps + 4;
 
 JG_HD const char* call_op_name(int32_t op) {
   if (op >= 0 && op < kNumRedOps) return redop_name(RedOp(op));
   if (op == kOpReduceScatter) return "psum_scatter";
   if (op == kOpAllGather) return "all_gather";
+  if (op == kOpAddRmsNorm) return "psum_add_rmsnorm";
+  if (op == kOpAddLayerNorm) return "psum_add_layernorm";
   return "?";
 }
 
