@@ -283,12 +283,19 @@ class Settings:
             raise ValueError(f"jax_gin.runtime.settings.fault_mode = {value!r}: must be one of "
                              f"{tuple(_FAULT_MODES)}")
         super().__setattr__(name, value)
+        if globals().get("settings") is not self:
+            return  # another Settings (read from the environment again) drives nothing
         if name == "record":
-            _native.cpu.set_record(bool(value))
-            if hasattr(_native.cuda, "set_record"):
-                _native.cuda.set_record(bool(value))
+            _set_native_record(bool(value))
         if name == "tuning_dir" and "load_table" in _select_cache:
             _select_cache["load_table"].cache_clear()  # tables are read again from there
+
+
+def _set_native_record(on: bool) -> None:
+    """The backends' process-wide recorder switch (settings.record)."""
+    _native.cpu.set_record(on)
+    if hasattr(_native.cuda, "set_record"):
+        _native.cuda.set_record(on)
 
 
 def _running_doctor() -> bool:
@@ -324,6 +331,7 @@ def _settings_at_import() -> Settings:
 _FAULT_MODES = {"drop": 0, "absent": 1}  # CommConfig::fault_mode (csrc/cpu_backend.h)
 _select_cache: dict = {}  # _select.load_table, registered by _select (imported after us)
 settings = _settings_at_import()
+_set_native_record(settings.record)  # as read from the environment
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,8 +59,8 @@ def test_settings_checked(monkeypatch):
     monkeypatch.setenv("JAX_GIN_RECORD_ENTRIES", "8")
     fromenv = _runtime.Settings()
     assert fromenv.record is True and fromenv.record_entries == 8
-    _runtime.settings.record = False  # Settings() told the native module; set it back
-    assert C.recording() is False
+    # only the process's settings (jax_gin.runtime.settings) switch the recorder
+    assert _runtime.settings.record is False and C.recording() is False
 
 
 def test_entries_content_and_order(fresh, monkeypatch):
