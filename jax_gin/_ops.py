@@ -29,13 +29,16 @@ SUPPORTED_DTYPE_NAMES = tuple(str(d) for d in SUPPORTED_DTYPES)
 def reduced_dtype(dtype, api: str) -> tuple[np.dtype, int]:
     """The element type an all-reduce (`api`: psum, pmax or pmin) of `dtype` runs on, and how
     many of them make one value: bool as int32 (lax.psum's result; pmax and pmin give bool
-    back), a complex value of psum as its (real, imaginary) pair. Any other dtype that jax_gin
-    does not reduce raises the op's TypeError."""
+    back), a complex value of psum as its (real, imaginary) pair, psum's uint64 as the int64
+    of the same bits (both sums wrap modulo 2**64). Any other dtype that jax_gin does not
+    reduce raises the op's TypeError."""
     dt = np.dtype(dtype)
     if dt == np.bool_:
         return np.dtype(np.int32), 1
     if np.issubdtype(dt, np.complexfloating) and api == "psum":
         return np.dtype(np.finfo(dt).dtype), 2
+    if dt == np.uint64 and api == "psum":
+        return np.dtype(np.int64), 1
     check_dtype(dt, api)
     return dt, 1
 
@@ -51,8 +54,10 @@ def check_dtype(dtype, api: str, name: str | None = None) -> None:
             raise TypeError(f"jax_gin.{name}: complex values have no order ({dt}); sums take them")
         if api == "psum":
             return
+    if dt == np.uint64 and api == "psum":
+        return
     if dt not in SUPPORTED_DTYPES:
         raise TypeError(
             f"jax_gin.{name}: unsupported dtype {dt}; supported dtypes are "
-            f"{', '.join(SUPPORTED_DTYPE_NAMES)} (and complex64, complex128 for sums)"
+            f"{', '.join(SUPPORTED_DTYPE_NAMES)} (and complex64, complex128 and uint64 for sums)"
         )

@@ -148,6 +148,7 @@ def _allreduce(x, axis_name, op: str, algorithm: str, bucket_bytes, overlap):
     leaves, treedef = tree_util.tree_flatten(x)
     if op == "sum":
         leaves, was_complex = _complex_as_pairs(leaves)
+        leaves, was_uint64 = _uint64_as_int64(leaves)
     leaves, out, by_dtype, was_bool = group_leaves(leaves, axes, op, api)
     for (dtype, mode), idx in by_dtype.items():
         sizes = [int(np.prod(np.shape(leaves[i]), dtype=np.int64)) * dtype.itemsize for i in idx]
@@ -162,6 +163,8 @@ def _allreduce(x, axis_name, op: str, algorithm: str, bucket_bytes, overlap):
     if op == "sum":
         for i in was_complex:
             out[i] = jax.lax.complex(out[i][..., 0], out[i][..., 1])
+        for i in was_uint64:
+            out[i] = jax.lax.bitcast_convert_type(out[i], np.uint64)
     return tree_util.tree_unflatten(treedef, out)
 
 
@@ -178,6 +181,19 @@ def _complex_as_pairs(leaves):
             leaf = jnp.stack([jnp.real(leaf), jnp.imag(leaf)], axis=-1)
         out.append(leaf)
     return out, was_complex
+
+
+def _uint64_as_int64(leaves):
+    """A uint64 leaf (x64; jnp.sum of unsigned integers gives one) is summed as the int64 of the
+    same bits: both sums wrap modulo 2**64, so the result's bits are lax.psum's. Returns the
+    leaves and the indices of those that were uint64."""
+    out, was_uint64 = [], set()
+    for i, leaf in enumerate(leaves):
+        if hasattr(leaf, "dtype") and np.dtype(leaf.dtype) == np.uint64:
+            leaf = jax.lax.bitcast_convert_type(leaf, np.int64)
+            was_uint64.add(i)
+        out.append(leaf)
+    return out, was_uint64
 
 
 def group_leaves(leaves, axes, op: str, api: str):

@@ -140,12 +140,15 @@ _WORD = np.dtype(np.uint32)
 
 def moved_dtype(dtype, api: str) -> tuple[np.dtype, float]:
     """The element type `api` moves a value of `dtype` as, and how many of them make one
-    value: a complex value as its (real, imaginary) pair, all_gather's bool as int32, and
+    value: a complex value as its (real, imaginary) pair, all_gather's bool as int32,
     all_gather's small integers (_PACKED) as uint32 words (a fraction of a word, or two, a
-    value). Any other dtype that jax_gin does not move raises a TypeError."""
+    value), and psum_scatter's uint64 as the int64 of the same bits (both sums wrap modulo
+    2**64). Any other dtype that jax_gin does not move raises a TypeError."""
     dt = np.dtype(dtype)
     if np.issubdtype(dt, np.complexfloating):
         return np.dtype(np.finfo(dt).dtype), 2
+    if api == "psum_scatter" and dt == np.uint64:
+        return np.dtype(np.int64), 1
     if api == "all_gather" and dt == np.bool_:
         return np.dtype(np.int32), 1
     if api == "all_gather" and dt in _PACKED and dt not in SUPPORTED_DTYPES:
@@ -154,7 +157,8 @@ def moved_dtype(dtype, api: str) -> tuple[np.dtype, float]:
         raise TypeError(
             f"jax_gin.{api}: unsupported dtype {dt}; supported dtypes are "
             f"{', '.join(SUPPORTED_DTYPE_NAMES)}, complex64 and complex128"
-            + (f", bool and {', '.join(str(d) for d in _PACKED)}" if api == "all_gather" else ""))
+            + (f", bool and {', '.join(str(d) for d in _PACKED)}" if api == "all_gather"
+               else " and uint64"))
     return dt, 1
 
 
@@ -170,6 +174,9 @@ def _prepare(leaf, axes, api):
         undo = lambda y: jax.lax.complex(y[..., 0], y[..., 1])  # noqa: E731
     elif leaf.dtype == np.bool_:  # all_gather's, as int32 (moved_dtype refuses psum_scatter's)
         leaf, undo = leaf.astype(moved), (lambda y: y.astype(np.bool_))
+    elif leaf.dtype == np.uint64 and api == "psum_scatter":  # as int64, the same bits
+        leaf = jax.lax.bitcast_convert_type(leaf, moved)
+        undo = lambda y: jax.lax.bitcast_convert_type(y, np.uint64)  # noqa: E731
     if _compat.check_vma_enabled():
         # as lax's collectives: a value that does not vary over `axes` is made varying first
         manual = _compat.manual_mesh_axes()

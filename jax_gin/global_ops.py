@@ -437,20 +437,12 @@ def _reduction(x, axis, keepdims, op, algorithm, out_sharding, api):
         comp_dtype = _computation_dtype(out_dtype)
     else:
         out_dtype = comp_dtype = x.dtype
-    # Under x64 jnp.sum widens unsigned integers to uint64, which jax_gin's all-reduce does not
-    # take. A sum of uint64 has the bits of the sum of the same bits as int64 (both wrap modulo
-    # 2**64), so it is all-reduced as int64.
-    as_int64 = op == "sum" and comp_dtype == np.dtype(np.uint64)
-    check_dtype(np.dtype(np.int64) if as_int64 else comp_dtype, OP_API_NAMES[op], api)
+    # (under x64 jnp.sum widens unsigned integers to uint64, which jax_gin.psum sums as int64)
+    check_dtype(comp_dtype, OP_API_NAMES[op], api)
     if not axes:
         y = x.astype(out_dtype)
     else:
-        v = x.astype(comp_dtype)
-        if as_int64:
-            v = jax.lax.bitcast_convert_type(v, np.int64)
-        y = _reduce(v, axes, op, algorithm, None if keepdims else out_sharding)
-        if as_int64:
-            y = jax.lax.bitcast_convert_type(y, np.uint64)
+        y = _reduce(x.astype(comp_dtype), axes, op, algorithm, None if keepdims else out_sharding)
         y = y.astype(out_dtype)
     if keepdims:
         y = jnp.expand_dims(y, axes)

@@ -44,11 +44,12 @@ def test_parity_x64(dtype, algo):
 
 
 @pytest.mark.parametrize("algo", jax_gin.ALGORITHMS)
-@pytest.mark.parametrize("dtype", ["int32", "uint32", "int64"])
+@pytest.mark.parametrize("dtype", ["int32", "uint32", "int64", "uint64"])
 def test_integer_sums_wrap(dtype, algo):
     """Integer sums that overflow wrap, as XLA's do, whatever the order of the additions: the
-    values cover the whole range, so most partial sums leave it."""
-    with jax.enable_x64(dtype == "int64"):
+    values cover the whole range, so most partial sums leave it. (uint64: summed as the int64
+    of the same bits.)"""
+    with jax.enable_x64(dtype in ("int64", "uint64")):
         mesh = mesh_1d()
         info = np.iinfo(dtype)
         rng = np.random.default_rng(5)

@@ -133,6 +133,18 @@ def test_parity_x64(dtype, algo):
             _compare(op, x, "i", mesh_1d(), P("i"), tiled=True, algo=algo)
 
 
+@pytest.mark.parametrize("algo", COLLECTIVE_ALGORITHMS)
+def test_psum_scatter_of_uint64_wraps(algo):
+    """psum_scatter sums uint64 as the int64 of the same bits: over the whole range, where
+    most sums wrap, every block is lax's bit for bit."""
+    n = ndev()
+    rng = np.random.default_rng(11)
+    x = rng.integers(0, np.iinfo(np.uint64).max, size=(n * n * 5,), dtype=np.uint64, endpoint=True)
+    with jax.enable_x64(True):
+        got = _compare("psum_scatter", jnp.asarray(x), "i", mesh_1d(), P("i"), tiled=True, algo=algo)
+        assert got.dtype == np.uint64
+
+
 @pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16", "uint64"])
 @pytest.mark.parametrize("shape,dim,tiled", [((5,), 0, True), ((3, 7), 1, False), ((1,), 0, False),
