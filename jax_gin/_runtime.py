@@ -304,24 +304,29 @@ def _running_doctor() -> bool:
     return "-m" in argv and argv[argv.index("-m") + 1:argv.index("-m") + 2] == ["jax_gin.doctor"]
 
 
+def invalid_variables() -> dict:
+    """Each JAX_GIN_* variable of the environment whose value breaks its rule (_RULES): its
+    message ("JAX_GIN_TIMEOUT_S='abc': must be ...")."""
+    messages = {}
+    for field, (env, _) in _RULES.items():
+        try:
+            _from_env(field, None)
+        except ValueError as e:
+            messages[env] = str(e).removeprefix("jax_gin: ")
+    return messages
+
+
 def _settings_at_import() -> Settings:
     """The settings of the environment: an invalid JAX_GIN_* variable raises, so that
     `import jax_gin` fails naming it. Under `python -m jax_gin.doctor` the fields of invalid
     variables take their defaults instead, so that the doctor runs and names every invalid
-    variable in its verdict (doctor.invalid_settings reads the environment again)."""
+    variable in its verdict (it calls invalid_variables again)."""
     try:
         return Settings()
     except ValueError:
         if not _running_doctor():
             raise
-    invalid = {}
-    for field, (env, _) in _RULES.items():
-        try:
-            _from_env(field, None)
-        except ValueError:
-            invalid[env] = os.environ[env]
-    for env in invalid:
-        del os.environ[env]
+    invalid = {env: os.environ.pop(env) for env in invalid_variables()}
     try:
         return Settings()
     finally:

@@ -196,17 +196,6 @@ def unknown_variables() -> dict:
             for name in sorted(os.environ) if name.startswith("JAX_GIN_") and name not in known}
 
 
-def invalid_settings() -> dict:
-    """Each JAX_GIN_* variable whose value breaks its rule (_runtime._RULES): its message."""
-    messages = {}
-    for field, (env, _) in _runtime._RULES.items():
-        try:
-            _runtime._from_env(field, None)
-        except ValueError as e:
-            messages[env] = str(e).removeprefix("jax_gin: ")
-    return messages
-
-
 def _local(out) -> np.ndarray:
     """The values of `out` that this process holds: all of them in one process, or where
     replicated; else its shards in device order (lax's result and jax_gin's share it)."""
@@ -381,7 +370,7 @@ def main(argv=None) -> int:
             _check_writable(args.json, "--json")
         except OSError as e:
             p.error(str(e))
-    invalid = invalid_settings()  # before anything reads the settings
+    invalid = _runtime.invalid_variables()  # before anything reads the settings
     r = Report()
     if args.coordinator:
         if jax.config.jax_platforms in (None, "", "cpu") and not os.environ.get("JAX_PLATFORMS", "").startswith("cuda"):
