@@ -205,7 +205,7 @@ class HostTransport {
       // A peer that already failed (in this process or another) will never signal: give up
       // now instead of waiting out the whole timeout. Where a process of the group is gone,
       // say so, whichever rank's error the caller sees first.
-      const bool broken = ws_.header().broken.load(std::memory_order_acquire);
+      const bool broken = ws_.header().broken.load(std::memory_order_relaxed);
       // A peer whose process is gone will never signal either (checked every ~100 ms).
       if (broken || (++sleeps & 127u) == 0) {
         std::string dead = ws_.gone(peer);
@@ -219,7 +219,7 @@ class HostTransport {
         }
       }
       if (broken) {
-        record(peer, step, value, seen, "gave up", nullptr, nullptr, /*after_another=*/true);
+        record(peer, step, value, seen, nullptr, nullptr, nullptr, /*after_another=*/true);
         return false;
       }
       if (clock::now() - start > limit) {
@@ -255,21 +255,25 @@ class HostTransport {
     if (step < 0) wait << " to release its window (credit) before round " << round;
     else wait << " at step " << step << " of round " << round;
     wait << " (flag " << seen << ", expected " << expected << ")";
-    Text what;  // this rank's failure, from its wait
-    if (why) what << why << ", while " << wait.str() << ".";
-    else what << "timed out after " << cfg_.timeout_s << " s " << wait.str() << ".";
-    what << (advice ? advice : why ? "" : " Set JAX_GIN_TIMEOUT_S to wait longer.");
     Text os;
     os << "jax_gin " << call_op_name(op_) << " (" << algorithm_name(algo_) << ") on CPU: rank "
        << rank_ << " of group " << group_ << " (" << nranks() << " ranks) ";
-    const int first = h.first_failed.load(std::memory_order_acquire) - 1;
-    if (after_another && first >= 0 && first != rank_)
-      os << "gave up " << wait.str() << ", because rank " << first << " failed first: it "
-         << h.first_failure;
-    else if (after_another)
-      os << "gave up " << wait.str() << ", because another rank of the group failed.";
-    else
-      os << what.str();
+    std::string what;  // this rank's own failure, from its wait (none: it gave up after another)
+    if (after_another) {
+      // first_failed > 0 once the first failure's text is whole (below); a rank that failed
+      // at the same moment may have stored `broken` while that text was still being written
+      const int32_t first = h.first_failed.load(std::memory_order_acquire);
+      os << "gave up " << wait.str();
+      if (first > 0) os << ", because rank " << first - 1 << " failed first: it " << h.first_failure;
+      else os << ", because another rank of the group failed.";
+    } else {
+      Text t;
+      if (why) t << why << ", while " << wait.str() << ".";
+      else t << "timed out after " << cfg_.timeout_s << " s " << wait.str() << ".";
+      t << (advice ? advice : why ? "" : " Set JAX_GIN_TIMEOUT_S to wait longer.");
+      what = t.str();
+      os << what;
+    }
     // A process that is gone: its ranks' records stopped where it died, so a laggard or a cycle
     // read from them would mislead. The diagnosis is that it is gone; the last calls follow.
     const std::vector<Seen> states = rank_states(ws_);
@@ -279,13 +283,13 @@ class HostTransport {
                 : laggard_text(states, group_, rank_));
     error_ = os.str();
     int32_t none = 0;
-    if (!after_another && h.first_failed.compare_exchange_strong(none, rank_ + 1)) {
-      const std::string w = what.str();
-      const size_t n = std::min(w.size(), sizeof h.first_failure - 1);
-      std::memcpy(h.first_failure, w.data(), n);
+    if (!after_another && h.first_failed.compare_exchange_strong(none, -1)) {  // claimed
+      const size_t n = std::min(what.size(), sizeof h.first_failure - 1);
+      std::memcpy(h.first_failure, what.data(), n);
       h.first_failure[n] = '\0';
+      h.first_failed.store(rank_ + 1, std::memory_order_release);  // the text is whole
     }
-    h.broken.store(1);  // after first_failure: a rank that sees it reads that whole
+    h.broken.store(1);
   }
 
   Workspace& ws_;

@@ -53,9 +53,10 @@ struct WorkspaceHeader {
   uint64_t record_entries;       // flight-recorder calls per rank
   std::atomic<uint64_t> ready;   // 1 once the creator has laid the workspace out
   std::atomic<uint64_t> broken;  // 1 once any rank of the group failed: the others give up
-  // The rank that failed first (1 + rank; 0: none) and what failed, from its wait ("timed out
-  // after 2 s waiting for peer 5 at step 2 ..."), written before `broken`: the ranks that give
-  // up after it say so in their own errors, whichever rank's error the caller sees.
+  // The rank that failed first (1 + rank, once first_failure is whole; 0: none; -1: being
+  // written) and what failed, from its wait ("timed out after 2 s waiting for peer 5 at step 2
+  // ..."): the ranks that give up after it say so in their own errors, whichever rank's error
+  // the caller sees.
   std::atomic<int32_t> first_failed;
   int32_t pad;
   char first_failure[1024];
