@@ -33,7 +33,7 @@ from jax.interpreters import ad, mlir
 
 from . import _compat, _select
 from ._primitive import (TOKEN, _chain_token, _normalize_axes, _set_chain_token, allreduce_p,
-                         check_no_open_start, order_aval, resolve_call)
+                         check_no_open_start, order_aval, resolve_call, vary_over)
 
 # The element types of the epilogues: those that accumulate in float32 (norm.h).
 NORM_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
@@ -104,9 +104,7 @@ def _fused(kind, x, residual, params, axis_name, eps, algorithm):
         if set(axes) <= _compat.unreduced_axes(jax.typeof(x)):
             raise NotImplementedError(
                 f"jax_gin.{api} of an unreduced x is not supported; use jax_gin.psum and the norm")
-        manual = _compat.manual_mesh_axes()
-        vx = _compat.varying_axes(jax.typeof(x))
-        x = _compat.pcast_varying(x, tuple(a for a in axes if a in manual and a not in vx))
+        x = vary_over(x, axes, api)
         rv, nv = _result_vma(x, residual, params, axes)
         residual = _vary_to(residual, rv)
         params = [_vary_to(p, nv) for p in params]

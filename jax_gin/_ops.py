@@ -3,6 +3,7 @@ from the native module."""
 from __future__ import annotations
 
 import numpy as np
+import jax
 import jax.numpy as jnp
 
 from ._native import cpu as _cpu
@@ -26,12 +27,21 @@ SUPPORTED_DTYPES = tuple(np.dtype(getattr(jnp, name)) for name in _cpu.dtype_nam
 SUPPORTED_DTYPE_NAMES = tuple(str(d) for d in SUPPORTED_DTYPES)
 
 
+def refuse_keys(dtype, name: str) -> None:
+    """Raise jax_gin.`name`'s TypeError for a PRNG key array, which has no arithmetic (only
+    all_gather moves keys, as their key data)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        raise TypeError(f"jax_gin.{name}: {dtype} is a PRNG key array, which has no "
+                        "arithmetic to reduce with; jax_gin.all_gather moves keys")
+
+
 def reduced_dtype(dtype, api: str) -> tuple[np.dtype, int]:
     """The element type an all-reduce (`api`: psum, pmax or pmin) of `dtype` runs on, and how
     many of them make one value: bool as int32 (lax.psum's result; pmax and pmin give bool
     back), a complex value of psum as its (real, imaginary) pair, psum's uint64 as the int64
     of the same bits (both sums wrap modulo 2**64). Any other dtype that jax_gin does not
     reduce raises the op's TypeError."""
+    refuse_keys(dtype, api)
     dt = np.dtype(dtype)
     if dt == np.bool_:
         return np.dtype(np.int32), 1
@@ -47,8 +57,9 @@ def check_dtype(dtype, api: str, name: str | None = None) -> None:
     """Raise the TypeError of all-reduce `api` (psum, pmax, pmin, or another caller's name:
     jax_gin's dtypes only) for a dtype it does not reduce; psum takes complex values too. The
     message names `name` (default `api`), the function the user called."""
-    dt = np.dtype(dtype)
     name = name or api
+    refuse_keys(dtype, name)
+    dt = np.dtype(dtype)
     if np.issubdtype(dt, np.complexfloating):
         if api in ("pmax", "pmin"):
             raise TypeError(f"jax_gin.{name}: complex values have no order ({dt}); sums take them")

@@ -66,6 +66,7 @@ def psum_overlapping(x, axis_name, fn, *args, algorithm: str = "auto",
     if not axes:
         return x, fn(*args)
     leaves, treedef = tree_util.tree_flatten(x)
+    leaves, restore = _primitive.summed_as(leaves, API)
     leaves, out, by_dtype, _ = _primitive.group_leaves(leaves, axes, "sum", API)
     groups = []  # (indices of the leaves, typing mode) of each bucket, in order
     for (dtype, mode), idx in by_dtype.items():
@@ -89,7 +90,7 @@ def psum_overlapping(x, axis_name, fn, *args, algorithm: str = "auto",
         for i in g:
             out[i] = sums[k]
             k += 1
-    return tree_util.tree_unflatten(treedef, out), ys
+    return tree_util.tree_unflatten(treedef, restore(out)), ys
 
 
 def _overlapped(reduced, fn, args, params, modes, sizes, invariant):

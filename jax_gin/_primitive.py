@@ -29,7 +29,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 
 from . import _compat, _native, _runtime, _select
-from ._ops import ALGORITHM_CODES, ALGORITHMS, OP_API_NAMES, OP_CODES, reduced_dtype
+from ._ops import ALGORITHM_CODES, ALGORITHMS, OP_API_NAMES, OP_CODES, reduced_dtype, refuse_keys
 
 allreduce_p = Primitive("jax_gin_allreduce")
 allreduce_p.multiple_results = True
@@ -147,8 +147,7 @@ def _allreduce(x, axis_name, op: str, algorithm: str, bucket_bytes, overlap):
         return x
     leaves, treedef = tree_util.tree_flatten(x)
     if op == "sum":
-        leaves, was_complex = _complex_as_pairs(leaves)
-        leaves, was_uint64 = _uint64_as_int64(leaves)
+        leaves, restore = summed_as(leaves, api)
     leaves, out, by_dtype, was_bool = group_leaves(leaves, axes, op, api)
     for (dtype, mode), idx in by_dtype.items():
         sizes = [int(np.prod(np.shape(leaves[i]), dtype=np.int64)) * dtype.itemsize for i in idx]
@@ -161,11 +160,27 @@ def _allreduce(x, axis_name, op: str, algorithm: str, bucket_bytes, overlap):
     for i in was_bool:
         out[i] = out[i].astype(np.bool_)
     if op == "sum":
+        out = restore(out)
+    return tree_util.tree_unflatten(treedef, out)
+
+
+def summed_as(leaves, api: str):
+    """The leaves a sum (jax_gin.`api`) runs on, and the function that turns their sums back
+    into the leaves' own types: complex leaves as (real, imaginary) pairs, uint64 as int64."""
+    for leaf in leaves:
+        if hasattr(leaf, "dtype"):
+            refuse_keys(leaf.dtype, api)
+    leaves, was_complex = _complex_as_pairs(leaves)
+    leaves, was_uint64 = _uint64_as_int64(leaves)
+
+    def restore(out):
+        out = list(out)
         for i in was_complex:
             out[i] = jax.lax.complex(out[i][..., 0], out[i][..., 1])
         for i in was_uint64:
             out[i] = jax.lax.bitcast_convert_type(out[i], np.uint64)
-    return tree_util.tree_unflatten(treedef, out)
+        return out
+    return leaves, restore
 
 
 def _complex_as_pairs(leaves):
@@ -207,20 +222,28 @@ def group_leaves(leaves, axes, op: str, api: str):
     by_dtype: dict = {}  # (dtype, typing) -> indices of the leaves that communicate, in order
     was_bool = set()  # max/min of bool leaves give bool, as lax.pmax/pmin do
     for i, leaf in enumerate(leaves):
+        # A constant (a Python scalar, a NumPy or concrete jax array) is the same on every
+        # device: no communication. Tested before jnp.asarray, which makes a tracer under jit.
+        constant = not _compat.is_tracer(leaf)
         leaf = jnp.asarray(leaf) if not hasattr(leaf, "dtype") else leaf
-        dtype, _ = reduced_dtype(leaf.dtype, api)  # (psum's complex leaves are pairs already)
-        if dtype != leaf.dtype:  # bool, as int32
-            leaf = leaf.astype(dtype)
-            if op != "sum":
-                was_bool.add(i)
-        if not _compat.is_tracer(leaf):
-            # A constant is the same on every device: no communication needed.
+        if not constant or leaf.dtype == np.bool_:  # a constant takes any dtype, as in lax
+            dtype, _ = reduced_dtype(leaf.dtype, api)  # (psum's complex leaves are pairs already)
+            if dtype != leaf.dtype:  # bool, as int32
+                leaf = leaf.astype(dtype)
+                if op != "sum":
+                    was_bool.add(i)
+        if constant:
             leaf = jnp.asarray(leaf)
             if op == "sum":
                 size = 1
                 for a in axes:
                     size *= _compat.axis_size(a)
-                leaf = leaf * jnp.asarray(size, leaf.dtype)
+                # A Python scalar's sum stays weakly typed, as lax's does.
+                weak = jax.typeof(leaf).weak_type
+                leaf = leaf * (size if weak else jnp.asarray(size, leaf.dtype))
+            elif not invariant:
+                # lax.pmax/pmin without check_vma reduce a constant too: a strong type
+                leaf = jnp.asarray(leaf, dtype=leaf.dtype)
             out[i] = leaf
             continue
         mode = invariant
@@ -230,13 +253,30 @@ def group_leaves(leaves, axes, op: str, api: str):
                     f"jax_gin.{api} of an unreduced value is not supported; use jax.lax.{api}")
             mode = "unreduced"
         elif invariant:
-            manual = _compat.manual_mesh_axes()
-            vma = _compat.varying_axes(jax.typeof(leaf))
-            missing = tuple(a for a in axes if a in manual and a not in vma)
-            leaf = _compat.pcast_varying(leaf, missing)
+            leaf = vary_over(leaf, axes, api)
         leaves[i] = leaf
         by_dtype.setdefault((np.dtype(leaf.dtype), mode), []).append(i)
     return leaves, out, by_dtype, was_bool
+
+
+def vary_over(x, axes: tuple, api: str, reduces: bool = True):
+    """x (under check_vma) marked as varying over the manual axes of `axes`, as lax's
+    collectives take it: a value invariant over all of them is made varying first (every
+    device holds it). A reduction (`reduces`) of a value that varies over some of the axes and
+    not the others raises lax's ValueError, since its result would count the invariant
+    axes' copies; lax.all_gather takes such a value."""
+    manual = _compat.manual_mesh_axes()
+    vma = _compat.varying_axes(jax.typeof(x))
+    mesh_axes = [a for a in axes if a in manual]
+    missing = tuple(a for a in mesh_axes if a not in vma)
+    if reduces and missing and len(missing) < len(mesh_axes):
+        raise ValueError(
+            f"jax_gin.{api}: with check_vma=True the input must vary over all of the axes "
+            f"{axes} or over none of them, as lax's reductions require; it varies over "
+            f"{sorted(a for a in mesh_axes if a in vma)} but not {sorted(missing)}. Mark it "
+            f"varying over {tuple(missing)} first with jax.lax.pcast(x, {tuple(missing)!r}, "
+            f"to='varying') if each device's copy should count")
+    return _compat.pcast_varying(x, missing)
 
 
 def _bind_like(xs, params, **override):

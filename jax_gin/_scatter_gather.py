@@ -25,7 +25,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 
 from . import _compat, _native, _primitive, _runtime, _select
-from ._ops import ALGORITHM_CODES, SUPPORTED_DTYPE_NAMES, SUPPORTED_DTYPES
+from ._ops import ALGORITHM_CODES, SUPPORTED_DTYPE_NAMES, SUPPORTED_DTYPES, refuse_keys
 
 API_NAMES = ("psum_scatter", "all_gather")
 psum_scatter_p = Primitive("jax_gin_psum_scatter")
@@ -143,7 +143,9 @@ def moved_dtype(dtype, api: str) -> tuple[np.dtype, float]:
     value: a complex value as its (real, imaginary) pair, all_gather's bool as int32,
     all_gather's small integers (_PACKED) as uint32 words (a fraction of a word, or two, a
     value), and psum_scatter's uint64 as the int64 of the same bits (both sums wrap modulo
-    2**64). Any other dtype that jax_gin does not move raises a TypeError."""
+    2**64). Any other dtype that jax_gin does not move raises a TypeError (all_gather's PRNG
+    keys never come here: _prepare moves their key data)."""
+    refuse_keys(dtype, api)
     dt = np.dtype(dtype)
     if np.issubdtype(dt, np.complexfloating):
         return np.dtype(np.finfo(dt).dtype), 2
@@ -167,6 +169,11 @@ def _prepare(leaf, axes, api):
     _gather_plan): (array, how to undo the dtype change)."""
     leaf = jnp.asarray(leaf)
     undo = None
+    if api == "all_gather" and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        # a key array moves as its key data (trailing dimensions of uint32), as lax's does
+        impl = jax.random.key_impl(leaf)
+        leaf = jax.random.key_data(leaf)
+        undo = lambda y: jax.random.wrap_key_data(y, impl=impl)  # noqa: E731
     moved, _ = moved_dtype(leaf.dtype, api)
     if np.issubdtype(leaf.dtype, np.complexfloating):
         # a complex value moves (and sums) as its real and imaginary parts: a trailing axis
@@ -178,10 +185,7 @@ def _prepare(leaf, axes, api):
         leaf = jax.lax.bitcast_convert_type(leaf, moved)
         undo = lambda y: jax.lax.bitcast_convert_type(y, np.uint64)  # noqa: E731
     if _compat.check_vma_enabled():
-        # as lax's collectives: a value that does not vary over `axes` is made varying first
-        manual = _compat.manual_mesh_axes()
-        vma = _compat.varying_axes(jax.typeof(leaf))
-        leaf = _compat.pcast_varying(leaf, tuple(a for a in axes if a in manual and a not in vma))
+        leaf = _primitive.vary_over(leaf, axes, api, reduces=api == "psum_scatter")
     return leaf, undo
 
 

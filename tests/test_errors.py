@@ -35,10 +35,21 @@ def test_unsupported_dtype(dtype):
         _trace(lambda v: jax_gin.psum(v, "i"), x)
 
 
-def test_complex_where_it_is_not_summed_by_psum():
-    x = jnp.zeros((ndev() * 2,), "complex64")
-    with pytest.raises(TypeError, match=r"jax_gin.psum_overlapping: unsupported dtype complex64"):
+def test_psum_overlapping_names_itself():
+    x = jnp.zeros((ndev() * 2,), "int8")
+    with pytest.raises(TypeError, match=r"jax_gin.psum_overlapping: unsupported dtype int8"):
         _trace(lambda v: jax_gin.psum_overlapping(v, "i", jnp.sin, v)[0], x)
+
+
+@pytest.mark.parametrize("api", ["psum", "pmax", "pmin", "psum_scatter", "psum_overlapping"])
+def test_prng_keys_are_not_reduced(api):
+    # lax refuses them too (add/max of key<fry>); all_gather moves them (test_scatter_gather)
+    keys = jax.random.split(jax.random.key(0), ndev() * 2)
+    fn = {"psum_scatter": lambda k: jax_gin.psum_scatter(k, "i", tiled=True),
+          "psum_overlapping": lambda k: jax_gin.psum_overlapping(k, "i", lambda: 0)[0]}.get(
+        api, lambda k: getattr(jax_gin, api)(k, "i"))
+    with pytest.raises(TypeError, match=rf"jax_gin.{api}: key<fry> is a PRNG key array"):
+        _trace(fn, keys)
 
 
 @pytest.mark.parametrize("api", ["psum", "pmax", "pmin", "psum_scatter", "all_gather"])

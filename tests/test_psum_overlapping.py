@@ -54,6 +54,25 @@ def test_bitwise(size, dtype, algo, check_vma):
         lambda g, m, w: (lax.psum(g, "i"), chain(m, w)), args, check_vma)
 
 
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("dtype", ["complex64", "uint64"])
+def test_sums_what_psum_sums(dtype, check_vma):
+    # complex as (real, imaginary) pairs, uint64 (x64) as the int64 of the same bits: the
+    # results are psum's, bit for bit, over the whole uint64 range (sums that wrap)
+    with jax.enable_x64(dtype == "uint64"):
+        _, m, w = inputs(1, "float32")
+        rng = np.random.default_rng(3)
+        n = ndev() * 257
+        if dtype == "uint64":
+            g = rng.integers(0, np.iinfo(np.uint64).max, size=(n,), dtype=np.uint64, endpoint=True)
+        else:
+            g = (rng.integers(-7, 8, n) + 1j * rng.integers(-7, 8, n)).astype(np.complex64)
+        f = run(lambda g, m, w: jax_gin.psum_overlapping(g, "i", chain, m, w),
+                lambda g, m, w: (lax.psum(g, "i"), chain(m, w)), (jnp.asarray(g), m, w),
+                check_vma)
+        assert f(jnp.asarray(g), m, w)[0].dtype == dtype
+
+
 def test_pytree_of_several_buckets_and_dtypes():
     g, m, w = inputs(3001, "float32", seed=1)
 

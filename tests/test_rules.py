@@ -108,6 +108,61 @@ def test_result_type_matches_lax(check_vma, op):
     assert (ours[2].dtype, ours[3].dtype) == (ref[2].dtype, ref[3].dtype)
 
 
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("api", ["psum", "pmax", "pmin", "psum_overlapping"])
+@pytest.mark.parametrize("const", [2.0, 3, np.float32(1.5), np.int8(2), True])
+def test_constant_matches_lax(const, api, check_vma):
+    # A constant is the same on every device: the result (lax's value, dtype and weak type,
+    # so what it promotes to beside bfloat16 and int8) needs no communication, in any dtype.
+    n = ndev()
+    ref_op = "psum" if api == "psum_overlapping" else api
+    ours_fn = ((lambda c: jax_gin.psum_overlapping(c, "i", lambda: 0)[0])
+               if api == "psum_overlapping" else lambda c: getattr(jax_gin, api)(c, "i"))
+    types = []
+
+    def body(x):
+        outs = []
+        for fn in (ours_fn, lambda c: getattr(lax, ref_op)(c, "i")):
+            r = jnp.asarray(fn(const))
+            types.append((jax.typeof(r).weak_type, (r + jnp.ones((), jnp.bfloat16)).dtype,
+                          (r + jnp.int8(1)).dtype))
+            outs.append(r)
+        return tuple(outs)
+
+    ours, ref = jax.jit(jax.shard_map(body, mesh=mesh_1d(), in_specs=P("i"),
+                                      out_specs=(P(), P()), check_vma=check_vma))(jnp.zeros(n))
+    if isinstance(const, bool) and api in ("psum", "psum_overlapping"):
+        # lax.psum of a Python True gives 1 (True * True); jax_gin counts it on every device,
+        # as lax.psum of a traced bool does: n
+        assert (int(ours), ours.dtype) == (n, np.int32)
+        return
+    assert types[0] == types[1]
+    assert ours.dtype == ref.dtype
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
+
+
+@pytest.mark.parametrize("api", ["psum", "pmax", "psum_scatter", "psum_add_rmsnorm"])
+def test_partly_varying_input_is_refused_as_lax_does(api):
+    # check_vma=True: a reduction over ('x', 'y') of a value that varies over 'x' only would
+    # count 'y's copies; lax refuses it, and so does jax_gin, naming the axes
+    mesh = mesh_2d()
+    d = 2 * mesh.shape["y"]
+
+    def body(x):
+        u = jnp.ones((d,)) * lax.axis_index("x")
+        if api == "psum_scatter":
+            return jax_gin.psum_scatter(u, ("x", "y"), tiled=True)
+        if api == "psum_add_rmsnorm":
+            return jax_gin.psum_add_rmsnorm(u, jnp.zeros((d,)), jnp.ones((d,)), ("x", "y"))[1]
+        return getattr(jax_gin, api)(u, ("x", "y"))
+
+    with pytest.raises(ValueError, match=r"jax_gin\.%s: with check_vma=True the input must vary "
+                       r"over all of the axes \('x', 'y'\) or over none of them.*varies over "
+                       r"\['x'\] but not \['y'\]" % api):
+        jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P())).lower(
+            jnp.zeros((mesh.shape["x"],)))
+
+
 @pytest.mark.parametrize("op", ["pmax", "pmin"])
 def test_pmax_pmin_gradient(op):
     # lax.pmax has no derivative rule; jax_gin's matches jnp.max's: the winners share it.

@@ -169,6 +169,25 @@ def test_all_gather_packs_small_integers(dtype, algo, shape, dim, tiled):
             assert "jax_gin_collective" in text and "bitcast_convert" in text
 
 
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+@pytest.mark.parametrize("dim,tiled", [(0, True), (0, False), (1, False)])
+def test_all_gather_of_prng_keys(impl, algo, dim, tiled):
+    # a key array moves as its key data, as lax.all_gather's does: every device holds every
+    # device's keys, in place (lax's own fails to lower the stacked form at dim 1)
+    n = ndev()
+    keys = jax.random.split(jax.random.key(7, impl=impl), n * 3)
+    got = jax.jit(jax.shard_map(
+        lambda k: jax_gin.all_gather(k, "i", axis=dim, tiled=tiled, algorithm=algo)[None],
+        mesh=mesh_1d(), in_specs=P("i"), out_specs=P("i"), check_vma=False))(keys)
+    assert got.dtype == keys.dtype
+    data = np.asarray(jax.random.key_data(keys))  # (n * 3, w)
+    blocks = data.reshape(n, 3, -1)
+    want = (data if tiled else blocks if dim == 0 else blocks.transpose(1, 0, 2))
+    for d in range(n):
+        np.testing.assert_array_equal(np.asarray(jax.random.key_data(got[d])), want)
+
+
 def test_small_integers_psum_scatter_and_float8_refused():
     n = ndev()
     x = jnp.zeros((n * n,), jnp.int8)
