@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import socket
@@ -260,6 +261,19 @@ def _sources(p, doc) -> set:
     return {(meta.get("clock"), meta.get("host"))}
 
 
+def _parts(doc) -> list:
+    """Digests of the per-process files whose events `doc` holds: its own events' (none for
+    an empty block: such files may well be equal), or a merged file's "parts"."""
+    meta = _meta(doc)
+    if "merged" in meta:
+        parts = meta.get("parts", [])
+        return [x for x in parts if isinstance(x, str)] if isinstance(parts, list) else []
+    ev = doc["traceEvents"]
+    if not any("ts" in e for e in ev):
+        return []
+    return [hashlib.sha256(json.dumps(ev, sort_keys=True).encode()).hexdigest()]
+
+
 def _read(p) -> dict:
     try:
         with open(p, "rb") as f:
@@ -305,19 +319,26 @@ def merge(paths: list, out) -> dict:
     file used it already (then renumbered, its process_name naming the file). A merged file
     is an input like the others (its events back on its clock via its origin_us). Raises
     MergeError (naming the file) for an input that is no trace, a file given twice (by path
-    or identical content), or an output that is an input or cannot be written."""
+    or identical content, or inside a merged file), or an output that is an input or cannot
+    be written."""
     paths = [os.fspath(p) for p in paths]
     _check_paths(paths, out)
-    docs = []
-    contents: dict = {}
+    docs, docs_of = [], {}
+    held: dict = {}  # digest of a per-process file's events -> the input that holds them
+    parts: list = []
     for p in paths:
         doc = _read(p)
-        key = json.dumps(doc["traceEvents"], sort_keys=True)
-        timed = any("ts" in e for e in doc["traceEvents"])  # empty blocks may well be equal
-        if timed and key in contents:
-            raise MergeError(f"{p}: the same events as {contents[key]}; they would be "
-                             "duplicated")
-        contents[key] = p
+        for part in _parts(doc):
+            if part in held:
+                q = held[part]
+                raise MergeError(
+                    f"{p}: the same events as {q}; they would be duplicated" if
+                    "merged" not in _meta(doc) and "merged" not in _meta(docs_of[q]) else
+                    f"{p}: holds events that {q} holds too (a file merged into both); they "
+                    "would be duplicated")
+            held[part] = p
+            parts.append(part)
+        docs_of[p] = doc
         docs.append((p, doc, _sources(p, doc)))
     clocks = set().union(*(c for _, _, c in docs))
     if len(clocks) > 1:
@@ -360,7 +381,7 @@ def merge(paths: list, out) -> dict:
             events.append(e)
     events.sort(key=lambda e: (e.get("ph") != "M", e.get("ts", 0.0)))
     meta = {"sources": sorted(map(list, clocks), key=str), "origin_us": base,
-            "merged": [os.path.abspath(p) for p in paths]}
+            "merged": [os.path.abspath(p) for p in paths], "parts": parts}
     if len(clocks) == 1:
         (meta["clock"], meta["host"]), = clocks
     doc = {"traceEvents": events, "displayTimeUnit": "ns", "metadata": {"jax_gin": meta}}

@@ -3,7 +3,10 @@ Chrome/Perfetto trace with one track per device for psum, pmax and pmin of every
 each call a span with its phases inside it (on GPUs, lane 0's)."""
 import itertools
 import json
+import os
 import re
+import subprocess
+import sys
 import warnings
 
 import jax
@@ -189,6 +192,20 @@ def test_trace_warns_of_a_reset_in_the_block(tmp_path, monkeypatch):
     assert len(spans) == ndev() and {s["args"]["seq"] for s in spans} == {1}
 
 
+def test_importing_the_subpackage_keeps_the_context_manager(tmp_path):
+    # `import jax_gin.trace` (the module of `python -m jax_gin.trace`) replaces the package's
+    # attribute: the module is callable as the context manager
+    out = tmp_path / "t.json"
+    code = ("import jax_gin.trace, jax_gin\n"
+            f"with jax_gin.trace({str(out)!r}):\n    pass\n"
+            "print(type(jax_gin.trace).__name__)")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["traceEvents"] is not None
+
+
 def test_trace_unwritable_path_fails_on_entry(tmp_path):
     ran = []
     with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "nodir" / "t.json"))):
@@ -297,6 +314,11 @@ def test_merge_refusals(tmp_path, capsys):
         rc, got = _merge(capsys, *files, "-o", out)
         assert rc == 2 and msg in got.err and got.err.count("\n") == 1, (files, got.err)
         assert not out.exists()
+    assert _merge(capsys, a, b, "-o", tmp_path / "ab.json")[0] == 0
+    for files in ((tmp_path / "ab.json", a), (a, tmp_path / "ab.json"),
+                  (tmp_path / "ab.json", tmp_path / "ab.json")):
+        rc, got = _merge(capsys, *files, "-o", out)
+        assert rc == 2 and "would be duplicated" in got.err and not out.exists(), got.err
     before = (tmp_path / "b.json").read_text()
     rc, got = _merge(capsys, a, b, "-o", b)
     assert rc == 2 and "the output is one of the inputs" in got.err
