@@ -21,6 +21,7 @@ import json
 import os
 import socket
 import sys
+import tempfile
 import time
 import warnings
 
@@ -164,6 +165,11 @@ def _check_writable(path, who: str) -> None:
     if not os.access(d, os.W_OK | os.X_OK) or (os.path.exists(path) and
                                                 not os.access(path, os.W_OK)):
         raise PermissionError(f"{who}: cannot write {path}: permission denied")
+    try:  # what access() does not see: a read-only filesystem, a directory root cannot write
+        with tempfile.TemporaryFile(dir=d):
+            pass
+    except OSError as err:
+        raise PermissionError(f"{who}: cannot write {path}: {err.strerror or err}") from None
 
 
 def _calls(n: int, what: str = "") -> str:

@@ -78,6 +78,7 @@ from ._bench_report import (Progress, footer_lines, format_row, header_lines, me
                             table_header, write_json, write_plot)
 from ._ops import OPS
 from ._select import ALL_REDUCE, algorithms
+from ._trace import _check_writable
 from .tune import COLLECTIVES
 
 ALGO_CHOICES = ("auto",) + tuple(jax_gin.ALGORITHMS) + (LAX_NAME,)
@@ -125,9 +126,15 @@ def _dtype_name(text: str) -> str:
     return DTYPE_ALIASES.get(text.lower(), text.lower())
 
 
-def build_parser() -> argparse.ArgumentParser:
+def prog() -> str:
+    """The command as the user typed it: the console script, or the module."""
+    return "jax-gin-bench" if os.path.basename(sys.argv[0]) == "jax-gin-bench" else \
+        "python -m jax_gin.bench"
+
+
+def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m jax_gin.bench",
+        prog=prog(), add_help=add_help,
         description="Benchmark jax_gin's all-reduce, psum_scatter and all_gather against "
                     "jax.lax (nccl-tests style).")
     p.add_argument("-c", "--collective", type=_comma_list(COLLECTIVES), default=[ALL_REDUCE],
@@ -212,6 +219,12 @@ def parse_args(argv) -> argparse.Namespace:
         parser.error("-f/--stepfactor must be at least 2")
     if args.iters < 1 or args.warmup < 0:
         parser.error("-n/--iters must be >= 1 and -w/--warmup >= 0")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None:
+            try:  # before the run that would fill it
+                _check_writable(path, flag)
+            except OSError as err:
+                parser.error(str(err))
     if args.chain is not None and args.chain < 2:
         parser.error("-k/--chain must be >= 2: the per-op time is (T_K - T_1) / (K - 1)")
     if ALL_REDUCE not in args.collective:
@@ -351,10 +364,10 @@ def run_table(mesh, dtype: str, op: str, sizes: list, args, platform, progress, 
 def main(argv=None) -> int:
     """Run the benchmark; returns 0, or 1 when any result was wrong or any run failed."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    workload = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    workload.add_argument("--workload")
-    if workload.parse_known_args(argv)[0].workload is not None:
-        return workloads.main(argv)
+    # the sweep's own parser finds --workload (or its abbreviation), the workload's options
+    # aside, so that both read the command line alike
+    if build_parser(add_help=False).parse_known_args(argv)[0].workload is not None:
+        return workloads.main(argv, prog=prog())
     args = parse_args(argv)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (docs/multi-node.md)
     init_distributed(args)

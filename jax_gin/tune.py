@@ -29,6 +29,7 @@ from ._bench_measure import LAX_NAME
 from ._ops import XLA_FALLBACK
 from ._scatter_gather import API_NAMES
 from ._select import ALL_REDUCE, algorithms
+from ._trace import _check_writable
 
 # What a table can be for, as `python -m jax_gin.bench -c` names them.
 COLLECTIVES = (ALL_REDUCE,) + API_NAMES
@@ -146,6 +147,20 @@ def main(argv=None) -> int:
     bench.check_size_range(ap, args.minbytes, args.maxbytes)
     if args.iters < 1:
         ap.error("-n/--iters must be at least 1")
+    # where the table goes, checked before the measurement that fills it (the default's file
+    # name needs the measurement: its directory is checked)
+    out_dir = os.path.dirname(os.path.abspath(args.out)) if args.out else \
+        (_runtime.settings.tuning_dir or TABLE_DIR)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        if args.out:
+            _check_writable(args.out, "--out")
+        else:
+            with tempfile.TemporaryFile(dir=out_dir):
+                pass
+    except OSError as err:
+        ap.error(str(err) if args.out else f"cannot write a table into {out_dir}: "
+                 f"{err.strerror or err}; give --out, or set JAX_GIN_TUNING_DIR")
     if args.from_json:
         results, meta = _load_results(args.from_json)
         meta["source"] = "built from " + ", ".join(

@@ -64,6 +64,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_gin
 from ._select import COLLECTIVE_ALGORITHMS
+from ._trace import _check_writable
 
 DATA, TENSOR = "data", "tensor"
 REDUCES = ("none", "lax", "jax_gin")   # the order of every turn
@@ -657,7 +658,12 @@ def default_config(workload: str, platform: str = "cpu", **overrides) -> Config:
     base = w.cpu if platform == "cpu" else w.gpu
     given = {k: v for k, v in overrides.items() if v is not None}
     if "d_model" in given:
-        given.setdefault("heads", max(1, given["d_model"] // base.head_dim))
+        if "heads" not in given:
+            given["heads"] = max(1, given["d_model"] // base.head_dim)
+            if given["d_model"] % given["heads"]:
+                raise ValueError(f"d_model {given['d_model']} is not a multiple of heads "
+                                 f"{given['heads']}, which are d_model // {base.head_dim} (the "
+                                 f"default head size) where not given")
         given.setdefault("ffn", base.ffn * given["d_model"] // base.d_model)
     return dataclasses.replace(base, **given)
 
@@ -675,7 +681,8 @@ def check_config(workload: str, cfg: Config, n: int) -> None:
         raise ValueError(f"d_model {cfg.d_model} is not a multiple of heads {cfg.heads}")
     if WORKLOADS[workload].tensor_parallel and (cfg.heads % n or cfg.ffn % n):
         raise ValueError(f"{workload} splits heads ({cfg.heads}) and ffn ({cfg.ffn}) over "
-                         f"{n} devices: both must be multiples of {n}")
+                         f"{n} devices: both must be multiples of {n} (with heads of size "
+                         f"{cfg.head_dim}: d_model a multiple of {cfg.head_dim * n})")
     if workload in ("dp-train", "fsdp") and cfg.vocab < 1:
         raise ValueError(f"{workload} needs vocab >= 1")
     if workload == "overlap" and (cfg.rows < 1 or cfg.layers < 1 or overlap_elements(cfg) < 1):
@@ -920,9 +927,9 @@ def format_report(result: dict, meta: dict | None = None) -> list:
 # Command line
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m jax_gin.workloads") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m jax_gin.bench",
+        prog=prog,
         description="Time a whole step with lax.psum, jax_gin.psum and no all-reduce "
                     "(compute only), in turns; tp-decode also with jax_gin.psum_add_rmsnorm; "
                     "fsdp: lax's or jax_gin's all_gather and psum_scatter, or local copies; "
@@ -960,12 +967,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
-    """Run one workload; returns 0 (the results are reported, not judged)."""
-    parser = build_parser()
+def main(argv=None, prog: str = "python -m jax_gin.workloads") -> int:
+    """Run one workload; returns 0 (the results are reported, not judged). `prog`: the
+    command that runs it (python -m jax_gin.bench --workload passes its own)."""
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     if (args.rounds is not None and args.rounds < 1) or args.warmup < 0:
         parser.error("--rounds must be at least 1 and --warmup at least 0")
+    if args.json is not None:
+        try:  # before the run that would fill it
+            _check_writable(args.json, "--json")
+        except OSError as err:
+            parser.error(str(err))
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (docs/multi-node.md)
     devices = jax.devices()
     if args.devices is not None:
@@ -977,7 +990,6 @@ def main(argv=None) -> int:
     given = {"layers": args.layers, "d_model": args.d_model, "heads": args.heads, "ffn": args.ffn,
              "seq": args.seq, "batch": args.batch, "vocab": args.vocab, "rows": args.rows,
              "mib": args.mib, "dtype": args.dtype}
-    cfg = dataclasses.replace(default_config(args.workload, platform, **given), overlap=args.overlap)
     changed = [f"{k}={v}" for k, v in given.items() if v is not None]
     sizes = ("GPU defaults" if platform == "gpu" else "CPU defaults (tiny)") + \
         (f", changed: {' '.join(changed)}" if changed else "") + \
@@ -986,6 +998,8 @@ def main(argv=None) -> int:
     rounds = args.rounds if args.rounds is not None else (10 if platform == "cpu" else 20)
     mesh = make_mesh(args.workload, devices)
     try:
+        cfg = dataclasses.replace(default_config(args.workload, platform, **given),
+                                  overlap=args.overlap)
         check_config(args.workload, cfg, len(devices))
     except ValueError as e:
         raise SystemExit(f"{args.workload}: {e}")

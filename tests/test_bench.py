@@ -153,6 +153,27 @@ def test_sizes_and_flags():
     assert bench.row_sizes("all_reduce", [1, 2, 4, 8], 8, 4) == [1, 8]
 
 
+def test_output_paths_are_checked_before_the_run(tmp_path, capsys):
+    # a path that cannot be written is refused at once (status 2), not after the measurement
+    from jax_gin import tune
+    bad = tmp_path / "nodir" / "x.json"
+    for main, argv in ((bench.main, ["--json", bad]), (bench.main, ["--plot", bad]),
+                       (bench.main, ["--workload", "dp-train", "--json", bad]),
+                       (tune.main, ["--out", tmp_path])):
+        with pytest.raises(SystemExit) as info:
+            main([str(a) for a in argv])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert "cannot write" in err and str(tmp_path) in err, err
+
+
+def test_workload_flag_abbreviated_runs_the_workload(monkeypatch):
+    # the sweep's parser resolves --worklo as --workload: the workload runs, not the sweep
+    monkeypatch.setattr(bench.workloads, "main", lambda argv, prog: ("workload", argv, prog))
+    assert bench.main(["--worklo", "dp-train"]) == \
+        ("workload", ["--worklo", "dp-train"], "python -m jax_gin.bench")
+
+
 def _two_processes(tmp_path, args):
     """Runs the benchmark with `args` over jax.distributed: 2 processes x 4 CPU devices on
     127.0.0.1, one mesh of 8; returns both outputs and process 0's JSON records."""
