@@ -30,8 +30,9 @@ def explain(x, axis_name=None, *, nranks: int | None = None, platform: str | Non
     taken as the collective takes them (under JAX's dtype rules, bool as int32 for the
     all-reduces, complex as its parts).
     `platform`: 'cpu', or 'cuda' (also 'gpu', the name JAX gives CUDA devices); default the
-    default backend's, and then `device_kind` defaults to the first device's (its tuning
-    table, if any, decides).
+    default backend's. `device_kind` defaults to that of this machine's first device of
+    `platform`, where it has one (its tuning table, if any, decides); else to none (the
+    model-based rule).
     `collective`: 'psum' (default; pmax and pmin choose alike), 'pmax', 'pmin',
     'psum_scatter' or 'all_gather'. The size reported is the one `auto` decides on: for
     psum/pmax/pmin the bytes of `x`; for psum_scatter and all_gather the larger side per
@@ -70,9 +71,13 @@ def explain(x, axis_name=None, *, nranks: int | None = None, platform: str | Non
     bucket_bytes = _primitive._check_bucket_bytes(bucket_bytes, "explain")
     if platform is None:
         platform = jax.default_backend()
-        device_kind = device_kind or jax.devices()[0].device_kind
+    if device_kind is None:
+        device_kind = _local_device_kind(platform)
     nranks = int(nranks)
-    calls = _calls(x, collective, nranks, bucket_bytes)
+    try:
+        calls = _calls(x, collective, nranks, bucket_bytes)
+    except TypeError as err:  # the collective's own refusal (a dtype it does not take)
+        raise TypeError(f"jax_gin.explain: {err}") from None
     lines = []
     for dtype, leaves, nbytes in calls:
         if collective in _scatter_gather.API_NAMES:
@@ -89,6 +94,14 @@ def explain(x, axis_name=None, *, nranks: int | None = None, platform: str | Non
         return lines[0]
     return "\n".join([f"{len(calls)} calls (a call per dtype and bucket of at most "
                       f"{bucket_bytes} bytes):"] + lines)
+
+
+def _local_device_kind(platform: str) -> str | None:
+    """The device kind of this machine's first device of `platform`, or None without one."""
+    try:
+        return jax.devices("gpu" if platform == "cuda" else platform)[0].device_kind
+    except RuntimeError:  # no backend of that platform here
+        return None
 
 
 def _calls(x, collective: str, nranks: int, bucket_bytes: int) -> list:

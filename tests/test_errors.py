@@ -286,6 +286,20 @@ def test_explain_accepts_its_range():
         jax_gin.explain(x, nranks=8, platform="cuda").replace("platform cuda", "platform gpu")
 
 
+def test_explain_of_this_platform_named_reads_its_table():
+    # naming the platform this machine runs on keeps its device kind (and so its table)
+    x = jax.ShapeDtypeStruct((50_000,), jnp.float32)
+    n = len(jax.devices())
+    assert jax_gin.explain(x, nranks=n, platform=jax.default_backend()) == \
+        jax_gin.explain(x, nranks=n)
+
+
+def test_explain_names_itself_for_a_dtype_the_collective_refuses():
+    x = jax.ShapeDtypeStruct((10,), jnp.int8)
+    with pytest.raises(TypeError, match=r"^jax_gin.explain: jax_gin.psum: unsupported dtype int8"):
+        jax_gin.explain(x, nranks=8)
+
+
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "PSUM", None])
 def test_explain_bad_collective(collective):
     x = jax.ShapeDtypeStruct((1024,), jnp.float32)
