@@ -84,9 +84,9 @@ def workload_setup(workload: str, description: str):
         parser.error("--steps must be at least 0 and --rounds at least 1")
     devices = jax.devices()
     mesh = workloads.make_mesh(workload, devices)
-    cfg = workloads.default_config(workload, devices[0].platform, layers=args.layers,
-                                   d_model=args.d_model, seq=args.seq, batch=args.batch)
     try:
+        cfg = workloads.default_config(workload, devices[0].platform, layers=args.layers,
+                                       d_model=args.d_model, seq=args.seq, batch=args.batch)
         workloads.check_config(workload, cfg, len(devices))
     except ValueError as e:
         parser.error(f"{e} (on {len(devices)} devices)")
