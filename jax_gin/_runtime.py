@@ -217,7 +217,7 @@ class Settings:
     one_shot_chunk_bytes: one_shot stores chunk c+1 to its peers before it reduces chunk c
         (JAX_GIN_ONE_SHOT_CHUNK_BYTES, 0: one chunk; default 32 KiB).
     ll_max_bytes: one_shot uses the LL protocol up to this size (JAX_GIN_LL_MAX_BYTES, 0: never;
-        default 256 KiB, at most the LL area's 256 KiB).
+        default 256 KiB; a larger value acts as 256 KiB, the LL area's size).
     experimental_gin: groups that span nodes may run over NCCL's GIN (JAX_GIN_EXPERIMENTAL_GIN=1;
         built, never run on two nodes: docs/multi-node.md).
 
