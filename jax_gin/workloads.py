@@ -908,6 +908,11 @@ def format_report(result: dict, meta: dict | None = None) -> list:
         same = "yes" if cmp["bitwise_equal"] else "no"
         lines.append(f"# lax vs jax_gin results: bitwise equal {same}, "
                      f"max abs diff {cmp['max_abs_diff']:.3g}")
+        if not cmp["bitwise_equal"] and meta is not None and meta.get("platform") == "cpu" \
+                and cfg.get("dtype") == "bfloat16":
+            lines.append("#   (XLA's CPU backend computes lax's bfloat16 all-reduce and the ops "
+                         "around it in float32, dropping roundings the program asks for, "
+                         "which jax_gin's keep)")
     cmp = result.get("lax_vs_jax_gin_fused")
     if cmp:
         same = "yes" if cmp["bitwise_equal"] else "no"
