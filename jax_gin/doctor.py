@@ -181,6 +181,11 @@ def check_settings(r: Report, invalid: dict, gpu_device) -> None:
     for env, message in invalid.items():
         r.line(f"invalid: {message}")
         r.fail(f"a setting is invalid: {message}", f"correct or unset {env}")
+    d = _runtime.settings.tuning_dir
+    if d is not None and not os.path.isdir(d):
+        # not a failure: python -m jax_gin.tune creates it
+        r.line(f"tuning_dir {os.fspath(d)!r} is no directory, so auto reads no table there "
+               "(python -m jax_gin.tune writes tables into it)")
     f["not_settings"] = unknown = unknown_variables()
     for env, near in unknown.items():
         r.line(f"{env} is set but is no setting, so nothing reads it at run time"

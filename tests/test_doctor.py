@@ -140,6 +140,17 @@ def test_variables_no_setting_reads(monkeypatch, capsys):
                                                    "JAX_GIN_TIMEOUT": "JAX_GIN_TIMEOUT_S"}
 
 
+def test_tuning_dir_that_is_no_directory(monkeypatch, capsys, tmp_path):
+    # named, not a failure (python -m jax_gin.tune creates it)
+    monkeypatch.setattr(jax_gin.runtime.settings, "tuning_dir", str(tmp_path / "tables"))
+    r = doctor.Report()
+    doctor.check_settings(r, {}, None)
+    out = capsys.readouterr().out
+    assert f"tuning_dir {str(tmp_path / 'tables')!r} is no directory, so auto reads no table " \
+           "there" in out, out
+    assert r.problems == []
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="on GPUs NCCL_NVLS_ENABLE=1 fails")
 def test_nvls_is_only_reported_on_cpu():
     done = _doctor_subprocess(NCCL_NVLS_ENABLE="1")
