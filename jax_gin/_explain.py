@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax import tree_util
 
 from . import _native, _primitive, _runtime, _scatter_gather, _select
-from ._ops import OP_API_NAMES, reduced_dtype
+from ._ops import OP_API_NAMES, reduced_dtype, refuse_keys
 
 MAX_RANKS = int(_native.cpu.MAX_RANKS)  # the largest group jax_gin runs (common.h kMaxRanks)
 PLATFORMS = ("cpu", "cuda", "gpu")  # 'gpu': jax.default_backend() and Device.platform on CUDA
@@ -112,7 +112,7 @@ def _calls(x, collective: str, nranks: int, bucket_bytes: int) -> list:
         raise ValueError("jax_gin.explain: the value has no leaves, so no call to explain")
     groups: dict = {}  # dtype moved -> [(leaf index, bytes)]
     for i, leaf in enumerate(leaves):
-        shape, dtype = _shape_dtype(leaf)
+        shape, dtype = _shape_dtype(leaf, collective)
         count = int(np.prod(shape, dtype=np.int64))
         if collective in _scatter_gather.API_NAMES:
             moved, per_value = _scatter_gather.moved_dtype(dtype, collective)
@@ -131,10 +131,16 @@ def _calls(x, collective: str, nranks: int, bucket_bytes: int) -> list:
     return calls
 
 
-def _shape_dtype(leaf):
+def _shape_dtype(leaf, collective: str):
     """A leaf's shape and dtype as the collective takes it (JAX's dtype rules: float64 is
-    float32 without x64, a Python scalar is its default type)."""
+    float32 without x64, a Python scalar is its default type; all_gather's PRNG keys are their
+    key data)."""
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            if collective != "all_gather":
+                refuse_keys(leaf.dtype, collective)
+            spec = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+            return tuple(spec.shape), np.dtype(spec.dtype)
         return tuple(leaf.shape), np.dtype(jax.dtypes.canonicalize_dtype(leaf.dtype))
     try:
         spec = jax.eval_shape(jnp.asarray, leaf)

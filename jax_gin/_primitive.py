@@ -263,8 +263,8 @@ def vary_over(x, axes: tuple, api: str, reduces: bool = True):
     """x (under check_vma) marked as varying over the manual axes of `axes`, as lax's
     collectives take it: a value invariant over all of them is made varying first (every
     device holds it). A reduction (`reduces`) of a value that varies over some of the axes and
-    not the others raises lax's ValueError, since its result would count the invariant
-    axes' copies; lax.all_gather takes such a value."""
+    not the others raises a ValueError, as lax's reductions do (which copies should count is
+    the caller's to say); lax.all_gather takes such a value."""
     manual = _compat.manual_mesh_axes()
     vma = _compat.varying_axes(jax.typeof(x))
     mesh_axes = [a for a in axes if a in manual]

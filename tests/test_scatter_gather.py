@@ -186,6 +186,10 @@ def test_all_gather_of_prng_keys(impl, algo, dim, tiled):
     want = (data if tiled else blocks if dim == 0 else blocks.transpose(1, 0, 2))
     for d in range(n):
         np.testing.assert_array_equal(np.asarray(jax.random.key_data(got[d])), want)
+    # explain sizes the call by the key data it moves (3 keys a device, padded to 16 bytes)
+    nbytes = -(-3 * data.shape[-1] * 4 // 16) * 16 * n
+    assert f"all_gather of {nbytes} bytes per device" in jax_gin.explain(
+        keys[:3], nranks=n, collective="all_gather")
 
 
 def test_small_integers_psum_scatter_and_float8_refused():
