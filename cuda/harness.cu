@@ -335,9 +335,11 @@ long check_add_norm(std::vector<Rank>& rk, int N, size_t lane_bytes, double time
                     const std::vector<std::string>& dtypes, int time_iters, bool time_graph) {
   struct Shape { size_t rows, d; };
   // element-wise chunks ({1, 7}, {4, 1001}, {16, 1001}), several rows per lane ({32, 1024},
-  // {64, 24}, {16, 1001}), lanes of one call on both paths of the LL kernel (float32 {3, 1000})
-  const Shape shapes[] = {{8, 4096}, {3, 1000}, {32, 1024}, {1, 7},
-                          {5, 2048}, {4, 1001}, {64, 24},   {16, 1001}};
+  // {64, 24}, {16, 1001}), lanes of one call on both paths of the LL kernel (float32 {3, 1000}),
+  // lanes whose rows start 4 or 6 bytes past an 8-byte boundary ({3, 1031}, {2, 1025},
+  // {3, 2050}, {3, 2051}: one or two rows a lane)
+  const Shape shapes[] = {{8, 4096}, {3, 1000}, {32, 1024}, {1, 7},    {5, 2048}, {4, 1001},
+                          {64, 24},  {16, 1001}, {3, 1031}, {2, 1025}, {3, 2050}, {3, 2051}};
   long failures = 0;
   for (const auto& ds : dtypes) {
     const DT* dt = nullptr;

@@ -113,6 +113,35 @@ __device__ __forceinline__ void ll_store8(char* base, size_t line, size_t nbytes
   for (size_t b = 0; off + b < nbytes; ++b) base[off + b] = char(uint8_t(v >> (8 * b)));
 }
 
+// ll_load8 / ll_store8 where `base` may be aligned to 2 bytes only: a fused norm's lane starts
+// at row row0 of its operands, row0 * d elements in, which is a multiple of 8 bytes only where
+// row0 * d * sizeof(T) is. The access is 8, 4 or 2 bytes wide, as the address allows (the
+// lane's lines share one alignment, so a warp takes one branch).
+__device__ __forceinline__ uint64_t ll_load8_any(const char* base, size_t line, size_t nbytes) {
+  const size_t off = line * 8;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(base + off);
+  if (off + 8 > nbytes || (a & 7) == 0) return ll_load8(base, line, nbytes);
+  uint64_t v = 0;
+  if ((a & 3) == 0) {
+    for (int k = 0; k < 2; ++k)
+      v |= uint64_t(reinterpret_cast<const uint32_t*>(base + off)[k]) << (32 * k);
+  } else {
+    for (int k = 0; k < 4; ++k)
+      v |= uint64_t(reinterpret_cast<const uint16_t*>(base + off)[k]) << (16 * k);
+  }
+  return v;
+}
+__device__ __forceinline__ void ll_store8_any(char* base, size_t line, size_t nbytes, uint64_t v) {
+  const size_t off = line * 8;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(base + off);
+  if (off + 8 > nbytes || (a & 7) == 0) { ll_store8(base, line, nbytes, v); return; }
+  if ((a & 3) == 0) {
+    for (int k = 0; k < 2; ++k) reinterpret_cast<uint32_t*>(base + off)[k] = uint32_t(v >> (32 * k));
+  } else {
+    for (int k = 0; k < 4; ++k) reinterpret_cast<uint16_t*>(base + off)[k] = uint16_t(v >> (16 * k));
+  }
+}
+
 // The 8 bytes of the message at byte `b` (a multiple of 8) of `total`: zero-padded past the
 // end of a buffer, zero in the padding between segments; stores there are dropped.
 template <class T>
@@ -298,11 +327,11 @@ __global__ void __launch_bounds__(kNormBlock)
     constexpr int E = 8 / sizeof(T);
     for (size_t i = threadIdx.x; i < (nbytes + 7) / 8; i += blockDim.x) {
       union { uint64_t u; T e[E]; } sum, rl;
-      sum.u = ll_reduce_line<T, Sum>(peers, p, lane, i, ll_load8(xb, i, nbytes), round);
-      rl.u = ll_load8(rb, i, nbytes);
+      sum.u = ll_reduce_line<T, Sum>(peers, p, lane, i, ll_load8_any(xb, i, nbytes), round);
+      rl.u = ll_load8_any(rb, i, nbytes);
 #pragma unroll
       for (int j = 0; j < E; ++j) sum.e[j] = add_residual(rl.e[j], sum.e[j]);
-      ll_store8(nb, i, nbytes, sum.u);
+      ll_store8_any(nb, i, nbytes, sum.u);
     }
     if (threadIdx.x == 0) p.rounds[kMaxLanes + lane] = round;
     __syncthreads();  // the lane's new residual rows are written (visible to the block)
