@@ -441,7 +441,7 @@ def communicator(platform: str, mesh, axes: tuple) -> int:
     device_ids = tuple(int(d.id) for d in devices)
     ws = workspace_bytes(platform)
     key = (platform, device_ids, names, sizes, tuple(axes), ws, settings.timeout_s,
-           settings.fault_rank)
+           settings.fault_rank)  # (tests/conftest.py reads fault_rank at index 7)
     if platform == "cpu":
         key += (settings.fault_mode, settings.record_entries)
     # The settings select the cached communicator, but stay out of `meet`, which names the
@@ -636,10 +636,19 @@ resets = 0
 def reset() -> None:
     """Forget every cached communicator, and JAX's compiled programs with them
     (jax.clear_caches()): a jitted function is lowered again at its next call, with new
-    communicators. Programs compiled ahead of time (`.lower(...).compile()`) before the reset
-    can no longer run."""
+    communicators. It first waits for the programs still running whose results are alive.
+    Programs compiled ahead of time (`.lower(...).compile()`) before the reset can no longer
+    run."""
     global resets
     resets += 1
+    # JAX dispatches programs asynchronously: wait for those whose results are alive, so that
+    # no communicator is destroyed under a call that is running or about to start. A failed
+    # program's error belongs to whoever reads its results; here it only means it ended.
+    for a in jax.live_arrays():
+        try:
+            a.block_until_ready()
+        except Exception:
+            pass
     # Without clear_caches, a function jitted again (jax.jit(f) of the same f) would get its
     # old executable back from JAX's caches, which names a destroyed communicator.
     jax.clear_caches()

@@ -40,6 +40,21 @@ def test_reset_then_the_same_functions_run_again():
         jax.block_until_ready(compiled(x))
 
 
+def test_reset_waits_for_programs_still_running():
+    """reset() right after dispatch (JAX runs programs asynchronously): the calls in flight
+    finish on their communicators before those are destroyed, with lax's bits."""
+    needs_devices(2)
+    mesh = mesh_1d()
+    x = exact_input((1 << 16,), ndev(), "float32")
+    want = smap(lambda v: lax.psum(v, "i"), mesh, P("i"))(x)
+    for _ in range(5):
+        f = smap(lambda v: jax_gin.psum(v, "i", algorithm="ring"), mesh, P("i"))
+        ys = [f(x) for _ in range(4)]  # dispatched, not awaited
+        jax_gin.runtime.reset()
+        for y in ys:
+            assert_bitwise(y, want)
+
+
 _WORKER = textwrap.dedent("""
     import pickle, sys
     import jax, numpy as np
