@@ -38,6 +38,17 @@ def mesh_2d():
     return Mesh(np.array(jax.devices()).reshape(n // 2, 2), ("x", "y"))
 
 
+@pytest.fixture(autouse=True)
+def _faulty_communicators_end_with_their_test():
+    """A communicator with an injected fault (settings.fault_rank) is cached under the settings
+    that made it, and refused once it failed: another test that happens to use the same
+    settings must not find it. After a test that made one, every communicator goes."""
+    yield
+    from jax_gin import _runtime
+    if any(key[7] != -1 for key in _runtime._cache):  # the key's settings.fault_rank
+        _runtime.reset()
+
+
 @pytest.fixture
 def platform():
     return jax.default_backend()

@@ -18,7 +18,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jax_gin
-from conftest import mesh_1d, mesh_2d, ndev
+from conftest import mesh_1d, mesh_2d, ndev, needs_devices
 from helpers import assert_bitwise, auto_runs_kernel, kernel_algorithm
 
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -128,6 +128,7 @@ def test_bitwise_2d_mesh(axes, check_vma):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_ranks_bitwise_identical(dtype, algo):
     """Random (inexact) inputs: every rank's results are the same bits."""
+    needs_devices(2)
     n = ndev()
     mesh = mesh_1d()
     rng = np.random.default_rng(7)
@@ -284,11 +285,13 @@ def test_no_axes_and_constant_x():
                               mesh=mesh, in_specs=(P("i"), P("i"), P()), out_specs=(P("i"), P("i"))))
     normed, new_res = f(x, res, w)
     assert_bitwise(new_res, res + x)
+    assert_bitwise(normed, _jnp_norm(new_res, w))  # no communication: the norm of jnp
     c = jnp.ones((1, 4), jnp.float32)
     g = jax.jit(jax.shard_map(lambda r, w: jax_gin.psum_add_rmsnorm(c, r, w, "i"),
                               mesh=mesh, in_specs=(P("i"), P()), out_specs=(P("i"), P("i"))))
-    _, new_res = g(res, w)
+    normed, new_res = g(res, w)
     assert_bitwise(new_res, res + n)
+    assert_bitwise(normed, _jnp_norm(new_res, w))
 
 
 # ---- errors at trace time ------------------------------------------------------------------
@@ -478,6 +481,7 @@ def test_layernorm_bitwise_1d(dtype, algo, check_vma):
 
 @pytest.mark.parametrize("algo", ["one_shot", "ring"])
 def test_layernorm_ranks_bitwise_identical(algo):
+    needs_devices(2)
     n = ndev()
     rng = np.random.default_rng(17)
     x = jnp.asarray(rng.standard_normal((n * 5, 257)), jnp.bfloat16)

@@ -111,9 +111,11 @@ def test_recovery_after_a_failure(monkeypatch):
     # reset() forgets it: the same settings now form a new communicator, which runs (and,
     # with the fault still injected, times out anew instead of being refused).
     jax_gin.runtime.reset()
-    with pytest.raises(Exception, match="waiting for peer"):
+    with pytest.raises(Exception, match="waiting for peer") as info:
         jax.block_until_ready(smap(lambda v: body(v) - 0, mesh_1d(), P("i"))(x))
+    assert "cannot be reused" not in str(info.value)  # (a refusal quotes the first timeout)
     monkeypatch.setattr(jax_gin.runtime.settings, "fault_rank", -1)
+    monkeypatch.setattr(jax_gin.runtime.settings, "timeout_s", 60.0)  # a healthy call, on busy cores
     jax_gin.runtime.reset()
     out = smap(lambda v: body(v) * 1, mesh_1d(), P("i"))(x)
     assert_bitwise(out, smap(lambda v: lax.psum(v, "i"), mesh_1d(), P("i"))(x))
@@ -127,9 +129,11 @@ def test_fault_only_affects_its_communicator(monkeypatch):
     monkeypatch.setattr(jax_gin.runtime.settings, "timeout_s", 0.31)
     monkeypatch.setattr(jax_gin.runtime.settings, "fault_rank", 0)
     f = smap(lambda v: jax_gin.psum(v, "i", algorithm="ring"), mesh_1d(), P("i"))
-    with pytest.raises(Exception, match=r"jax_gin psum \(ring\) on CPU: rank \d+ .*waiting for peer"):
+    with pytest.raises(Exception, match=r"jax_gin psum \(ring\) on CPU: rank \d+ .*waiting for peer") as info:
         jax.block_until_ready(f(x))
+    assert "cannot be reused" not in str(info.value)  # this call timed out, not an earlier one
     monkeypatch.setattr(jax_gin.runtime.settings, "fault_rank", -1)
+    monkeypatch.setattr(jax_gin.runtime.settings, "timeout_s", 60.0)  # a healthy call, on busy cores
     g = smap(lambda v: jax_gin.psum(v, "i", algorithm="ring") + 0, mesh_1d(), P("i"))
     assert_bitwise(g(x), smap(lambda v: lax.psum(v, "i"), mesh_1d(), P("i"))(x))
 
