@@ -15,7 +15,7 @@ C = _native.cpu
 S = C.schedule
 H = C.ALGORITHM_HIERARCHICAL
 SHAPES = [(1, 2), (2, 1), (2, 2), (2, 3), (3, 2), (2, 4), (4, 2), (3, 1), (5, 1)]  # (nodes, L)
-ALL_SHAPES = SHAPES + [(1, 1), (1, 5), (5, 1), (3, 3), (4, 4), (2, 8), (8, 2)]
+ALL_SHAPES = SHAPES + [(1, 5), (3, 3), (4, 4), (2, 8), (8, 2)]
 
 
 def test_internal_only():
@@ -159,8 +159,6 @@ def simulate_round(M, L, n, slot, align=4):
 @pytest.mark.parametrize("n", [1, 3, 29, 64])
 def test_model_round(M, L, n):
     N = M * L
-    if N == 1:
-        return
     slot = S.hier_segment(n, L, 0, 4)[1]  # the largest segment
     slot = max(4, (slot + 3) // 4 * 4)
     out, final_at, puts = simulate_round(M, L, n, slot)
@@ -194,8 +192,6 @@ def test_model_round(M, L, n):
 @pytest.mark.parametrize("M,L", ALL_SHAPES)
 def test_slot_fit(M, L):
     N = M * L
-    if N == 1:
-        return
     for w in list(range(0, 400, 7)) + [1 << 14, (1 << 18) // 4 + 12]:
         s = S.hier_slot_fit(w, L, M, 4)
         assert s % 4 == 0
