@@ -65,6 +65,8 @@ def test_settings_checked(monkeypatch):
 
 def test_entries_content_and_order(fresh, monkeypatch):
     needs_devices(2)  # a group of one rank runs no rounds
+    if ndev() > 8:  # an entry keeps kRecEvents (40) events: every phase of these calls up to 8
+        pytest.skip("over more than 8 ranks these calls have more events than an entry keeps")
     monkeypatch.setattr(_runtime.settings, "record", True)
     x = exact_input((1000,), ndev(), "float32")
     before = set(_runtime.comm_devices)
