@@ -34,6 +34,7 @@
 // --record 1 turns each rank's flight recorder on and checks its entries after each rank count;
 // 0 (the default) leaves it off, as the runtime does; -1 gives the kernels no recorder at all
 // (no ring, no switch to read), to measure what the recorder costs when it is off.
+// --ll-round-start R starts every lane's LL round counter at R (2^32 - 2: across the flags' wrap).
 // --late-rank R --late-ms M launches rank R M ms after the others in every all-reduce, so that
 // their waits spin long enough to be published in their state blocks (RecState,
 // transport.cuh state_wait), and checks after each case that every published wait was
@@ -326,6 +327,13 @@ struct Layout {
   std::vector<std::string> algos;
 };
 
+// Round counters as a fresh communicator's (0), the LL ones at `ll_start` (--ll-round-start).
+cudaError_t set_rounds(uint64_t* rounds, uint64_t ll_start) {
+  std::vector<uint64_t> v(2 * size_t(kMaxLanes), 0);
+  std::fill(v.begin() + kMaxLanes, v.end(), ll_start);
+  return cudaMemcpy(rounds, v.data(), gpu::kRoundCountersBytes, cudaMemcpyHostToDevice);
+}
+
 // --add-rmsnorm 1: psum_add_rmsnorm's and psum_add_layernorm's one-kernel LL path
 // (launch_add_norm_ll) against its two-kernel composition (one_shot, then launch_add_norm),
 // bit for bit on every rank, and the normed rows equal across ranks. With time_iters > 0, also
@@ -598,6 +606,9 @@ int main(int argc, char** argv) {
   int ce_serial = 0;  // --ce-serial 1: copy_engine without its second stream
   int record = 0;     // --record 1: the flight recorder on, checked after each rank count (-1: none)
   int add_rmsnorm = 0;  // --add-rmsnorm 1: the fused norms' one-kernel path, after each rank count
+  // --ll-round-start R: every lane's LL round counter starts at R rather than 0 (R = 2^32 - 2
+  // runs the rounds around the 32-bit flags' wrap on zeroed buffers)
+  uint64_t ll_round_start = 0;
   int segments = 1;     // --segments S: each all-reduce as S buffers in one call
   std::string collectives = "0";  // --collectives 1 | only
   int late_rank = -1, late_ms = 0;  // --late-rank R --late-ms M
@@ -629,6 +640,7 @@ int main(int argc, char** argv) {
     else if (k == "--ce-serial") ce_serial = std::atoi(v.c_str());
     else if (k == "--record") record = std::atoi(v.c_str());
     else if (k == "--add-rmsnorm") add_rmsnorm = std::atoi(v.c_str());
+    else if (k == "--ll-round-start") ll_round_start = std::strtoull(v.c_str(), nullptr, 10);
     else if (k == "--segments") segments = std::atoi(v.c_str());
     else if (k == "--collectives") collectives = v;
     else if (k == "--late-rank") late_rank = std::atoi(v.c_str());
@@ -733,7 +745,7 @@ int main(int argc, char** argv) {
       CK(cudaMalloc(&R.window, wbytes));
       CK(cudaMemset(R.window, 0, wbytes));
       CK(cudaMalloc(&R.rounds, gpu::kRoundCountersBytes));
-      CK(cudaMemset(R.rounds, 0, gpu::kRoundCountersBytes));
+      CK(set_rounds(R.rounds, ll_round_start));
       CK(cudaHostAlloc(&R.diag_host, sizeof(HangReport), cudaHostAllocMapped | cudaHostAllocPortable));
       std::memset(R.diag_host, 0, sizeof(HangReport));
       CK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&R.diag_dev), R.diag_host, 0));
@@ -765,7 +777,7 @@ int main(int argc, char** argv) {
         CK(cudaSetDevice(rk[r].dev));
         CK(cudaDeviceSynchronize());
         CK(cudaMemset(rk[r].window, 0, wbytes));
-        CK(cudaMemset(rk[r].rounds, 0, gpu::kRoundCountersBytes));
+        CK(set_rounds(rk[r].rounds, ll_round_start));
         CK(cudaDeviceSynchronize());
       }
       return 0;

@@ -167,6 +167,13 @@ __device__ __forceinline__ void ll_write(const Segmented<T>& io, size_t b, size_
   ll_store8(static_cast<char*>(g.out), (b - g.start * sizeof(T)) / 8, g.count * sizeof(T), v);
 }
 
+// The flag of LL round `round`, the high half of each line: odd, so never 0, the flag of a line
+// that no round has written yet (windows start zeroed); so the round whose low 32 bits are 0
+// (after 2^32 rounds of a lane: hours of back-to-back calls) cannot take such a line for a
+// peer's. Rounds e and e - 2, which share a buffer, differ by 2 in their low bits, and so
+// do their flags. (One OR: a modulo here cost 0.04-0.16 us a call on an H200.)
+__device__ __forceinline__ uint32_t ll_flag(uint64_t round) { return uint32_t(round) | 1u; }
+
 // Line i (8 bytes, `mine`) of lane `lane` in an LL round: pushes it, tagged with the round's
 // flag, to every peer, then reduces the N ranks' lines in rank order, polling for the peers'
 // ones; accumulates in the wide type (float for 16-bit floats) and rounds once.
@@ -174,7 +181,7 @@ template <class T, class Op, class Peers>
 __device__ __forceinline__ uint64_t ll_reduce_line(const Peers& peers, const LaneParams& p, int lane,
                                                    size_t i, uint64_t mine, uint64_t round) {
   const int r = p.rank, N = p.nranks;
-  const uint32_t flag = uint32_t(round);
+  const uint32_t flag = ll_flag(round);
   const int parity = int(round & 1);
   const uint64_t hi = uint64_t(flag) << 32;
   constexpr int E = 8 / sizeof(T);

@@ -75,6 +75,9 @@ harness() {
   $H --ranks 2,3,4,8 --algos one_shot --counts 1,1000 --dtypes f32,bf16,f16 --iters 2 \
     --add-rmsnorm 1 --record 1 >> "$OUT/harness.log" 2>&1
   log "harness, the fused norms in one kernel against two, recorded rc=$? $(tail -1 "$OUT/harness.log")"
+  $H --ranks 2,3,4,8 --algos one_shot --counts 1,1000,4099,65537 --dtypes f32,bf16 --iters 2 \
+    --ll-round-start 4294967294 --add-rmsnorm 1 >> "$OUT/harness.log" 2>&1
+  log "harness, LL rounds across the flags' 32-bit wrap rc=$? $(tail -1 "$OUT/harness.log")"
   $H --ranks 2,3,4,8 --lane-bytes 4096 --algos copy_engine,two_shot,copy_engine,ring \
     --counts 1,1001,300001,1000003 --dtypes f32,bf16 --ops sum,max --iters 2 >> "$OUT/harness.log" 2>&1
   log "harness, copy engines over several rounds rc=$? $(tail -1 "$OUT/harness.log")"
