@@ -39,6 +39,39 @@ def test_fault_injection_times_out(monkeypatch, algo):
     assert re.search(r"(at step \d+ of round \d+|\(credit\) before round \d+)", msg), msg
 
 
+_OTHER_CALLS = {
+    # name in the error -> the call (ring: a fault leaves every rank waiting on its neighbour)
+    "pmax (ring)": lambda v: jax_gin.pmax(v, "i", algorithm="ring"),
+    "pmin (two_shot)": lambda v: jax_gin.pmin(v, "i", algorithm="two_shot"),
+    "psum (ring)#overlap": lambda v: jax_gin.psum(v, "i", algorithm="ring", overlap=True),
+    "psum (one_shot)#overlapping": lambda v: jax_gin.psum_overlapping(
+        v, "i", lambda u: u * 2, v, algorithm="one_shot")[0],
+    "psum_add_rmsnorm (tree)": lambda v: jax_gin.psum_add_rmsnorm(
+        v.reshape(4, 25), v.reshape(4, 25), v[:25], "i", algorithm="tree")[0].reshape(100),
+}
+
+
+@pytest.mark.parametrize("name", list(_OTHER_CALLS))
+def test_fault_injection_times_out_in_other_calls(monkeypatch, name):
+    # max and min, the asynchronous start/done pairs, a fused norm: each wait times out and
+    # names its call, and the communicator refuses the next call
+    needs_devices(2)
+    if jax.default_backend() != "cpu":
+        pytest.skip("the GPU fault test runs in the native harness (a trap kills the context)")
+    monkeypatch.setattr(jax_gin.runtime.settings, "timeout_s", 0.5)
+    monkeypatch.setattr(jax_gin.runtime.settings, "fault_rank", 1)
+    x = exact_input((100,), ndev(), "float32")
+    f = smap(_OTHER_CALLS[name], mesh_1d(), P("i"))
+    with pytest.raises(jax.errors.JaxRuntimeError) as info:
+        jax.block_until_ready(f(x))
+    msg = str(info.value)
+    what = re.escape(name.split("#")[0])
+    assert re.search(rf"jax_gin {what} on CPU: rank \d+ of group 0", msg), msg
+    assert re.search(r"timed out after 0.5 s waiting for peer \d+", msg.splitlines()[0]), msg
+    with pytest.raises(jax.errors.JaxRuntimeError, match="cannot be reused"):
+        jax.block_until_ready(f(x))
+
+
 def test_every_rank_names_the_first_failure(monkeypatch):
     """Whichever device's error the caller sees, its first line has the wait that timed out
     first: a rank that gave up after another failed names that rank and repeats its wait."""
