@@ -141,7 +141,21 @@ def test_einsum_batched_and_dot():
     assert_bitwise(dot(put(u, mesh, P(("data", "tensor"))), v), jnp.dot(u, v))
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "int32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int32"])
+def test_einsum_dtypes_and_odd_sizes(dtype):
+    # a contraction over a sharded dimension of odd per-device length (3), with odd outer sizes
+    mesh = mesh_1d()
+    k = 3 * ndev()
+    a, b = ints((5, 7, k)).astype(dtype), ints((k, 9), seed=1).astype(dtype)
+    f = lambda a, b: jax_gin.einsum("bsd,df->bsf", a, b)  # noqa: E731
+    args = put(a, mesh, P(None, None, "i")), put(b, mesh, P("i", None))
+    got = jax.jit(f)(*args)
+    assert got.dtype == np.dtype(dtype)
+    assert_bitwise(got, jnp.einsum("bsd,df->bsf", a, b))
+    assert counts(hlo(f, *args)) == (1, 0)  # jax_gin's all-reduce, no XLA one
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int32"])
 def test_matmul_dtypes(dtype):
     mesh = mesh_1d()
     x, w = ints((8, 16)).astype(dtype), ints((16, 8), seed=1).astype(dtype)
