@@ -163,8 +163,9 @@ def test_partly_varying_input_is_refused_as_lax_does(api):
             jnp.zeros((mesh.shape["x"],)))
 
 
+@pytest.mark.parametrize("algo", jax_gin.ALGORITHMS + ("auto",))
 @pytest.mark.parametrize("op", ["pmax", "pmin"])
-def test_pmax_pmin_gradient(op):
+def test_pmax_pmin_gradient(op, algo):
     # lax.pmax has no derivative rule; jax_gin's matches jnp.max's: the winners share it.
     mesh = mesh_1d()
     n = ndev()
@@ -172,7 +173,7 @@ def test_pmax_pmin_gradient(op):
     x = jnp.asarray(np.arange(n * 3, dtype=np.float32) % 5)
 
     def f(x):
-        return jax.grad(lambda v: jnp.sum(fn(v, "i")))(x)
+        return jax.grad(lambda v: jnp.sum(fn(v, "i", algorithm=algo)))(x)
 
     got = np.asarray(smap(f, mesh, P("i"))(x)).reshape(n, 3)
     xs = np.asarray(x).reshape(n, 3)
