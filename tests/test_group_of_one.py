@@ -90,12 +90,17 @@ def test_fused_norm():
     def f(a, b):
         auto = jax_gin.psum_add_rmsnorm(a, b, w, "y")
         fused = jax_gin.psum_add_rmsnorm(a, b, w, "y", algorithm="one_shot")
-        return auto, fused, b + lax.psum(a, "y")
+        want = b + lax.psum(a, "y")
+        q = want.astype(jnp.float32)  # the norm, as the docstring defines it, in jnp
+        want_normed = (q * lax.rsqrt(jnp.mean(q * q, -1, keepdims=True) + 1e-6)).astype(
+            want.dtype) * w
+        return auto, fused, want, want_normed
 
     g = jax.jit(jax.shard_map(f, mesh=_mesh(), in_specs=(P("x"), P("x")),
-                              out_specs=((P("x"), P("x")),) * 2 + (P("x"),)))
-    (normed, new_res), (normed1, new_res1), want_res = g(x, r)
+                              out_specs=((P("x"), P("x")),) * 2 + (P("x"), P("x"))))
+    (normed, new_res), (normed1, new_res1), want_res, want_normed = g(x, r)
     assert _calls(g, x, r) == 1  # the explicit algorithm's (lax.psum over one device: none)
     assert_bitwise(new_res, want_res)
     assert_bitwise(new_res, new_res1)
+    assert_bitwise(normed, want_normed)
     assert_bitwise(normed, normed1)
