@@ -368,7 +368,7 @@ def test_scalar_x():
 
 def test_outside_shard_map():
     x, res, w = _good()
-    with pytest.raises(NameError):
+    with pytest.raises(NameError, match=r"jax_gin.psum_add_rmsnorm: Found an unbound axis name: i"):
         jax.jit(lambda x, r, w: jax_gin.psum_add_rmsnorm(x, r, w, "i"))(x, res, w)
 
 

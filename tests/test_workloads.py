@@ -85,7 +85,7 @@ def test_sharded_step_updates_like_one_device(workload):
     assert error <= 1e-3 * update, (error, update)
 
 
-def test_errors():
+def test_errors(capsys):
     with pytest.raises(ValueError, match="reduce must be"):
         workloads.reducer("nccl")
     with pytest.raises(ValueError, match="multiples of 3"):
@@ -98,8 +98,10 @@ def test_errors():
             workloads.check_config("tp-decode", tiny("tp-decode", **{name: 0}), 2)
     with pytest.raises(SystemExit, match="dp-train needs sizes of at least 1: got batch 0"):
         bench.main(["--workload", "dp-train", "--batch", "0"])
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as info:  # a usage error (status 2), its text on stderr
         bench.main(["--workload", "dp-train", "--rounds", "0"])
+    assert info.value.code == 2
+    assert "--rounds must be at least 1" in capsys.readouterr().err
 
 
 def test_one_device_gives_no_lax_ratio():
