@@ -329,8 +329,8 @@ struct Layout {
 
 // Round counters as a fresh communicator's (0), the LL ones at `ll_start` (--ll-round-start).
 cudaError_t set_rounds(uint64_t* rounds, uint64_t ll_start) {
-  std::vector<uint64_t> v(2 * size_t(kMaxLanes), 0);
-  std::fill(v.begin() + kMaxLanes, v.end(), ll_start);
+  std::vector<uint64_t> v(gpu::kRoundCountersBytes / sizeof(uint64_t), 0);  // with the claim word
+  std::fill(v.begin() + kMaxLanes, v.begin() + 2 * kMaxLanes, ll_start);
   return cudaMemcpy(rounds, v.data(), gpu::kRoundCountersBytes, cudaMemcpyHostToDevice);
 }
 

@@ -32,8 +32,10 @@ struct PeerAccess {
   const ncclDevComm* devcomm = nullptr;
 };
 
-// Bytes of LaunchConfig::rounds: each lane's round counter for the simple protocol, then for LL.
-constexpr size_t kRoundCountersBytes = 2 * size_t(kMaxLanes) * sizeof(uint64_t);
+// LaunchConfig::rounds: each lane's round counter for the simple protocol, then for LL, then
+// the word that the first timed-out wait claims to write the hang report (claim_report).
+constexpr size_t kReportClaimIndex = 2 * size_t(kMaxLanes);
+constexpr size_t kRoundCountersBytes = (kReportClaimIndex + 1) * sizeof(uint64_t);
 
 struct LaunchConfig {
   int rank = 0, nranks = 1, group = 0;

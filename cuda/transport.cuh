@@ -15,6 +15,7 @@
 #include "jax_gin/recorder.h"
 #include "jax_gin/reduce.h"
 #include "device_types.cuh"
+#include "kernels.h"
 #include "jax_gin/schedule.h"
 
 namespace jax_gin {
@@ -315,7 +316,6 @@ __device__ __forceinline__ void run_recorded_lane(const LaneParams& p, int lane,
 
 __device__ inline void record_timeout(const LaneParams& p, int lane, int peer, int step,
                                       uint64_t round, uint64_t expected, uint64_t seen) {
-  if (p.diag == nullptr) return;
   volatile Diagnostic* d = &p.diag->diag;
   d->op = p.op;
   d->algorithm = p.algorithm;
@@ -332,16 +332,28 @@ __device__ inline void record_timeout(const LaneParams& p, int lane, int peer, i
   __threadfence_system();
 }
 
-// A wait timed out: this rank's state says so, every rank's state block is read through its
-// window into the report (the host names the rank that is behind from them), then the wait's
-// diagnostic; the caller traps. `place` and `kind` as state_wait's.
+// Whether this thread writes the rank's hang report: only the first of its waits to time out
+// does. Waits of many lanes (every thread of an LL kernel) often time out together, and a
+// report written by several would mix their fields. The claim is a word of device memory after
+// the round counters (kReportClaimIndex); it is never cleared, since a communicator whose wait
+// timed out takes no further calls (its kernel traps).
+__device__ inline bool claim_report(const LaneParams& p) {
+  auto* word = reinterpret_cast<unsigned long long*>(p.rounds + kReportClaimIndex);
+  return atomicCAS(word, 0ull, 1ull) == 0ull;
+}
+
+// A wait timed out: this rank's state says so, then the first such wait (claim_report) reads
+// every rank's state block through its window into the report (the host names the rank that
+// is behind from them) and writes its own diagnostic; the caller traps. `place` and `kind` as
+// state_wait's.
 template <class Peers>
 __device__ inline void report_timeout(const Peers& peers, const LaneParams& p, int lane, int peer,
                                       int step, uint64_t round, uint64_t expected, uint64_t seen,
                                       uint32_t place, int kind) {
   state_wait(p, peer, step, round, place, kind);
   if (p.state != nullptr) static_cast<volatile RecState*>(p.state)->failed = 1;
-  if (p.diag != nullptr && p.state != nullptr) {
+  if (p.diag == nullptr || !claim_report(p)) return;
+  if (p.state != nullptr) {
     constexpr int kWords = sizeof(RecState) / sizeof(uint64_t);
     for (int q = 0; q < p.nranks; ++q) {
       const volatile uint64_t* src =
@@ -751,7 +763,8 @@ class HierTransport {
         uint32_t spins = 0;
         while ((seen = rail_.read(id)) < value) {
           if ((++spins & 1023u) == 0 && globaltimer_ns() - start > p_.timeout_ns) {
-            record_timeout(p_, lane_, peer, step, round_of_wait(value, step), value, seen);
+            if (p_.diag != nullptr && claim_report(p_))
+              record_timeout(p_, lane_, peer, step, round_of_wait(value, step), value, seen);
             __trap();
           }
         }
