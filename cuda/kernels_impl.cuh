@@ -167,12 +167,20 @@ __device__ __forceinline__ void ll_write(const Segmented<T>& io, size_t b, size_
   ll_store8(static_cast<char*>(g.out), (b - g.start * sizeof(T)) / 8, g.count * sizeof(T), v);
 }
 
-// The flag of LL round `round`, the high half of each line: odd, so never 0, the flag of a line
-// that no round has written yet (windows start zeroed); so the round whose low 32 bits are 0
-// (after 2^32 rounds of a lane: hours of back-to-back calls) cannot take such a line for a
-// peer's. Rounds e and e - 2, which share a buffer, differ by 2 in their low bits, and so
-// do their flags. (One OR: a modulo here cost 0.04-0.16 us a call, one H200, 2026-12-03.)
-__device__ __forceinline__ uint32_t ll_flag(uint64_t round) { return uint32_t(round) | 1u; }
+// The flag of LL round `round`, the high half of each line: its low 32 bits. Rounds e and
+// e - 2, which share a buffer, differ in them; ll_next_round skips the rounds whose flag would
+// be 0. (Setting the lowest bit instead cost 0.01-0.17 us a call, and a modulo 0.04-0.16 us,
+// on one H200, 2026-12-03: the flag is computed on every line's path.)
+__device__ __forceinline__ uint32_t ll_flag(uint64_t round) { return uint32_t(round); }
+
+// The LL round after `round`. A window starts zeroed, and 0 is the flag of a round whose low
+// 32 bits are 0 (after 2^32 calls of one lane: hours of back-to-back calls), which would take
+// a line that no round has written for a peer's. Such a round is skipped for the next of the
+// same parity, so that consecutive rounds still alternate buffers.
+__device__ __forceinline__ uint64_t ll_next_round(uint64_t round) {
+  const uint64_t next = round + 1;
+  return uint32_t(next) == 0 ? next + 2 : next;
+}
 
 // Line i (8 bytes, `mine`) of lane `lane` in an LL round: pushes it, tagged with the round's
 // flag, to every peer, then reduces the N ranks' lines in rank order, polling for the peers'
@@ -229,7 +237,7 @@ __device__ __forceinline__ uint64_t ll_reduce_line(const Peers& peers, const Lan
 // The LL round number of lane `lane` for this call, read by thread 0 and shared.
 __device__ __forceinline__ uint64_t ll_round(const LaneParams& p, int lane) {
   __shared__ uint64_t s_round;
-  if (threadIdx.x == 0) s_round = p.rounds[kMaxLanes + lane] + 1;
+  if (threadIdx.x == 0) s_round = ll_next_round(p.rounds[kMaxLanes + lane]);
   __syncthreads();
   return s_round;
 }
