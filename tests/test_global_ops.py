@@ -2,9 +2,10 @@
 
 Each operation runs under jax.jit on globally sharded arrays, and is compared bit for bit
 with the plain jnp expression under the same shardings. The inputs are small integers in
-float32, so every sum is exact whatever the reduction order. The structure tests check that
-the compiled program holds jax_gin's custom call, and no XLA all-reduce, wherever the jnp
-program all-reduces.
+float32, so every sum is exact whatever the reduction order; the tests in bfloat16, float16
+and int32 keep the sums small enough to be exact in those too (assert_exact). The structure
+tests check that the compiled program holds jax_gin's custom call, and no XLA all-reduce,
+wherever the jnp program all-reduces.
 """
 import importlib.util
 import pathlib
@@ -52,6 +53,12 @@ def hlo(f, *args) -> str:
     return jax.jit(f).lower(*args).compile().as_text()
 
 
+def run_hlo(f, *args):
+    """jit(f)(*args) and its compiled HLO text, from one compilation."""
+    compiled = jax.jit(f).lower(*args).compile()
+    return compiled(*args), compiled.as_text()
+
+
 def counts(text):
     """(jax_gin custom calls, XLA all-reduces) in compiled HLO text."""
     ours = text.count('custom_call_target="jax_gin_all_reduce')
@@ -69,6 +76,36 @@ def assert_bitwise(a, b):
 def assert_all_bitwise(got, want):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert_bitwise(a, b)
+
+
+# The dtype and odd-size tests: the 16-bit floats and int32 (float32, the other tests' dtype,
+# takes the same paths). jnp.sum and jnp.mean sum the 16-bit floats in float32, but a
+# contraction (its all-reduce too) and the tie count of a max/min gradient sum in the
+# operand's own dtype.
+ODD_DTYPES = ["bfloat16", "float16", "int32"]
+
+
+def odd_sizes(mesh, operands, odd):
+    """Global sizes for the dimension letters of `operands` ((letters, spec) pairs) such that
+    every device's block is `odd[letter]` long: each size times the mesh axes that shard that
+    letter in any operand."""
+    axes = {c: set() for c in odd}
+    for letters, spec in operands:
+        for c, entry in zip(letters, tuple(spec) + (None,) * len(letters)):
+            axes[c].update(() if entry is None else (entry,) if isinstance(entry, str) else entry)
+    return {c: n * int(np.prod([mesh.shape[a] for a in axes[c]])) for c, n in odd.items()}
+
+
+def assert_exact(bound, dtype):
+    """Every partial sum of integer terms, split and ordered in any way, is an integer no
+    larger than the sum of the terms' magnitudes. `bound` holds that sum for each result: where
+    it is within the integers `dtype` holds exactly, the sum is exact in every order and every
+    intermediate rounding, and a bitwise comparison is fair."""
+    if jnp.issubdtype(dtype, jnp.integer):
+        limit = int(jnp.iinfo(dtype).max)
+    else:
+        limit = 2 ** (jnp.finfo(dtype).nmant + 1)
+    assert np.max(bound) <= limit, f"inputs too large to sum exactly in {dtype}: {np.max(bound)}"
 
 
 # ---------------------------------------------------------------------------------------
@@ -163,6 +200,58 @@ def test_matmul_dtypes(dtype):
     assert_bitwise(got, jnp.matmul(x, w))
 
 
+MESHES = {"1d": mesh_1d, "2d": mesh_dt, "2d-explicit": lambda: mesh_dt(EXPLICIT)}
+# (mesh, x spec, w spec, dtype): every dtype with four of the cases above, between them
+# all-reducing the forward over one and two axes (row-parallel, k over both axes) and each
+# backward contraction (dw over a data-parallel batch, dx over a column-parallel n; not for
+# int32, which has no gradients), and bfloat16 under Explicit axes. Fewer than every
+# pairing: each case compiles two programs.
+MATMUL_ODD = [(mesh, sx, sw, dtype) for dtype in ODD_DTYPES
+              for mesh, (sx, sw) in [("1d", MATMUL_1D[0]), ("2d", MATMUL_2D[0]),
+                                     ("2d", MATMUL_2D[2]), ("2d", MATMUL_2D[3])]
+              if dtype != "int32" or (sx, sw) != MATMUL_2D[2]]
+MATMUL_ODD += [("2d-explicit", sx, sw, "bfloat16") for sx, sw in (MATMUL_2D[0], MATMUL_2D[2])]
+
+
+@pytest.mark.parametrize("mesh_name,sx,sw,dtype", MATMUL_ODD,
+                         ids=[f"{m}-{a}x{b}-{d}" for m, a, b, d in MATMUL_ODD])
+def test_matmul_dtypes_odd_sizes(mesh_name, sx, sw, dtype):
+    # x (m, k) @ w (k, n) with 3, 7 and 5 per device on every sharded dimension, and the
+    # gradients for an integer cotangent (int32 has none). Values in -2..2 keep the product
+    # and both gradients exact in bfloat16 (checked), so jnp's bits and numpy's agree.
+    mesh = MESHES[mesh_name]()
+    sizes = odd_sizes(mesh, [("mk", sx), ("kn", sw)], {"m": 3, "k": 7, "n": 5})
+    m, k, n = sizes["m"], sizes["k"], sizes["n"]
+    x, w, ct = ints((m, k), lo=-2, hi=3), ints((k, n), seed=1, lo=-2, hi=3), \
+        ints((m, n), seed=2, lo=-2, hi=3)
+    x64, w64, ct64 = (np.asarray(v, np.int64) for v in (x, w, ct))
+    assert_exact(np.abs(x64) @ np.abs(w64), dtype)  # y = x @ w
+    assert_exact(np.abs(ct64) @ np.abs(w64).T, dtype)  # dx = ct @ w.T
+    assert_exact(np.abs(x64).T @ np.abs(ct64), dtype)  # dw = x.T @ ct
+    x, w, ct = x.astype(dtype), w.astype(dtype), ct.astype(dtype)
+    xs, ws = put(x, mesh, sx), put(w, mesh, sw)
+    grads = jnp.issubdtype(dtype, jnp.floating)
+
+    def case(mm):
+        def f(a, b, c):
+            loss = lambda a, b: jnp.sum(mm(a, b) * c)  # noqa: E731  (dy = c)
+            return mm(a, b), (jax.grad(loss, argnums=(0, 1))(a, b) if grads else ())
+        return run_hlo(f, xs, ws, ct)
+
+    with jax.set_mesh(mesh):
+        got, text = case(jax_gin.matmul)
+        # Under Explicit axes jnp needs the result sharding of a sharded contraction.
+        out_spec = got[0].sharding.spec if mesh_name == "2d-explicit" else None
+        want, _ = case(lambda a, b: jnp.matmul(a, b, out_sharding=out_spec))
+    ours, xla = counts(text)  # the all-reduces in this dtype are jax_gin's
+    assert ours >= (1 if ndev() > 1 else 0) and xla == 0, (ours, xla)
+    assert_all_bitwise(got, want)
+    assert got[0].sharding.spec == want[0].sharding.spec
+    exact = (x64 @ w64, *((ct64 @ w64.T, x64.T @ ct64) if grads else ()))
+    for a, b in zip(jax.tree.leaves(got), exact, strict=True):
+        assert_bitwise(a, np.asarray(b).astype(dtype))
+
+
 def test_matmul_preferred_element_type_and_precision():
     mesh = mesh_1d()
     x, w = ints((8, 16)).astype(jnp.bfloat16), ints((16, 8), seed=1).astype(jnp.bfloat16)
@@ -236,6 +325,58 @@ def test_reduction_dtypes(dtype):
     for name in ("sum", "mean") + (() if dtype == "bool" else ("max",)):
         got = jax.jit(lambda v: getattr(jax_gin, name)(v, 1))(xs)
         assert_bitwise(got, getattr(jnp, name)(x, 1))
+
+
+# (mesh, x spec, x's block on each device, (axis, keepdims) cases): rows sharded over a 1-D
+# mesh, and two dimensions over data x tensor, every block of odd size. The reductions run
+# over one sharded dimension, over all of them, and over a sharded one with a replicated one
+# (keepdims). At most 8 * 7 * 3 = 168 terms in -2..2: exact sums in bfloat16 (checked).
+REDUCE_ODD = {
+    "1d": (P("i"), (7, 3), [(0, False), (None, False)]),
+    "2d": (P("data", "tensor"), (3, 7, 3), [(1, False), ((0, 1), False), ((0, 2), True)]),
+}
+REDUCE_ODD["2d-explicit"] = REDUCE_ODD["2d"]
+# (name, dtype, mesh): every dtype on both meshes, and bfloat16 under Explicit axes
+REDUCE_ODD_CASES = [(name, dtype, mesh) for name in REDUCTIONS for dtype in ODD_DTYPES
+                    for mesh in ("1d", "2d")]
+REDUCE_ODD_CASES += [(name, "bfloat16", "2d-explicit") for name in REDUCTIONS]
+# The exact results for sum, max and min. Not mean: XLA's CPU backend divides by the count
+# as a multiplication by its float32 reciprocal, which can differ from the correctly rounded
+# quotient in the last bit (int32's float32 mean of 56 values here: 2 of 12 do), in jnp's
+# program as in jax_gin's. There jnp's bits are the reference.
+NP_REDUCTIONS = {"sum": np.sum, "max": np.max, "min": np.min}
+
+
+@pytest.mark.parametrize("name,dtype,mesh_name", REDUCE_ODD_CASES,
+                         ids=["-".join(c) for c in REDUCE_ODD_CASES])
+def test_reduction_dtypes_odd_sizes(name, dtype, mesh_name):
+    spec, block, cases = REDUCE_ODD[mesh_name]
+    mesh = MESHES[mesh_name]()
+    sizes = odd_sizes(mesh, [("abc"[: len(block)], spec)], dict(zip("abc", block)))
+    x = ints(tuple(sizes.values()), seed=4, lo=-2, hi=3)
+    x64 = np.asarray(x, np.int64)
+    for axis, _ in cases:  # the sums, and the tie counts of the max/min gradients
+        assert_exact(np.maximum(np.abs(x64).sum(axis), x64.size // np.sum(x64, axis).size), dtype)
+    xs = put(x.astype(dtype), mesh, spec)
+    grads = jnp.issubdtype(dtype, jnp.floating)
+
+    def run(f):
+        # every case in one program: one compilation per side
+        def one(v, axis, keepdims):
+            loss = lambda v: jnp.sum(f(v, axis, keepdims=keepdims) * 3)  # noqa: E731
+            return f(v, axis, keepdims=keepdims), (jax.grad(loss)(v) if grads else ())
+        return run_hlo(lambda v: [one(v, a, k) for a, k in cases], xs)
+
+    with jax.set_mesh(mesh):
+        (got, text), (want, _) = run(getattr(jax_gin, name)), run(getattr(jnp, name))
+    ours, xla = counts(text)  # the all-reduces in this dtype are jax_gin's
+    assert ours >= (1 if ndev() > 1 else 0) and xla == 0, (ours, xla)
+    assert_all_bitwise(got, want)
+    for (axis, keepdims), (g, w) in zip(cases, zip(got, want)):
+        assert g[0].sharding.spec == w[0].sharding.spec, (axis, keepdims)
+        if name in NP_REDUCTIONS:
+            exact = NP_REDUCTIONS[name](x64, axis, keepdims=keepdims)
+            assert_bitwise(g[0], np.asarray(exact).astype(g[0].dtype))
 
 
 @pytest.mark.parametrize("dtype", ["uint8", "uint16", "uint32", "uint64"])
