@@ -80,9 +80,10 @@ def test_parity(case, op, algo, check_vma):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dtypes_and_pytree(dtype):
-    # Leaves of several shapes, a scalar and a Python constant. The reference is numpy's
-    # reduction of the blocks over "x" (exact data): lax.psum of the bfloat16 leaf "b" aborts
-    # XLA's CPU compiler here ("Invalid binary instruction opcode copy", jax 0.11.2).
+    # Leaves of several shapes, a scalar and a Python constant, against lax's call of the same
+    # pytree. In bfloat16 lax's runs in a fully manual shard_map on the same mesh, which
+    # reduces the same blocks: in a partially-manual one any lax reduction of bfloat16 aborts
+    # XLA's CPU compiler ("Invalid binary instruction opcode copy", jax 0.11.2).
     mesh = _mesh((4, 2), ("x", "y"))
     tree = {"a": _global((8, 6), mesh, P("x", "y"), dtype, seed=1),
             "b": _global((4, 4, 2), mesh, P("x", None, "y"), dtype, seed=2),
@@ -90,22 +91,25 @@ def test_dtypes_and_pytree(dtype):
     spec = {"a": P("x"), "b": P("x"), "c": P("x")}
     nx = mesh.shape["x"]
 
-    def blocks(v):  # the x-blocks of a global array, as float64
-        v = np.asarray(v).astype(np.float64)
-        return v.reshape(nx, v.shape[0] // nx, *v.shape[1:])
+    def body(red):
+        return lambda t: red({"a": t["a"], "b": t["b"], "c": t["c"][0], "k": 3}, "x")
 
-    for name, (ours, _) in OPS.items():
-        f = jax.jit(jax.shard_map(
-            lambda t: ours({"a": t["a"], "b": t["b"], "c": t["c"][0], "k": 3}, "x"),
-            mesh=mesh, in_specs=(spec,), out_specs=P(), axis_names={"x"}))
-        got = f(tree)
-        red = {"psum": np.sum, "pmax": np.max, "pmin": np.min}[name]
-        want = {k: red(blocks(tree[k]), axis=0) for k in ("a", "b")}
-        want["c"] = red(blocks(tree["c"])[:, 0])
+    for name, (ours, ref) in OPS.items():
+        f = jax.jit(jax.shard_map(body(ours), mesh=mesh, in_specs=(spec,), out_specs=P(),
+                                  axis_names={"x"}))
+        if dtype != "bfloat16":
+            g = jax.jit(jax.shard_map(body(ref), mesh=mesh, in_specs=(spec,), out_specs=P(),
+                                      axis_names={"x"}))
+        else:
+            g = jax.jit(jax.shard_map(
+                body(ref), mesh=mesh,
+                in_specs=({"a": P("x", "y"), "b": P("x", None, "y"), "c": P("x")},),
+                out_specs={"a": P(None, "y"), "b": P(None, None, "y"), "c": P(), "k": P()}))
+        got, want = f(tree), g(tree)
         for k in ("a", "b", "c"):
             assert got[k].dtype == np.dtype(dtype)
-            assert_bitwise(got[k], np.asarray(want[k]).astype(dtype))
-        assert got["k"] == (3 * nx if name == "psum" else 3)
+            assert_bitwise(got[k], want[k])
+        assert got["k"] == want["k"] == (3 * nx if name == "psum" else 3)
 
 
 def test_device_order_is_the_logical_order():
@@ -200,15 +204,20 @@ def test_gspmd_partitioner(gspmd, op):
 def test_any_device_count(op, layout):
     # On the devices present (2 GPUs, say): mesh (n, 1) reduces over n devices, the automatic
     # axis of size 1; mesh (1, n) shards the operand n ways over the automatic axis. The
-    # reference is numpy's (lax.psum over the manual axis of size 1 fails in XLA's partitioner:
-    # "Cross-partition allreduce must be in (partial) manual partitioning mode", jax 0.11.2).
+    # reference is lax's; for (1, n) in a fully manual shard_map on the same mesh (lax's over
+    # the manual axis of size 1 fails in XLA's partitioner: "Cross-partition allreduce must be
+    # in (partial) manual partitioning mode", jax 0.11.2).
     n = ndev()
     shape = (n, 1) if layout == "reduce-n" else (1, n)
     mesh = _mesh(shape, ("x", "y"))
     x = _global((4 * n, 3 * n), mesh, P("x", "y"), seed=n)
-    f = _partial(lambda v: OPS[op][0](v, "x"), mesh, {"x"}, P("x"), P())
-    blocks = np.asarray(x).reshape(shape[0], -1, 3 * n)
-    want = {"psum": np.sum, "pmax": np.max, "pmin": np.min}[op](blocks, axis=0)
-    assert_bitwise(f(x), want.astype(np.float32))
+    ours, ref = OPS[op]
+    f = _partial(lambda v: ours(v, "x"), mesh, {"x"}, P("x"), P())
+    if layout == "reduce-n":
+        g = _partial(lambda v: ref(v, "x"), mesh, {"x"}, P("x"), P())
+    else:
+        g = jax.jit(jax.shard_map(lambda v: ref(v, "x"), mesh=mesh, in_specs=(P("x", "y"),),
+                                  out_specs=P(None, "y")))
+    assert_bitwise(f(x), g(x))
     # a group of n > 1 devices runs jax_gin's partitioned call; over one, auto returns the input
     assert ("_partitioned" in f.lower(x).as_text()) == (shape[0] > 1)
