@@ -50,7 +50,9 @@ def assert_bitwise(a, b):
     a, b = np.asarray(a), np.asarray(b)
     assert a.dtype == b.dtype, (a.dtype, b.dtype)
     assert a.shape == b.shape, (a.shape, b.shape)
-    np.testing.assert_array_equal(a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8))
+    # contiguous for the byte view (a reference made by np.broadcast_to may have stride 0)
+    a, b = (np.ascontiguousarray(v.reshape(-1)) for v in (a, b))
+    np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
 def jax_gin_calls(f, *args) -> int:
