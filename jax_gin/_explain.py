@@ -110,19 +110,23 @@ def _calls(x, collective: str, nranks: int, bucket_bytes: int) -> list:
     leaves = tree_util.tree_leaves(x)
     if not leaves:
         raise ValueError("jax_gin.explain: the value has no leaves, so no call to explain")
-    groups: dict = {}  # dtype moved -> [(leaf index, bytes)]
+    groups: dict = {}  # (dtype moved, weak) -> [(leaf index, bytes)]
     for i, leaf in enumerate(leaves):
         shape, dtype = _shape_dtype(leaf, collective)
         count = int(np.prod(shape, dtype=np.int64))
+        weak = False
         if collective in _scatter_gather.API_NAMES:
             moved, per_value = _scatter_gather.moved_dtype(dtype, collective)
             nbytes = _larger_side_bytes(count * per_value, moved, collective, nranks)
+            # weakly typed leaves (Python scalars) are bucketed apart, as the collective does
+            weak = bool(getattr(leaf, "weak_type", False)) or (
+                isinstance(leaf, (int, float, complex)) and not isinstance(leaf, bool))
         else:
             moved, per_value = reduced_dtype(dtype, collective)
             nbytes = count * per_value * moved.itemsize
-        groups.setdefault(moved, []).append((i, nbytes))
+        groups.setdefault((moved, weak), []).append((i, nbytes))
     calls = []
-    for dtype, members in groups.items():
+    for (dtype, _), members in groups.items():
         sizes = [b for _, b in members]
         limit = (_primitive.MAX_OPERANDS if collective not in _scatter_gather.API_NAMES
                  else len(members))

@@ -91,13 +91,17 @@ def _apply(api, x, axis_name, dim, tiled, algorithm, bucket_bytes):
     # each leaf's operand: (N, mp) blocks to scatter, or an (mp,) block to gather
     operands, finishes = zip(*[plan(leaf, axes, nranks, int(dim), bool(tiled))
                                for leaf in leaves]) if leaves else ((), ())
-    groups: dict = {}  # (dtype, the axes it varies over) -> indices of its leaves, in order
+    # (dtype, weak type, the axes it varies over) -> indices of its leaves, in order. A weakly
+    # typed leaf (from a Python scalar) keeps its weak type only in a bucket of weak leaves:
+    # concatenated with a strong one it would come back strong, where lax's stays weak.
+    groups: dict = {}
     vma = _compat.check_vma_enabled()
     for i, op in enumerate(operands):
-        key = (np.dtype(op.dtype), _compat.varying_axes(jax.typeof(op)) if vma else None)
+        t = jax.typeof(op)
+        key = (np.dtype(op.dtype), t.weak_type, _compat.varying_axes(t) if vma else None)
         groups.setdefault(key, []).append(i)
     out = [None] * len(leaves)
-    for (dtype, _), idx in groups.items():
+    for (dtype, _, _), idx in groups.items():
         # a bucket's size is its larger side: N blocks of every leaf in it
         sizes = [nranks * operands[i].shape[-1] * dtype.itemsize for i in idx]
         for bucket in _primitive.buckets(sizes, bucket_bytes, max_operands=len(idx)):

@@ -316,6 +316,40 @@ def test_pytree_buckets_keep_each_leafs_typing():
     assert jax_gin_calls(f, a, b) == 4
 
 
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("op", list(OPS))
+def test_pytree_buckets_keep_weak_types(op, check_vma):
+    """A weakly typed leaf (from a Python scalar) beside a strong leaf of its dtype stays weak,
+    as lax's does (so it promotes alike): weak and strong leaves go to different calls."""
+    n = ndev()
+    x = exact_input((n,), n, "float32", 42).reshape(n, n)
+    types = []
+
+    def body(v):
+        v = v[0]
+        t = [jnp.full((n,), 3) * 1, v.astype(jnp.int32), 2.0 + 0 * lax.axis_index("i"), v]
+        if op == "psum_scatter":
+            t = [jnp.broadcast_to(leaf, (n,)) for leaf in t]
+        outs = (OPS[op][0](t, "i", algorithm=kernel_algorithm()), OPS[op][1](t, "i"))
+        for o in outs:
+            types.append([(jax.typeof(leaf).dtype, jax.typeof(leaf).weak_type) for leaf in o])
+        return jax.tree.map(lambda leaf: jnp.asarray(leaf)[None], outs)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh_1d(), in_specs=(P("i"),), out_specs=P("i"),
+                              check_vma=check_vma))
+    got, want = f(x)
+    jax.tree.map(assert_bitwise, got, want)
+    assert types[0] == types[1]
+    assert [w for _, w in types[0]] == [True, False, True, False]
+    assert jax_gin_calls(f, x) == 4
+    # explain counts the calls the collective makes
+    S = jax.ShapeDtypeStruct
+    tree = [3, S((n,), jnp.int32), S((n,), jnp.float32, weak_type=True), S((n,), jnp.float32)]
+    if op == "psum_scatter":
+        tree[0] = S((n,), jnp.int32, weak_type=True)
+    assert jax_gin.explain(tree, nranks=n, collective=op).startswith("4 calls")
+
+
 def test_pytree_partially_manual():
     """axis_names= one mesh axis, the other automatic: XLA's own collectives on the bucket,
     the same as lax's."""
