@@ -487,8 +487,9 @@ def resolve_call(ctx, avals, axes, op, algorithm, platform, api: str | None = No
         algorithm, _ = _select.choose(platform, nbytes, layout.nranks, kind)
     if algorithm == _select.XLA_FALLBACK:
         return None
-    _runtime.check_workspace(platform, algorithm, layout.nranks, itemsize, api)
     check_cuda_module(platform, api)
+    check_mesh_platform(mesh, platform, api)
+    _runtime.check_workspace(platform, algorithm, layout.nranks, itemsize, api)
     comm = _runtime.communicator(platform, mesh, axes)
     code = _runtime.algorithm_code(platform, comm, requested, algorithm, api)
     attrs = dict(comm=_runtime.comm_attribute(platform, comm), op=np.int32(OP_CODES[op]),
@@ -517,6 +518,24 @@ def check_cuda_module(platform: str, api: str) -> None:
         raise RuntimeError(
             f"jax_gin.{api}: a CUDA lowering was requested but jax_gin was not compiled with "
             f"CUDA support ({_native.CUDA_IMPORT_ERROR or '_jax_gin_cuda is missing'})")
+
+
+# The platforms of jax.Device.platform that each lowering platform runs on.
+_DEVICE_PLATFORMS = {"cpu": ("cpu",), "cuda": ("gpu", "cuda")}
+
+
+def check_mesh_platform(mesh, platform: str, api: str) -> None:
+    """A jax_gin call sets up its communicator on the mesh's devices while it is lowered, so a
+    program is lowered for those devices' own platform: lowering for another one (jax.export
+    or .lower(lowering_platforms=...) for GPUs on a machine of CPU devices) is refused here,
+    before a communicator of the wrong kind is made."""
+    kinds = sorted({d.platform for d in np.asarray(mesh.devices).flat})
+    if any(k not in _DEVICE_PLATFORMS.get(platform, ()) for k in kinds):
+        raise NotImplementedError(
+            f"jax_gin.{api}: this program is lowered for {platform}, but its mesh's devices are "
+            f"{', '.join(kinds)} devices; jax_gin sets up its communicators on the mesh's "
+            "devices while it lowers, so a program that uses it is lowered (and exported) for "
+            "the platform of its own devices only")
 
 
 def lowering_mesh(ctx, api: str):

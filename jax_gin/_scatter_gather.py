@@ -358,8 +358,9 @@ def _lowering(api, ctx, x, *, axes, nranks, algorithm, platform):
         algorithm, _ = _select.choose_collective(platform, nbytes, nranks, kind, api=api)
     comm = None
     if not partial and algorithm != _select.XLA_FALLBACK:
-        _runtime.check_workspace(platform, algorithm, nranks, itemsize, api, collective=True)
         _primitive.check_cuda_module(platform, api)
+        _primitive.check_mesh_platform(mesh, platform, api)
+        _runtime.check_workspace(platform, algorithm, nranks, itemsize, api, collective=True)
         comm = _runtime.communicator(platform, mesh, axes)
         if _runtime.ranks_per_node(platform, comm) > 0:
             if requested != "auto":

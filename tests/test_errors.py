@@ -142,6 +142,36 @@ def test_cuda_lowering_without_cuda_build(monkeypatch):
         f.trace(x).lower(lowering_platforms=("cuda",))
 
 
+_OTHER_PLATFORM_CALLS = {
+    "psum": lambda v: jax_gin.psum(v, "i", algorithm="one_shot"),
+    "pmax": lambda v: jax_gin.pmax(v, "i", algorithm="ring"),
+    "psum_scatter": lambda v: jax_gin.psum_scatter(v, "i", tiled=True, algorithm="one_shot"),
+    "all_gather": lambda v: jax_gin.all_gather(v, "i", tiled=True, algorithm="ring")[:v.shape[0]],
+    "psum_overlapping": lambda v: jax_gin.psum_overlapping(v, "i", jnp.sin, v,
+                                                           algorithm="one_shot")[0],
+    "psum_add_rmsnorm": lambda v: jax_gin.psum_add_rmsnorm(
+        v[None], v[None], jnp.ones_like(v), "i", algorithm="one_shot")[0][0],
+}
+
+
+@pytest.mark.parametrize("api", list(_OTHER_PLATFORM_CALLS))
+def test_lowering_for_another_platform_than_the_meshs(monkeypatch, api):
+    # jax.export (or .lower(lowering_platforms=...)) for GPUs of a program over CPU devices:
+    # jax_gin sets up communicators on the mesh's devices as it lowers, so it names the
+    # mismatch instead of trying to make a CUDA communicator of CPU devices
+    if jax.default_backend() != "cpu":
+        pytest.skip("lowers CPU devices' programs for cuda")
+    from jax_gin import _native
+    monkeypatch.setattr(_native, "cuda", object())  # as where the CUDA extension was built
+    x = exact_input((ndev() * 2,), ndev(), "float32")
+    f = smap(_OTHER_PLATFORM_CALLS[api], mesh_1d(), P("i"))
+    with pytest.raises(NotImplementedError,
+                       match=f"jax_gin.{api}: this program is lowered for cuda, but its mesh's "
+                             "devices are cpu devices"):
+        f.trace(x).lower(lowering_platforms=("cuda",))
+    f(x)  # and for its own platform it runs
+
+
 def test_gpu_launch_settings_must_match_across_processes(monkeypatch):
     """The GPU bootstrap compares every process's launch settings: a different workspace,
     launch setting or default lane cap (SM count: different GPU models) is named, not run."""
