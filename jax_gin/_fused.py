@@ -33,7 +33,8 @@ from jax.interpreters import ad, mlir
 
 from . import _compat, _select
 from ._primitive import (TOKEN, _chain_token, _normalize_axes, _set_chain_token, allreduce_p,
-                         check_no_open_start, order_aval, resolve_call, vary_over)
+                         check_no_open_start, order_aval, register_lowering, resolve_call,
+                         vary_over)
 
 # The element types of the epilogues: those that accumulate in float32 (norm.h).
 NORM_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
@@ -285,8 +286,4 @@ for _kind in KINDS:
     ad.primitive_jvps[_kind.prim] = functools.partial(_jvp, _kind)
     _compat.batching.fancy_primitive_batchers[_kind.prim] = functools.partial(_batch, _kind)
     # Not cacheable, for the order token chain (as allreduce_p).
-    for _platform in ("cpu", "cuda"):
-        mlir.register_lowering(
-            _kind.prim,
-            lambda ctx, *a, _k=_kind, _p=_platform, **kw: _lowering(_k, ctx, *a, platform=_p, **kw),
-            platform=_platform, cacheable=False)
+    register_lowering(_kind.prim, functools.partial(_lowering, _kind), _kind.api)

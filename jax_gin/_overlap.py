@@ -222,10 +222,5 @@ start_p.def_effectful_abstract_eval(_start_abstract_eval)
 dones_p.def_abstract_eval(_dones_abstract_eval)
 _compat.batching.fancy_primitive_batchers[start_p] = _start_batch
 _compat.batching.fancy_primitive_batchers[dones_p] = _dones_batch
-for _platform in ("cpu", "cuda"):
-    mlir.register_lowering(
-        start_p, lambda ctx, *xs, _p=_platform, **kw: _start_lowering(ctx, *xs, platform=_p, **kw),
-        platform=_platform, cacheable=False)
-    mlir.register_lowering(
-        dones_p, lambda ctx, *xs, _p=_platform, **kw: _dones_lowering(ctx, *xs, platform=_p, **kw),
-        platform=_platform, cacheable=False)
+_primitive.register_lowering(start_p, _start_lowering, API)
+_primitive.register_lowering(dones_p, _dones_lowering, API)

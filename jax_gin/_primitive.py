@@ -746,6 +746,41 @@ def _set_chain_token(ctx, tok, platform: str):
 # ---------------------------------------------------------------------------------------
 # Registration: every rule of the primitive, in one place.
 
+PLATFORMS = ("cpu", "cuda")  # the platforms jax_gin lowers for
+
+
+def lowering_platform(ctx, api: str) -> str:
+    """The one platform (cpu or cuda) that a lowering of jax_gin.`api` is for, or a
+    NotImplementedError: a program is lowered for its mesh's devices' platform only (see
+    check_mesh_platform), so not for several at once (jax.export(..., platforms=[...]))."""
+    platforms = tuple(getattr(ctx, "platforms", None) or ctx.module_context.platforms)
+    if len(platforms) != 1:
+        raise NotImplementedError(
+            f"jax_gin.{api}: this program is lowered for several platforms at once "
+            f"({', '.join(platforms)}); jax_gin sets up its communicators on the mesh's devices "
+            "while it lowers, so a program that uses it is lowered (and exported) for the "
+            "platform of its own devices only")
+    if platforms[0] not in PLATFORMS:
+        raise NotImplementedError(f"jax_gin.{api} has no lowering for platform {platforms[0]!r} "
+                                  f"(only {' and '.join(PLATFORMS)})")
+    return platforms[0]
+
+
+def register_lowering(prim, rule, api) -> None:
+    """Registers `rule(ctx, *args, platform=..., **params)` as `prim`'s lowering: one rule for
+    every platform, given the platform it lowers for (lowering_platform; `api`, the jax_gin
+    function's name or a function of the params that gives it, names it in errors). Not a rule
+    per platform: JAX (0.11.2) lowers a program for several platforms at once (jax.export's
+    platforms=[...]) with a conditional over per-platform rules, which fails for an uncacheable
+    primitive with a TypeError of its own ("can only concatenate list (not "tuple") to list")
+    before any rule runs. Uncacheable: every call takes the previous call's order token
+    (_chain)."""
+    def lower(ctx, *args, **params):
+        name = api(params) if callable(api) else api
+        return rule(ctx, *args, platform=lowering_platform(ctx, name), **params)
+    mlir.register_lowering(prim, lower, cacheable=False)
+
+
 def _impl(*xs, **params):
     raise NameError(
         f"jax_gin.{OP_API_NAMES[params['op']]} must be called inside jax.shard_map "
@@ -759,8 +794,4 @@ ad.primitive_transposes[allreduce_p] = _transpose
 _compat.batching.fancy_primitive_batchers[allreduce_p] = _batch
 # Not cacheable: JAX would lower the first of several identical calls once and re-emit it for
 # the others, with the first call's order token, which breaks the chain above.
-for _platform in ("cpu", "cuda"):
-    mlir.register_lowering(
-        allreduce_p,
-        lambda ctx, *xs, _p=_platform, **kw: _lowering(ctx, *xs, platform=_p, **kw),
-        platform=_platform, cacheable=False)
+register_lowering(allreduce_p, _lowering, lambda params: OP_API_NAMES[params["op"]])

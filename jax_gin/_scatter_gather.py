@@ -14,6 +14,7 @@ concatenated along their second axis) make one flat operand.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import tree_util
 from jax.extend.core import Primitive
-from jax.interpreters import ad, mlir
+from jax.interpreters import ad
 
 from . import _compat, _native, _primitive, _runtime, _select
 from ._ops import ALGORITHM_CODES, SUPPORTED_DTYPE_NAMES, SUPPORTED_DTYPES, refuse_keys
@@ -404,9 +405,4 @@ for _api, _prim in _PRIMS.items():
     _compat.batching.fancy_primitive_batchers[_prim] = (
         lambda axis_data, vals, dims, _api=_api, **p: _batch(_api, axis_data, vals, dims, **p))
     # Not cacheable: each call must take the previous call's order token (_primitive._chain).
-    for _platform in ("cpu", "cuda"):
-        mlir.register_lowering(
-            _prim,
-            lambda ctx, x, _api=_api, _platform=_platform, **p:
-            _lowering(_api, ctx, x, platform=_platform, **p),
-            platform=_platform, cacheable=False)
+    _primitive.register_lowering(_prim, functools.partial(_lowering, _api), _api)

@@ -154,21 +154,24 @@ _OTHER_PLATFORM_CALLS = {
 }
 
 
+@pytest.mark.parametrize("platforms,message", [
+    (("cuda",), "this program is lowered for cuda, but its mesh's devices are cpu devices"),
+    (("cpu", "cuda"), r"this program is lowered for several platforms at once \(cpu, cuda\)"),
+])
 @pytest.mark.parametrize("api", list(_OTHER_PLATFORM_CALLS))
-def test_lowering_for_another_platform_than_the_meshs(monkeypatch, api):
-    # jax.export (or .lower(lowering_platforms=...)) for GPUs of a program over CPU devices:
-    # jax_gin sets up communicators on the mesh's devices as it lowers, so it names the
-    # mismatch instead of trying to make a CUDA communicator of CPU devices
+def test_lowering_for_other_platforms_than_the_meshs(monkeypatch, api, platforms, message):
+    # jax.export (or .lower(lowering_platforms=...)) of a program over CPU devices for GPUs, or
+    # for several platforms: jax_gin sets up communicators on the mesh's devices as it lowers,
+    # so it names the mismatch (instead of trying to make a CUDA communicator of CPU devices,
+    # or JAX's TypeError from a conditional over per-platform rules)
     if jax.default_backend() != "cpu":
         pytest.skip("lowers CPU devices' programs for cuda")
     from jax_gin import _native
     monkeypatch.setattr(_native, "cuda", object())  # as where the CUDA extension was built
     x = exact_input((ndev() * 2,), ndev(), "float32")
     f = smap(_OTHER_PLATFORM_CALLS[api], mesh_1d(), P("i"))
-    with pytest.raises(NotImplementedError,
-                       match=f"jax_gin.{api}: this program is lowered for cuda, but its mesh's "
-                             "devices are cpu devices"):
-        f.trace(x).lower(lowering_platforms=("cuda",))
+    with pytest.raises(NotImplementedError, match=f"jax_gin.{api}: {message}"):
+        f.trace(x).lower(lowering_platforms=platforms)
     f(x)  # and for its own platform it runs
 
 
