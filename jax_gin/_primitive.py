@@ -18,6 +18,7 @@ All of its rules are registered in one block at the bottom of this file.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import numpy as np
@@ -191,11 +192,20 @@ def _complex_as_pairs(leaves):
     for i, leaf in enumerate(leaves):
         if hasattr(leaf, "dtype") and np.issubdtype(leaf.dtype, np.complexfloating) or \
                 isinstance(leaf, complex):
-            leaf = jnp.asarray(leaf)
             was_complex.add(i)
-            leaf = jnp.stack([jnp.real(leaf), jnp.imag(leaf)], axis=-1)
+            with _constant_stays_constant(leaf):
+                leaf = jnp.asarray(leaf)
+                leaf = jnp.stack([jnp.real(leaf), jnp.imag(leaf)], axis=-1)
         out.append(leaf)
     return out, was_complex
+
+
+def _constant_stays_constant(leaf):
+    """A context in which jnp's operations on a constant leaf (a Python scalar, a NumPy or
+    concrete jax array) give a concrete array, not a tracer of the jit being traced: so that
+    group_leaves still sees a constant (no communication, and a Python scalar's weak type,
+    as lax)."""
+    return contextlib.nullcontext() if _compat.is_tracer(leaf) else jax.ensure_compile_time_eval()
 
 
 def _uint64_as_int64(leaves):
@@ -205,7 +215,8 @@ def _uint64_as_int64(leaves):
     out, was_uint64 = [], set()
     for i, leaf in enumerate(leaves):
         if hasattr(leaf, "dtype") and np.dtype(leaf.dtype) == np.uint64:
-            leaf = jax.lax.bitcast_convert_type(leaf, np.int64)
+            with _constant_stays_constant(leaf):
+                leaf = jax.lax.bitcast_convert_type(leaf, np.int64)
             was_uint64.add(i)
         out.append(leaf)
     return out, was_uint64
