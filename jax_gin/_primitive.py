@@ -395,6 +395,10 @@ def _batch(axis_data, vals_in, dims_in, *, axes, op, algorithm, invariant, overl
     for x, d in zip(vals_in, dims_in):
         if d is None:
             local.append(x)
+        elif x.shape[d] == 0 and op != "sum":
+            # a batch of no elements (max and min have no identity to start from): the result
+            # is broadcast to no batch element, so its values are never seen
+            local.append(jnp.zeros(x.shape[:d] + x.shape[d + 1:], x.dtype))
         else:
             local.append({"sum": jnp.sum, "max": jnp.max, "min": jnp.min}[op](x, axis=d).astype(x.dtype))
     outs = allreduce_p.bind(*local, **dict(params, axes=rest)) if rest else local
