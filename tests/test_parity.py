@@ -114,6 +114,21 @@ def test_python_constants():
         assert_bitwise(got, want)
 
 
+@pytest.mark.parametrize("algo", jax_gin.ALGORITHMS + ("auto",))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_signed_zeros(algo, dtype):
+    """The one place exact sums differ from lax's on CPU devices (README, Numbers): column 0
+    holds -0.0 on every rank, and its sum is -0.0 (jax_gin adds the values themselves), where
+    XLA's CPU all-reduce sums from +0 and gives +0.0; any +0.0 among them gives +0.0 in both."""
+    n = ndev()
+    x = jnp.zeros((n, 3), dtype).at[:, 0].set(-0.0).at[:, 1].set(-0.0).at[0, 1].set(0.0)
+    got, want = smap(lambda v: (jax_gin.psum(v, "i", algorithm=algo), lax.psum(v, "i")),
+                     mesh_1d(), P("i"))(x)
+    assert_bitwise(got[:, 1:], want[:, 1:])
+    assert np.signbit(np.asarray(got[:, 0], np.float32)).all()
+    assert got.dtype == want.dtype
+
+
 def test_bool_max_min_stay_bool():
     mesh = mesh_1d()
     f = smap(lambda v: (jax_gin.pmax(v > 0, "i"), lax.pmax(v > 0, "i"),
