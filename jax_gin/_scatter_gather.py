@@ -130,6 +130,9 @@ def _canonical_dim(dim: int, ndim: int, api: str, name: str, shape, stacked: boo
     """`dim` in [0, ndim), or a ValueError naming it; `stacked`: ndim counts the dimension
     that an untiled all_gather adds to a value of `shape`."""
     if not -ndim <= dim < ndim:
+        if ndim == 0:
+            raise ValueError(f"jax_gin.{api}: {name}={dim}, but a scalar has no dimension to "
+                             f"{'scatter' if api == 'psum_scatter' else 'gather'} along")
         where = (f", whose stacked result has {ndim} dimensions" if stacked else "")
         raise ValueError(f"jax_gin.{api}: {name}={dim} is out of range for a value of shape "
                          f"{tuple(shape)}{where} (valid: {-ndim} to {ndim - 1})")
@@ -163,9 +166,9 @@ def moved_dtype(dtype, api: str) -> tuple[np.dtype, float]:
     if dt not in SUPPORTED_DTYPES:
         raise TypeError(
             f"jax_gin.{api}: unsupported dtype {dt}; supported dtypes are "
-            f"{', '.join(SUPPORTED_DTYPE_NAMES)}, complex64 and complex128"
-            + (f", bool and {', '.join(str(d) for d in _PACKED)}" if api == "all_gather"
-               else " and uint64"))
+            f"{', '.join(SUPPORTED_DTYPE_NAMES)}, complex64, complex128"
+            + (f", bool, {', '.join(str(d) for d in _PACKED)}" if api == "all_gather"
+               else ", uint64"))
     return dt, 1
 
 

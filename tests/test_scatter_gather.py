@@ -501,8 +501,12 @@ def test_errors_at_trace_time():
     with pytest.raises(ValueError, match=r"unknown algorithm 'two_shot'; expected 'auto' or one "
                                          r"of 'one_shot', 'ring'"):
         run(lambda v: jax_gin.all_gather(v, "i", tiled=True, algorithm="two_shot"))
-    with pytest.raises(TypeError, match=r"psum_scatter: unsupported dtype int8"):
+    with pytest.raises(TypeError, match=r"psum_scatter: unsupported dtype int8; supported dtypes "
+                                        r"are .*, complex64, complex128, uint64\n"):
         run(lambda v: jax_gin.psum_scatter(v.astype(jnp.int8), "i", tiled=True).astype(jnp.float32))
+    with pytest.raises(ValueError, match=r"psum_scatter: scatter_dimension=0, but a scalar has no "
+                                         r"dimension to scatter along"):
+        run(lambda v: jax_gin.psum_scatter(v[0, 0], "i") + v)
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match=r"all_gather: bucket_bytes must be a positive "
                                              rf"integer, got {bad!r}"):
