@@ -87,6 +87,9 @@ def _apply(api, x, axis_name, dim, tiled, algorithm, bucket_bytes):
     if not axes:  # no axis: the input, as lax's (and psum's) collective over ()
         return x
     nranks = math.prod(_compat.axis_size(a) for a in axes)
+    if nranks == 0:  # a vmapped axis of no elements: nothing to move, only lax's shapes
+        return tree_util.tree_map(
+            lambda leaf: _over_no_ranks(api, leaf, axes, int(dim), bool(tiled)), x)
     plan = _scatter_plan if api == "psum_scatter" else _gather_plan
     leaves, treedef = tree_util.tree_flatten(x)
     # each leaf's operand: (N, mp) blocks to scatter, or an (mp,) block to gather
@@ -211,6 +214,31 @@ def _from_words(y, dtype):
     if s < _WORD.itemsize:
         return jax.lax.bitcast_convert_type(y, dtype).reshape(n, -1)
     return jax.lax.bitcast_convert_type(y.reshape(n, -1, s // _WORD.itemsize), dtype)
+
+
+def _over_no_ranks(api, leaf, axes, dim, tiled):
+    """`api`'s result for one leaf over axes of no elements (a vmap of an empty batch), which
+    no element of the batch ever holds: lax's shape and dtype, as a slice or zeros."""
+    leaf = jnp.asarray(leaf)
+    if api == "all_gather":
+        if tiled:
+            if leaf.ndim == 0:
+                raise ValueError("jax_gin.all_gather: tiled=True needs an array with a dimension "
+                                 "to concatenate along, got a scalar")
+            d = _canonical_dim(dim, leaf.ndim, api, "axis", leaf.shape)
+            return jax.lax.slice_in_dim(leaf, 0, 0, axis=d)
+        d = _canonical_dim(dim, leaf.ndim + 1, api, "axis", leaf.shape, stacked=True)
+        return jax.lax.slice_in_dim(jnp.expand_dims(leaf, d), 0, 0, axis=d)
+    d = _canonical_dim(dim, leaf.ndim, api, "scatter_dimension", leaf.shape)
+    moved_dtype(leaf.dtype, api)  # the dtype refusal, as over any axis
+    if tiled:
+        raise ValueError(f"jax_gin.psum_scatter: tiled, the scatter dimension is divided by the "
+                         f"size of axis {_axes_text(axes)}, which is 0")
+    if leaf.shape[d] != 0:
+        raise ValueError(f"jax_gin.psum_scatter: scatter dimension {d} has size "
+                         f"{leaf.shape[d]}; untiled it must equal the size of axis "
+                         f"{_axes_text(axes)} (0)")
+    return jnp.zeros(leaf.shape[:d] + leaf.shape[d + 1:], leaf.dtype)
 
 
 def _pad_to(m: int, itemsize: int) -> int:

@@ -550,3 +550,27 @@ def test_fault_injection_names_the_collective(monkeypatch, op, algo):
     msg = str(info.value)
     assert re.search(rf"jax_gin {op} \({algo}\) on CPU: rank \d+ of group 0", msg), msg
     assert re.search(r"waiting for peer \d+", msg), msg
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int32", "complex64"])
+@pytest.mark.parametrize("api,kw,shape", [
+    ("psum_scatter", {}, (0, 0, 3)),
+    ("psum_scatter", {"scatter_dimension": 1}, (0, 2, 0)),
+    ("all_gather", {}, (0, 5, 3)),
+    ("all_gather", {"axis": 2}, (0, 5, 3)),
+    ("all_gather", {"axis": 1, "tiled": True}, (0, 5, 3)),
+])
+def test_vmap_axis_of_no_elements(api, kw, shape, dtype):
+    # Over a vmapped axis of an empty batch there is nothing to move: lax's (empty) results
+    x = jnp.zeros(shape, dtype)
+    ours = jax.vmap(lambda v: getattr(jax_gin, api)(v, "b", **kw), axis_name="b")(x)
+    ref = jax.vmap(lambda v: getattr(lax, api)(v, "b", **kw), axis_name="b")(x)
+    assert_bitwise(ours, ref)
+
+
+def test_vmap_axis_of_no_elements_tiled_scatter():
+    # (lax's tiled psum_scatter fails there with a ZeroDivisionError)
+    with pytest.raises(ValueError, match=r"tiled, the scatter dimension is divided by the size "
+                                         r"of axis 'b', which is 0"):
+        jax.vmap(lambda v: jax_gin.psum_scatter(v, "b", tiled=True), axis_name="b")(
+            jnp.zeros((0, 4, 3)))
