@@ -727,3 +727,30 @@ def test_profiler_names():
         for line in calls:
             assert f"/{label}\"" in line, line
             assert re.search(r"%jax_gin_p\w+\.\d+ = ", line), line
+
+
+@pytest.mark.parametrize("api", ["psum", "all_gather"])
+def test_one_function_on_meshes_of_one_shape(api):
+    # README: a jitted function run on several meshes of one shape (other devices, or another
+    # order) gives its shard_map the mesh= it runs on; each mesh then lowers with its own
+    # communicators, and each result equals lax's on that mesh.
+    needs_devices(4)
+    jax_gin.runtime.reset()  # so that the communicators below are this test's
+    devs = jax.devices()
+    half = len(devs) // 2
+    meshes = [jax.sharding.Mesh(np.array(devs[:half]), ("x",)),
+              jax.sharding.Mesh(np.array(devs[half:2 * half])[::-1], ("x",))]
+    kw = {"tiled": True} if api == "all_gather" else {}
+
+    @jax.jit(static_argnums=(1, 2))
+    def f(v, mesh, lib):
+        return jax.shard_map(lambda u: getattr(lib, api)(u, "x", **kw), mesh=mesh,
+                             in_specs=P("x"), out_specs=P("x"))(v)
+
+    x = exact_input((3,), half, "float32")
+    for mesh in meshes:
+        xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("x")))
+        assert_bitwise(f(xs, mesh, jax_gin), f(xs, mesh, lax))
+    groups = {devices for devices, _ in jax_gin._runtime.comm_devices.values()}
+    for mesh in meshes:
+        assert tuple(d.id for d in mesh.devices.flat) in groups
