@@ -481,7 +481,13 @@ def comm_attribute(platform: str, comm: int) -> np.int64:
     (csrc/ffi_common.h), so a program run in a process that did not lower it (a serialized
     executable, an exported module) fails with an error instead of reducing over whatever
     communicator has that id there."""
-    return np.int64((_fingerprints[(platform == "cpu", comm)] << 32) | comm)
+    with _lock:
+        fingerprint = _fingerprints.get((platform == "cpu", comm))
+    if fingerprint is None:  # reset() ran on another thread since communicator() gave `comm`
+        raise RuntimeError(f"jax_gin: communicator {comm} was destroyed by "
+                           "jax_gin.runtime.reset() while a program that uses it was lowering; "
+                           "call the function again to lower it with new communicators")
+    return np.int64((fingerprint << 32) | comm)
 
 
 def _tables_digest() -> str | None:

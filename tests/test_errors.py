@@ -421,3 +421,12 @@ def test_jax_version_guard(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _compat._check_jax_version()
+
+
+def test_communicator_reset_while_lowering():
+    # reset() on another thread between a lowering's communicator() and its custom call's
+    # attribute: a RuntimeError that says so (it was a KeyError)
+    from jax_gin import _runtime
+    with pytest.raises(RuntimeError, match=r"communicator 987654 was destroyed by "
+                                           r"jax_gin.runtime.reset\(\) while a program"):
+        _runtime.comm_attribute("cpu", 987654)
