@@ -28,11 +28,24 @@ namespace ffi = xla::ffi;
 namespace jax_gin {
 namespace {
 
+// The rank of communicator `comm` on `device`; fills *st.
+ffi::Error find_rank(int64_t comm, int32_t device, const gpu::RankState** st) {
+  *st = gpu::find_rank(comm_id(comm), device);
+  if (*st == nullptr && gpu::comm_exists(comm_id(comm), comm_fingerprint(comm))) {
+    return ffi::Error::Internal(
+        "jax_gin: this program's communicator " + std::to_string(comm_id(comm)) +
+        " has no rank on GPU " + std::to_string(device) + ": the program was lowered for a mesh "
+        "of other devices. Under jax.set_mesh, JAX lowers a jitted function once for all meshes "
+        "of one shape; give its shard_map the mesh= it runs on");
+  }
+  if (!names_comm(*st, comm)) return missing_comm(comm);
+  return ffi::Error::Success();
+}
+
 // The rank of communicator `comm` on `device`, refused if one of its kernels timed out
 // earlier; fills *st.
 ffi::Error live_rank(int64_t comm, int32_t device, const gpu::RankState** st) {
-  *st = gpu::find_rank(comm_id(comm), device);
-  if (!names_comm(*st, comm)) return missing_comm(comm);
+  if (ffi::Error err = find_rank(comm, device, st); err.failure()) return err;
   // A kernel of this rank timed out earlier (and trapped): say so instead of launching again.
   if ((*st)->diag_host->diag.valid) {
     return ffi::Error::Internal(
@@ -160,8 +173,7 @@ ffi::Error CudaCollectiveImpl(cudaStream_t stream, int32_t device,
 
 // The rank state of an asynchronous start or done, with its event slot checked.
 ffi::Error async_rank(int64_t comm, int32_t device, int32_t slot, const gpu::RankState** st) {
-  *st = gpu::find_rank(comm_id(comm), device);
-  if (!names_comm(*st, comm)) return missing_comm(comm);
+  if (ffi::Error err = find_rank(comm, device, st); err.failure()) return err;
   if (slot < 0 || slot >= kAsyncSlots)
     return ffi::Error::Internal("jax_gin: no event slot " + std::to_string(slot));
   return ffi::Error::Success();

@@ -209,6 +209,13 @@ const RankState* find_rank(int64_t id, int device) {
   return i < 0 ? nullptr : &it->second->ranks[i];
 }
 
+bool comm_exists(int64_t id, uint32_t fingerprint) {
+  std::shared_lock<std::shared_mutex> lock(g_mu);
+  auto it = g_comms.find(id);
+  return it != g_comms.end() && !it->second->ranks.empty() &&
+         it->second->ranks[0].fingerprint == fingerprint;
+}
+
 void set_fingerprint(int64_t id, uint32_t fingerprint) {
   std::unique_lock<std::shared_mutex> lock(g_mu);
   auto it = g_comms.find(id);

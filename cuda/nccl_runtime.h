@@ -100,6 +100,8 @@ void comm_destroy(int64_t id);
 int comm_ranks_per_node(int64_t id);
 // The state of the rank that runs on `device`, or nullptr.
 const RankState* find_rank(int64_t id, int device);
+// Whether communicator `id` exists in this process with `fingerprint` (on any device).
+bool comm_exists(int64_t id, uint32_t fingerprint);
 // Sets communicator `id`'s fingerprint, before any program that uses it is lowered.
 void set_fingerprint(int64_t id, uint32_t fingerprint);
 // Messages of every timed-out wait recorded for communicator `id` (all if id < 0).
