@@ -106,14 +106,12 @@ def _valid(field: str, value):
             return None
         value = float(value)
         return value if math.isfinite(value) and 0 < value <= _MAX_TIMEOUT_S else None
-    if field in ("experimental_gin", "record"):
+    if field in ("experimental_gin", "record", "single_process"):
         if isinstance(value, (bool, np.bool_)):
             return bool(value)
         return bool(value) if _is_int(value) and value in (0, 1) else None
     if field == "tuning_dir":
         return value if isinstance(value, (str, os.PathLike)) else None
-    if field == "single_process":
-        return value if isinstance(value, bool) else None
     if not _is_int(value) or not value < _MAX_INT:
         return None
     value = int(value)

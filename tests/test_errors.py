@@ -430,3 +430,16 @@ def test_communicator_reset_while_lowering():
     with pytest.raises(RuntimeError, match=r"communicator 987654 was destroyed by "
                                            r"jax_gin.runtime.reset\(\) while a program"):
         _runtime.comm_attribute("cpu", 987654)
+
+
+@pytest.mark.parametrize("field", ["single_process", "record", "experimental_gin"])
+def test_boolean_settings_take_the_same_values(field):
+    # Every boolean setting takes bool, numpy's bool and the integers 0 and 1, and refuses
+    # other values alike (single_process took only a Python bool)
+    settings = jax_gin.runtime.Settings()
+    for value, want in ((True, True), (np.bool_(False), False), (1, True), (0, False)):
+        setattr(settings, field, value)
+        assert getattr(settings, field) is want, value
+    for bad in (2, "1", 0.0):
+        with pytest.raises(ValueError, match=rf"settings\.{field} = {re.escape(repr(bad))}"):
+            setattr(settings, field, bad)
