@@ -174,3 +174,19 @@ def test_results_identical_on_every_rank():
             assert_bitwise(out[r], out[0])
         np.testing.assert_allclose(out[0], np.asarray(x).reshape(ndev(), -1).sum(0), rtol=1e-5,
                                    atol=1e-5)
+
+
+@pytest.mark.parametrize("algo", jax_gin.ALGORITHMS + ("auto",))
+@pytest.mark.parametrize("op", ["pmax", "pmin"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_nan_propagates(algo, op, dtype):
+    """README: pmax and pmin propagate NaN, as jnp.max does (XLA's CPU all-reduce drops it):
+    column k holds NaN on rank k only, and every rank's result there is NaN; the other
+    columns are lax's."""
+    n = ndev()
+    x = jnp.asarray(np.arange(n * (n + 1)).reshape(n, n + 1) % 7, dtype)
+    x = x.at[np.arange(n), np.arange(n)].set(jnp.nan)
+    got, want = smap(lambda v: (getattr(jax_gin, op)(v, "i", algorithm=algo),
+                                getattr(lax, op)(v[:, n:], "i")), mesh_1d(), P("i"))(x)
+    assert np.isnan(np.asarray(got[:, :n], np.float32)).all()
+    assert_bitwise(got[:, n:], want)
