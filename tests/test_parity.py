@@ -129,6 +129,30 @@ def test_signed_zeros(algo, dtype):
     assert got.dtype == want.dtype
 
 
+@pytest.mark.parametrize("algo", jax_gin.ALGORITHMS + ("auto",))
+@pytest.mark.parametrize("op", ["pmax", "pmin"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_signed_zero_ties(algo, op, dtype):
+    """README, Numbers: a pmax/pmin tie of +0.0 and -0.0 is lax's where one rank reduces every
+    contribution (one_shot, two_shot, auto) -- lax keeps the lowest rank's zero -- and ring and
+    tree may settle it otherwise, as a zero with the same bits on every rank. Each column holds
+    its own pattern of signs over the ranks (the whole array is read back before it is
+    indexed: indexing a sharded jax.Array here turned -0.0 into +0.0)."""
+    n = ndev()
+    signs = np.random.default_rng(3).integers(0, 2, size=(n, 64)).astype(bool)
+    x = jnp.asarray(np.where(signs, -0.0, 0.0), dtype)
+    got, want = smap(lambda v: (getattr(jax_gin, op)(v, "i", algorithm=algo),
+                                getattr(lax, op)(v, "i")), mesh_1d(), P("i"))(x)
+    got, want = np.asarray(got), np.asarray(want)
+    assert (np.signbit(want.astype(np.float32)) == signs[0]).all()  # every rank: rank 0's
+    if algo in ("one_shot", "two_shot", "auto"):
+        assert_bitwise(got, want)
+    else:
+        assert got.dtype == want.dtype and (got.astype(np.float32) == 0).all()
+        for r in range(1, n):
+            assert_bitwise(got[r], got[0])
+
+
 def test_bool_max_min_stay_bool():
     mesh = mesh_1d()
     f = smap(lambda v: (jax_gin.pmax(v > 0, "i"), lax.pmax(v > 0, "i"),
