@@ -248,6 +248,21 @@ def test_good_env_values(monkeypatch):
         assert s.single_process is s.record is s.experimental_gin is value, text
 
 
+def test_defaults_are_the_readmes(monkeypatch):
+    """README's Settings table, in an environment without JAX_GIN_ variables: the defaults
+    there (the GPU launch settings are None here, the kernels' own defaults)."""
+    import os
+    for var in [v for v in os.environ if v.startswith("JAX_GIN_")]:
+        monkeypatch.delenv(var)
+    s = jax_gin.runtime.Settings()
+    assert (s.bucket_bytes, s.cpu_workspace_bytes, s.gpu_workspace_bytes) == (64 << 20, 1 << 20, 64 << 20)
+    assert s.timeout_s == 30 and (s.overlap_lanes, s.overlap_copy_engine_bytes) == (32, 32 << 20)
+    assert (s.record, s.record_entries) == (False, 64)
+    assert s.experimental_gin is False and s.single_process is False and s.tuning_dir is None
+    assert (s.max_lanes, s.lane_grain_bytes, s.chunk_bytes, s.one_shot_chunk_bytes,
+            s.ll_max_bytes) == (None,) * 5
+
+
 @pytest.mark.parametrize("field,value,var", [
     ("cpu_workspace_bytes", -5, "JAX_GIN_WORKSPACE_BYTES"),
     ("gpu_workspace_bytes", 1.5, "JAX_GIN_WORKSPACE_BYTES"),
