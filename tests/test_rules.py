@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_gin
@@ -331,6 +332,25 @@ def test_shipped_h200_table():
         assert _select.choose("cuda", size, 2, "NVIDIA H200")[0] == "one_shot"
     for size in (16 << 20, 64 << 20, 256 << 20, 1 << 30):
         assert _select.choose("cuda", size, 2, "NVIDIA H200")[0] in ("ring", "two_shot")
+
+
+def test_shipped_cpu_table():
+    """README: on 8 CPU devices (jax_gin/tuning/cpu_n8.json) `auto` runs a kernel up to 32 KiB
+    per device and hands every larger size to XLA's all-reduce: the program has no jax_gin
+    call there, and gives lax's bits."""
+    from jax_gin import _select
+    assert _select.choose("cpu", 32 << 10, 8, "cpu")[0] in jax_gin.ALGORITHMS
+    for size in ((32 << 10) + 1, 64 << 10, 64 << 20, 1 << 30):
+        assert _select.choose("cpu", size, 8, "cpu")[0] == "xla"
+    if jax.default_backend() != "cpu":
+        pytest.skip("runs the table on 8 CPU devices")
+    needs_devices(8)
+    mesh = Mesh(np.array(jax.devices()[:8]), ("i",))
+    for per_device, calls in ((8 << 10, 1), ((8 << 10) + 1, 0)):  # float32: 32 KiB, and 4 B more
+        x = exact_input((per_device,), 8, "float32")
+        f = smap(lambda v: (jax_gin.psum(v, "i"), lax.psum(v, "i")), mesh, P("i"))
+        assert jax_gin_calls(f, x) == calls
+        assert_bitwise(*f(x))
 
 
 def test_tune_builds_a_table_from_benchmark_json(tmp_path):
