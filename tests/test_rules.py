@@ -722,6 +722,14 @@ def test_collective_xla_fallback_grad(cpu_collective_tables):
     assert "custom_call" not in ours.lower(x).as_text()
 
 
+def test_public_algorithms_and_dtypes():
+    """README's API table: ALGORITHMS and SUPPORTED_DTYPES, which the native library lists
+    (and the tests parametrize over, so a name lost there would shrink them unseen)."""
+    assert jax_gin.ALGORITHMS == ("ring", "tree", "one_shot", "two_shot")
+    assert jax_gin.SUPPORTED_DTYPES == (
+        "float32", "float64", "bfloat16", "float16", "int32", "int64", "uint32")
+
+
 def test_profiler_names():
     """The custom calls carry readable names (op, algorithm, bytes, dtype) in the compiled HLO:
     its instruction names and op_name metadata, which jax.profiler timelines show."""
