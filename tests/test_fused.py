@@ -608,3 +608,23 @@ def test_layernorm_bad_shapes(case, match):
                       check_vma=False)
     with pytest.raises(ValueError, match=match):
         jax.jit(f).lower(x, res, w, b)
+
+
+@pytest.mark.parametrize("op,eps", [("psum_add_rmsnorm", 1e-6), ("psum_add_layernorm", 1e-5)])
+def test_default_eps(op, eps):
+    # The README's defaults: eps=1e-6 (RMSNorm) and 1e-5 (LayerNorm). Rows of values near
+    # 1e-3, so that mean(r**2) is near eps and another eps changes the result.
+    mesh = mesh_1d()
+    n = ndev()
+    x = jnp.asarray(np.arange(n * 3 * 16).reshape(n * 3, 16) % 5 - 2, jnp.float32) * 1e-3
+    res, w = jnp.zeros_like(x), jnp.ones((16,), jnp.float32)
+    bias = () if op == "psum_add_rmsnorm" else (jnp.zeros((16,), jnp.float32),)
+
+    def f(x, res):
+        call = getattr(jax_gin, op)
+        return (call(x, res, w, *bias, "i")[0], call(x, res, w, *bias, "i", eps=eps)[0],
+                call(x, res, w, *bias, "i", eps=10 * eps)[0])
+    default, explicit, other = jax.jit(jax.shard_map(
+        f, mesh=mesh, in_specs=(P("i"), P("i")), out_specs=(P("i"),) * 3))(x, res)
+    assert_bitwise(default, explicit)
+    assert not np.array_equal(np.asarray(default), np.asarray(other))
