@@ -80,7 +80,9 @@ def _apply(api, x, axis_name, dim, tiled, algorithm, bucket_bytes):
     if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
         name = "scatter_dimension" if api == "psum_scatter" else "axis"
         raise TypeError(f"jax_gin.{api}: {name} must be an integer, got {dim!r}")
-    if not (isinstance(tiled, (bool, np.bool_)) or _runtime._is_int(tiled) and tiled in (0, 1)):
+    # lax takes None as False, and 0 or 1
+    if not (tiled is None or isinstance(tiled, (bool, np.bool_))
+            or _runtime._is_int(tiled) and tiled in (0, 1)):
         raise TypeError(f"jax_gin.{api}: tiled must be True or False, got {tiled!r}")
     bucket_bytes = _primitive._check_bucket_bytes(bucket_bytes, api)
     axes = _primitive._normalize_axes(axis_name, api)

@@ -69,10 +69,10 @@ def test_axis_index_groups(api):
 
 
 def test_lax_style_flags():
-    # tiled=1 (lax takes any truthy value) and NumPy booleans, as a program written for lax
+    # tiled=1 (lax takes any truthy value), None and NumPy booleans, as a program written for lax
     n = ndev()
     x = exact_input((n,), n, "float32")
-    for tiled in (1, 0, np.bool_(True)):
+    for tiled in (1, 0, None, np.bool_(True)):
         ours = smap(lambda v: jax_gin.all_gather(v, "i", tiled=tiled)[None], mesh_1d(), P("i"))(x)
         ref = smap(lambda v: jax.lax.all_gather(v, "i", tiled=tiled)[None], mesh_1d(), P("i"))(x)
         assert_bitwise(ours, ref)
