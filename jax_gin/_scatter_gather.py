@@ -220,27 +220,41 @@ def _from_words(y, dtype):
 
 def _over_no_ranks(api, leaf, axes, dim, tiled):
     """`api`'s result for one leaf over axes of no elements (a vmap of an empty batch), which
-    no element of the batch ever holds: lax's shape and dtype, as a slice or zeros."""
+    no element of the batch ever holds: lax's shape and dtype, as a slice or zeros. The leaf is
+    checked as over any axis (_gather_dim; _canonical_dim, the dtype, _check_scatter_size)."""
     leaf = jnp.asarray(leaf)
     if api == "all_gather":
-        if tiled:
-            if leaf.ndim == 0:
-                raise ValueError("jax_gin.all_gather: tiled=True needs an array with a dimension "
-                                 "to concatenate along, got a scalar")
-            d = _canonical_dim(dim, leaf.ndim, api, "axis", leaf.shape)
-            return jax.lax.slice_in_dim(leaf, 0, 0, axis=d)
-        d = _canonical_dim(dim, leaf.ndim + 1, api, "axis", leaf.shape, stacked=True)
-        return jax.lax.slice_in_dim(jnp.expand_dims(leaf, d), 0, 0, axis=d)
+        d = _gather_dim(leaf, dim, tiled)
+        return jax.lax.slice_in_dim(leaf if tiled else jnp.expand_dims(leaf, d), 0, 0, axis=d)
     d = _canonical_dim(dim, leaf.ndim, api, "scatter_dimension", leaf.shape)
-    moved_dtype(leaf.dtype, api)  # the dtype refusal, as over any axis
-    if tiled:
+    moved_dtype(leaf.dtype, api)
+    _check_scatter_size(d, leaf.shape[d], tiled, 0, axes)
+    return jnp.zeros(leaf.shape[:d] + leaf.shape[d + 1:], leaf.dtype)
+
+
+def _check_scatter_size(d: int, size: int, tiled: bool, nranks: int, axes) -> None:
+    """psum_scatter's rule for its scatter dimension d of `size` over `nranks` ranks, as lax's:
+    tiled, a multiple of nranks; untiled, nranks itself."""
+    if tiled and nranks == 0:  # (lax's fails with a ZeroDivisionError there)
         raise ValueError(f"jax_gin.psum_scatter: tiled, the scatter dimension is divided by the "
                          f"size of axis {_axes_text(axes)}, which is 0")
-    if leaf.shape[d] != 0:
-        raise ValueError(f"jax_gin.psum_scatter: scatter dimension {d} has size "
-                         f"{leaf.shape[d]}; untiled it must equal the size of axis "
-                         f"{_axes_text(axes)} (0)")
-    return jnp.zeros(leaf.shape[:d] + leaf.shape[d + 1:], leaf.dtype)
+    if tiled and size % nranks:
+        raise ValueError(f"jax_gin.psum_scatter: tiled scatter dimension {d} of size {size} is "
+                         f"not divisible by the size of axis {_axes_text(axes)} ({nranks})")
+    if not tiled and size != nranks:
+        raise ValueError(f"jax_gin.psum_scatter: scatter dimension {d} has size {size}; untiled "
+                         f"it must equal the size of axis {_axes_text(axes)} ({nranks})")
+
+
+def _gather_dim(leaf, dim: int, tiled: bool) -> int:
+    """all_gather's `axis` for `leaf`, in [0, ndim) tiled, in [0, ndim] stacked."""
+    ndim, shape = np.ndim(leaf), np.shape(leaf)
+    if not tiled:
+        return _canonical_dim(dim, ndim + 1, "all_gather", "axis", shape, stacked=True)
+    if ndim == 0:
+        raise ValueError("jax_gin.all_gather: tiled=True needs an array with a dimension "
+                         "to concatenate along, got a scalar")
+    return _canonical_dim(dim, ndim, "all_gather", "axis", shape)
 
 
 def _pad_to(m: int, itemsize: int) -> int:
@@ -255,12 +269,7 @@ def _scatter_plan(leaf, axes, nranks, dim, tiled):
     d = _canonical_dim(dim, np.ndim(leaf), "psum_scatter", "scatter_dimension", np.shape(leaf))
     x, undo = _prepare(leaf, axes, "psum_scatter")
     size = x.shape[d]
-    if tiled and size % nranks:
-        raise ValueError(f"jax_gin.psum_scatter: tiled scatter dimension {d} of size {size} is "
-                         f"not divisible by the size of axis {_axes_text(axes)} ({nranks})")
-    if not tiled and size != nranks:
-        raise ValueError(f"jax_gin.psum_scatter: scatter dimension {d} has size {size}; untiled "
-                         f"it must equal the size of axis {_axes_text(axes)} ({nranks})")
+    _check_scatter_size(d, size, tiled, nranks, axes)
     moved = jnp.moveaxis(x, d, 0)  # (N * k, ...): block q is rows q*k .. q*k + k - 1
     rest = moved.shape[1:]
     k = size // nranks
@@ -280,14 +289,7 @@ def _scatter_plan(leaf, axes, nranks, dim, tiled):
 def _gather_plan(leaf, axes, nranks, dim, tiled):
     """A leaf to gather as its (mp,) block (padded to 16 bytes), and the function that turns
     every device's block, (N, mp), into the result."""
-    ndim, shape = np.ndim(leaf), np.shape(leaf)
-    if tiled:
-        if ndim == 0:
-            raise ValueError("jax_gin.all_gather: tiled=True needs an array with a dimension "
-                             "to concatenate along, got a scalar")
-        d = _canonical_dim(dim, ndim, "all_gather", "axis", shape)
-    else:
-        d = _canonical_dim(dim, ndim + 1, "all_gather", "axis", shape, stacked=True)
+    d = _gather_dim(leaf, dim, tiled)
     x, undo = _prepare(leaf, axes, "all_gather")
     moved = jnp.moveaxis(x, d, 0) if tiled else x
     m = int(np.prod(moved.shape, dtype=np.int64))
