@@ -535,6 +535,12 @@ def check_cuda_module(platform: str, api: str) -> None:
             f"CUDA support ({_native.CUDA_IMPORT_ERROR or '_jax_gin_cuda is missing'})")
 
 
+# Why a program that uses jax_gin is lowered for one platform, its mesh's devices' (the end of
+# check_mesh_platform's and lowering_platform's refusals).
+_OWN_PLATFORM_ONLY = ("jax_gin sets up its communicators on the mesh's devices while it lowers, "
+                      "so a program that uses it is lowered (and exported) for the platform of "
+                      "its own devices only")
+
 # The platforms of jax.Device.platform that each lowering platform runs on.
 _DEVICE_PLATFORMS = {"cpu": ("cpu",), "cuda": ("gpu", "cuda")}
 
@@ -548,9 +554,7 @@ def check_mesh_platform(mesh, platform: str, api: str) -> None:
     if any(k not in _DEVICE_PLATFORMS.get(platform, ()) for k in kinds):
         raise NotImplementedError(
             f"jax_gin.{api}: this program is lowered for {platform}, but its mesh's devices are "
-            f"{', '.join(kinds)} devices; jax_gin sets up its communicators on the mesh's "
-            "devices while it lowers, so a program that uses it is lowered (and exported) for "
-            "the platform of its own devices only")
+            f"{', '.join(kinds)} devices; {_OWN_PLATFORM_ONLY}")
 
 
 def lowering_mesh(ctx, api: str):
@@ -772,9 +776,7 @@ def lowering_platform(ctx, api: str) -> str:
     if len(platforms) != 1:
         raise NotImplementedError(
             f"jax_gin.{api}: this program is lowered for several platforms at once "
-            f"({', '.join(platforms)}); jax_gin sets up its communicators on the mesh's devices "
-            "while it lowers, so a program that uses it is lowered (and exported) for the "
-            "platform of its own devices only")
+            f"({', '.join(platforms)}); {_OWN_PLATFORM_ONLY}")
     if platforms[0] not in PLATFORMS:
         raise NotImplementedError(f"jax_gin.{api} has no lowering for platform {platforms[0]!r} "
                                   f"(only {' and '.join(PLATFORMS)})")
