@@ -764,10 +764,11 @@ def test_one_function_on_meshes_of_one_shape(api):
     # communicators, and each result equals lax's on that mesh.
     needs_devices(4)
     jax_gin.runtime.reset()  # so that the communicators below are this test's
-    devs = jax.devices()
+    devs = np.array(jax.devices())
     half = len(devs) // 2
-    meshes = [jax.sharding.Mesh(np.array(devs[:half]), ("x",)),
-              jax.sharding.Mesh(np.array(devs[half:2 * half])[::-1], ("x",))]
+    meshes = [jax.sharding.Mesh(devs[:half], ("x",)),
+              jax.sharding.Mesh(devs[:half][::-1], ("x",)),
+              jax.sharding.Mesh(devs[half:2 * half][::-1], ("x",))]
     kw = {"tiled": True} if api == "all_gather" else {}
 
     @jax.jit(static_argnums=(1, 2))
@@ -780,5 +781,4 @@ def test_one_function_on_meshes_of_one_shape(api):
         xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("x")))
         assert_bitwise(f(xs, mesh, jax_gin), f(xs, mesh, lax))
     groups = {devices for devices, _ in jax_gin._runtime.comm_devices.values()}
-    for mesh in meshes:
-        assert tuple(d.id for d in mesh.devices.flat) in groups
+    assert groups == {tuple(d.id for d in mesh.devices.flat) for mesh in meshes}
