@@ -36,6 +36,9 @@ __device__ __forceinline__ void allreduce_lane(const Peers& peers, const LanePar
 // __launch_bounds__(512, 2): at most 64 registers per thread, so that a lane takes at most
 // half of its SM's registers and leaves the rest to other kernels' blocks (the compute that
 // an overlapped all-reduce runs beside).
+// `in` and `out` may be one buffer (the asynchronous start reduces in place), which
+// __restrict__ allows here: every schedule loads an element's input before it stores that
+// element's result, and never loads it again afterwards.
 template <class T, class Op, class Peers, int A>
 __global__ void __launch_bounds__(512, 2)
     allreduce_kernel(Peers peers, LaneParams p, const T* __restrict__ in, T* __restrict__ out,
