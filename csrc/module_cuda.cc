@@ -152,6 +152,18 @@ NB_MODULE(_jax_gin_cuda, m) {
   m.def("lane_bytes", &gpu::lane_bytes_for_workspace);
   m.def("default_max_lanes", &gpu::default_max_lanes,
         "The default lane cap on a local CUDA device: its SM count, at most kMaxLanes.");
+  m.def("default_launch", []() {
+          const gpu::LaunchConfig c;
+          nb::dict d;
+          d["max_lanes"] = c.max_lanes;
+          d["lane_grain_bytes"] = c.lane_grain_bytes;
+          d["chunk_bytes"] = c.chunk_bytes;
+          d["one_shot_chunk_bytes"] = c.one_shot_chunk_bytes;
+          d["ll_max_bytes"] = c.ll_max_bytes;
+          return d;
+        },
+        "The kernels' defaults of the launch settings left None (LaunchConfig); a device caps "
+        "max_lanes further at its SM count (default_max_lanes).");
   m.def("choose_lanes", [](int algo, size_t bytes, int nranks, int max_lanes) {
     return gpu::choose_lanes(Algorithm(algo), bytes, nranks, max_lanes);
   });

@@ -167,17 +167,19 @@ def check_nccl(r: Report, gpu: bool) -> None:
 def check_settings(r: Report, invalid: dict, gpu_device) -> None:
     """gpu_device: the first local GPU (its SM count is the default max_lanes), or None."""
     f = r.section("settings", "settings (jax_gin.runtime.settings; * set in the environment; "
-                              "None: the default)")
+                              "None: the kernels' default, in parentheses)")
+    kernel_defaults = _native.cuda.default_launch() if _native.cuda is not None else {}
+    if gpu_device is not None and kernel_defaults:  # the SM count, at most 128
+        kernel_defaults["max_lanes"] = _native.cuda.default_max_lanes(gpu_device.local_hardware_id)
     for field in dataclasses.fields(_runtime.settings):
         value = getattr(_runtime.settings, field.name)
         env = _runtime._RULES.get(field.name, (None,))[0]
         from_env = bool(env) and _runtime.in_environment(field.name)
         shown = repr(value)
-        if field.name == "max_lanes" and value is None and gpu_device is not None \
-                and _native.cuda is not None:  # the SM count, at most 128
-            shown += f" ({_native.cuda.default_max_lanes(gpu_device.local_hardware_id)})"
+        if value is None and field.name in kernel_defaults:
+            shown += f" ({kernel_defaults[field.name]})"
         f[field.name] = {"value": value, "env": env, "from_env": from_env}
-        r.line(f"{field.name:<26} {shown:<10} {'*' if from_env else ' '} {env or '(testing only)'}")
+        r.line(f"{field.name:<26} {shown:<15} {'*' if from_env else ' '} {env or '(testing only)'}")
     for env, message in invalid.items():
         r.line(f"invalid: {message}")
         r.fail(f"a setting is invalid: {message}", f"correct or unset {env}")

@@ -263,6 +263,19 @@ def test_defaults_are_the_readmes(monkeypatch):
             s.ll_max_bytes) == (None,) * 5
 
 
+def test_gpu_launch_defaults_are_the_readmes():
+    """README's Settings table: the GPU launch settings left None take the kernels' defaults
+    (LaunchConfig), and max_lanes at most the GPU's SM count."""
+    if not jax_gin.has_cuda():
+        pytest.skip("needs the CUDA extension")
+    cuda = jax_gin._native.cuda
+    assert cuda.default_launch() == {"max_lanes": 128, "lane_grain_bytes": 16 << 10,
+                                     "chunk_bytes": 512 << 10, "one_shot_chunk_bytes": 32 << 10,
+                                     "ll_max_bytes": 256 << 10}
+    for d in (jax.devices() if jax.default_backend() == "gpu" else []):
+        assert cuda.default_max_lanes(d.local_hardware_id) == min(128, d.core_count)
+
+
 @pytest.mark.parametrize("field,value,var", [
     ("cpu_workspace_bytes", -5, "JAX_GIN_WORKSPACE_BYTES"),
     ("gpu_workspace_bytes", 1.5, "JAX_GIN_WORKSPACE_BYTES"),
