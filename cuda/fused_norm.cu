@@ -44,5 +44,22 @@ cudaError_t launch_add_norm(DType dtype, const void* residual, void* new_residua
   });
 }
 
+// Loads add_norm_kernel of every type it has (preload_kernels).
+cudaError_t preload_add_norm() {
+  for (int dt = 0; dt < kNumDTypes; ++dt) {
+    const cudaError_t e = with_dtype<DeviceElem>(DType(dt), cudaErrorInvalidValue, [](auto tag) {
+      using T = typename decltype(tag)::type;
+      if constexpr (NormElem<T>::ok) {
+        cudaFuncAttributes a;
+        return cudaFuncGetAttributes(&a, add_norm_kernel<T>);
+      } else {
+        return cudaSuccess;
+      }
+    });
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
 }  // namespace gpu
 }  // namespace jax_gin

@@ -52,7 +52,10 @@ cudaError_t launch_ll_add_norm(const Peers& peers, const LaneParams& p, int lane
                                const void* res, void* nr, const void* w, const void* b, void* out,
                                size_t rows, size_t d, size_t rows_per_lane, float eps,
                                cudaStream_t s);
+template <class T, class Peers>
+cudaError_t preload_ll_add_norm_type();
 cudaError_t preload_copy_engine();  // copy_engine.cu
+cudaError_t preload_add_norm();     // fused_norm.cu
 // Defined in the generated collectives_<short_name>.cu (collectives_impl.cuh).
 template <class T, class Peers>
 cudaError_t launch_collective_typed(const Peers& peers, const LaneParams& p, int lanes, int threads,
@@ -315,6 +318,13 @@ cudaError_t preload_kernels(bool table_peers) {
   if (cudaError_t e = for_each_type([](auto t) { return preload_ce_type<typename decltype(t)::type>(); }))
     return e;
   if (cudaError_t e = preload_copy_engine()) return e;
+  if (cudaError_t e = preload_add_norm()) return e;
+  if (cudaError_t e = for_each_type([&](auto t) {
+        using T = typename decltype(t)::type;
+        const cudaError_t m = preload_ll_add_norm_type<T, NcclPeers>();
+        return m != cudaSuccess || !table_peers ? m : preload_ll_add_norm_type<T, TablePeers>();
+      }))
+    return e;
   cudaError_t e = preload_peers<NcclPeers>();
   if (e != cudaSuccess) return e;
   if (table_peers && (e = preload_peers<TablePeers>()) != cudaSuccess) return e;

@@ -377,6 +377,16 @@ cudaError_t launch_ll_add_norm(const Peers& peers, const LaneParams& p, int lane
   }
 }
 
+template <class T, class Peers>
+cudaError_t preload_ll_add_norm_type() {
+  if constexpr (NormElem<T>::ok) {
+    cudaFuncAttributes a;
+    return cudaFuncGetAttributes(&a, ll_add_norm_kernel<T, Peers>);
+  } else {
+    return cudaSuccess;  // no fused norm of this type
+  }
+}
+
 template <class T, class Op, class Peers>
 __global__ void __launch_bounds__(512)
     one_shot_ll_kernel(Peers peers, LaneParams p, const T* __restrict__ in, T* __restrict__ out,
@@ -576,7 +586,9 @@ cudaError_t preload_ce_type() {
       const void*, void*, size_t, size_t, size_t, float, cudaStream_t);                          \
   template cudaError_t launch_ll_add_norm<T, TablePeers>(                                        \
       const TablePeers&, const LaneParams&, int, const void*, const void*, void*, const void*,  \
-      const void*, void*, size_t, size_t, size_t, float, cudaStream_t);
+      const void*, void*, size_t, size_t, size_t, float, cudaStream_t);                          \
+  template cudaError_t preload_ll_add_norm_type<T, NcclPeers>();                                 \
+  template cudaError_t preload_ll_add_norm_type<T, TablePeers>();
 // ... for the element type of DType::k<E> (a generated kernels_<short_name>.cu).
 #define JAX_GIN_INSTANTIATE_DTYPE(E) JAX_GIN_INSTANTIATE(DeviceElem<DType::k##E>::type)
 
