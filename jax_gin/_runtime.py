@@ -565,6 +565,11 @@ _GPU_LAUNCH_FIELDS = ("max_lanes", "lane_grain_bytes", "chunk_bytes", "one_shot_
                       "ll_max_bytes", "experimental_gin", "record_entries")
 
 
+# The settings of asynchronous calls on GPUs (overlap=True, psum_overlapping), read at lowering:
+# they must agree over the processes of a group too.
+_GPU_ASYNC_FIELDS = ("overlap_lanes", "overlap_copy_engine_bytes")
+
+
 def gpu_launch_kwargs() -> dict:
     """The GPU launch settings, as the native comm_create and comm_create_ranks take them."""
     return {f: getattr(settings, f) for f in _GPU_LAUNCH_FIELDS}
@@ -578,6 +583,10 @@ def gpu_launch_settings(workspace_bytes: int, default_max_lanes: int | None = No
     devices in the group; it decides the lanes unless max_lanes (JAX_GIN_MAX_LANES) is set."""
     out = {"workspace_bytes": int(workspace_bytes), **trace_settings(tables=True)}
     out.update({_RULES[f][0]: v for f, v in gpu_launch_kwargs().items()})
+    # An asynchronous call's lanes and its copy-engine choice are fixed at lowering
+    # (lower_start's attributes); ranks that split a message otherwise wait for data that
+    # never comes, or sum the wrong pieces.
+    out.update({_RULES[f][0]: int(getattr(settings, f)) for f in _GPU_ASYNC_FIELDS})
     if default_max_lanes is not None and settings.max_lanes is None:
         out["default max lanes (SM count; set JAX_GIN_MAX_LANES alike to override)"] = \
             int(default_max_lanes)

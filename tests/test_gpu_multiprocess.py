@@ -101,6 +101,8 @@ def test_bootstrap_two_processes():
     assert "JAX_GIN_CHUNK_BYTES=65536 here but 131072 in process 1" in r0["mismatch"], r0
     assert r1["mismatch"].startswith("ValueError"), r1
     assert "JAX_GIN_CHUNK_BYTES=131072 here but 65536 in process 0" in r1["mismatch"], r1
+    assert "JAX_GIN_OVERLAP_LANES=16 here but 32 in process 1" in r0["overlap_mismatch"], r0
+    assert "JAX_GIN_OVERLAP_LANES=32 here but 16 in process 0" in r1["overlap_mismatch"], r1
     for r in (r0, r1):
         assert r["tables"].startswith("ValueError"), r
         assert "JAX_GIN_TUNING_DIR (a digest of its tables)=" in r["tables"], r
@@ -239,6 +241,12 @@ def _bootstrap_worker(pid, devices, report, _distributed, _native, _runtime):
     report["mismatch"] = error_of(lambda: _runtime.communicator("cuda", mesh1, ("i",)))
     _runtime.settings.chunk_bytes = None
     client.wait_at_barrier("test/end_mismatch", 60_000)
+    # So do the asynchronous calls' lane cap and copy-engine size (fixed at lowering).
+    _runtime.settings.overlap_lanes = 16 * (pid + 1)
+    _runtime.settings.timeout_s = 3.0 + 6e-6  # a new communicator key
+    report["overlap_mismatch"] = error_of(lambda: _runtime.communicator("cuda", mesh1, ("i",)))
+    _runtime.settings.overlap_lanes = 32
+    client.wait_at_barrier("test/end_overlap_mismatch", 60_000)
     # Tuning tables that differ (auto would pick different algorithms): refused by name too.
     tables = tempfile.mkdtemp()
     if pid == 1:
