@@ -90,6 +90,9 @@ harness() {
   $H --collectives only --ranks 2,3,8 --dtypes f32,bf16,f64 --lane-bytes 4096 --chunk-bytes 256 \
     --block-bytes 16,48,1008,65584,262160 >> "$OUT/harness.log" 2>&1
   log "harness, psum_scatter and all_gather over several rounds rc=$? $(tail -1 "$OUT/harness.log")"
+  $H --collectives 1 --ranks 2,3,4,8 --dtypes f32,bf16 --ops sum,max --iters 2 --counts 7,1000,4099 \
+    --lane-bytes 4096 --chunk-bytes 256 >> "$OUT/harness.log" 2>&1
+  log "harness, psum_scatter and all_gather after all-reduces on one window rc=$? $(tail -1 "$OUT/harness.log")"
   $H --ranks 2 --counts 1000 --algos one_shot --dtypes f32 --ops sum --iters 1 --timeout-s 1 \
     --fault-rank 1 >> "$OUT/harness.log" 2>&1
   log "fault injection rc=$? (3 expected): $(grep -m1 'timed out' "$OUT/harness.log")"
