@@ -124,7 +124,8 @@ struct TablePeers {
 // s = null; rec_begin with local = null, rec_current, rec_end).
 // The state block (always on, whether or not the recorder is): the thread that opens a call
 // marks it entered, and marks it returned when lane 0 is done; a wait that has
-// spun for kWaitPublishNs says what it waits for, and clears that when it ends. Plain
+// spun for kWaitPublishNs says what it waits for, and clears that when it ends (so a rank
+// whose lane 0 returned while another lane waits is still in the call: laggard.h, in_call). Plain
 // volatile stores into the rank's own window: peers read them only when a wait times out.
 constexpr uint64_t kWaitPublishNs = 1000000;
 constexpr int kRecThread = 32;  // lane 0's recording thread, and its warp stores the entry

@@ -352,6 +352,24 @@ def test_laggard_text_of_a_rank_gone_on_to_its_next_call():
                            "call: its signals did not arrive."), text
 
 
+def test_laggard_text_of_a_rank_whose_lane_0_returned():
+    """On GPUs lane 0 marks a call returned while the rank's other lanes may still wait: a rank
+    whose state says returned but whose published wait is in that call is still in it."""
+    psum, ring = OP_CODES["sum"], ALGORITHM_CODES["ring"]
+    # (seq, done, wait seq, wait round, wait peer, wait step, op, algorithm, failed, place, kind)
+    rank0 = [1, 0, 1, 1, 1, 0, psum, ring, 1, 0, 0]
+    rank1 = [1, 1, 1, 1, 0, 1, psum, ring, 0, 1, 0]  # lane 0 returned; a lane waits at step 1
+    text = _native.cpu.laggard_text([rank0, rank1], 0, 0)
+    assert text.startswith("diagnosis: rank 1 is further on in call #1 (psum, ring), waiting "
+                           "for rank 0 at step 1 of round 1, but rank 0 still waits for it at "
+                           "step 0: its signals did not arrive."), text
+    assert "rank 1: #1 psum/ring, waiting for rank 0 at step 1 of round 1" in text, text
+    rank1[2] = 0  # no wait published: the call returned
+    text = _native.cpu.laggard_text([rank0, rank1], 0, 0)
+    assert text.startswith("diagnosis: rank 1 finished call #1 (psum, ring), but rank 0 still "
+                           "waits for it at step 0: its signals did not arrive."), text
+
+
 def test_laggard_text_of_a_cycle():
     """Waits at one step that close a cycle: the cycle is given, from where the walk from the
     reporting rank enters it."""

@@ -22,7 +22,9 @@ struct Seen {
   int wpeer, wstep, op, algo;
   bool failed;
   int wplace = 0, wkind = kData;
-  bool in_call() const { return seq != 0 && done != seq; }
+  // In its last call: not returned, or waiting in it. On GPUs lane 0 marks the call returned
+  // while other lanes may still wait; a lane's wait stays published until it ends.
+  bool in_call() const { return seq != 0 && (done != seq || waiting()); }
   bool waiting() const { return seq != 0 && wseq == seq && wpeer >= 0; }
 };
 
