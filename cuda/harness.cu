@@ -9,7 +9,7 @@
 //                        [--lane-bytes B] [--chunk-bytes B] [--timeout-s T] [--fault-rank R]
 //                        [--ranks-per-node L,...] [--max-lanes K]
 //                        [--collectives 0|1|only] [--block-bytes B,...] [--segments S]
-//                        [--late-rank R --late-ms M]
+//                        [--late-rank R --late-ms M] [--in-place 1]
 // --ranks-per-node runs the hierarchical kernel of groups that span nodes (algorithm
 // "hierarchical", the default algos then) for every L that divides N and is smaller: ranks
 // node*L .. node*L+L-1 play a node, reached by load/store, and the rail between nodes goes
@@ -35,6 +35,8 @@
 // 0 (the default) leaves it off, as the runtime does; -1 gives the kernels no recorder at all
 // (no ring, no switch to read), to measure what the recorder costs when it is off.
 // --ll-round-start R starts every lane's LL round counter at R (2^32 - 2: across the flags' wrap).
+// --in-place 1 gives each all-reduce one buffer as input and output, as the asynchronous start
+// does (its results alias its inputs), and loads the inputs again before each iteration.
 // --late-rank R --late-ms M launches rank R M ms after the others in every all-reduce, so that
 // their waits spin long enough to be published in their state blocks (RecState,
 // transport.cuh state_wait), and checks after each case that every published wait was
@@ -610,6 +612,7 @@ int main(int argc, char** argv) {
   // runs the rounds around the 32-bit flags' wrap on zeroed buffers)
   uint64_t ll_round_start = 0;
   int segments = 1;     // --segments S: each all-reduce as S buffers in one call
+  int in_place = 0;     // --in-place 1: input and output are one buffer
   std::string collectives = "0";  // --collectives 1 | only
   int late_rank = -1, late_ms = 0;  // --late-rank R --late-ms M
   std::vector<std::string> block_bytes_s = {"16", "48", "1008", "65584", "1048592"};
@@ -642,6 +645,7 @@ int main(int argc, char** argv) {
     else if (k == "--add-rmsnorm") add_rmsnorm = std::atoi(v.c_str());
     else if (k == "--ll-round-start") ll_round_start = std::strtoull(v.c_str(), nullptr, 10);
     else if (k == "--segments") segments = std::atoi(v.c_str());
+    else if (k == "--in-place") in_place = std::atoi(v.c_str());
     else if (k == "--collectives") collectives = v;
     else if (k == "--late-rank") late_rank = std::atoi(v.c_str());
     else if (k == "--late-ms") late_ms = std::atoi(v.c_str());
@@ -666,6 +670,10 @@ int main(int argc, char** argv) {
   }
   if (collectives != "0" && collectives != "1" && collectives != "only") {
     std::fprintf(stderr, "--collectives takes 0, 1 or only\n");
+    return 2;
+  }
+  if (in_place && time_iters > 0) {
+    std::fprintf(stderr, "--in-place checks results; it does not time (--time-iters)\n");
     return 2;
   }
   if ((late_rank >= 0) != (late_ms > 0)) {
@@ -855,20 +863,32 @@ int main(int argc, char** argv) {
               };
               std::vector<char> host(count * dt->size), want(count * dt->size);
               for (size_t i = 0; i < count; ++i) encode(dt->dt, ref[i], want.data() + i * dt->size);
+              // --in-place: the output is the input buffer
+              auto out_of = [&](const Rank& R) { return in_place ? R.in : R.out; };
+              std::vector<std::vector<char>> placed(N);
               for (int r = 0; r < N; ++r) {
                 for (size_t i = 0; i < count; ++i) encode(dt->dt, vals[r][i], host.data() + i * dt->size);
-                const std::vector<char> placed = place(host);
-                CK(cudaSetDevice(rk[r].dev));
-                CK(cudaMemcpy(rk[r].in, placed.data(), placed.size(), cudaMemcpyHostToDevice));
-                CK(cudaMemset(rk[r].out, 0xff, plen * dt->size));  // poison
+                placed[r] = place(host);
               }
+              // Every rank's input, and its output poisoned; all ranks idle (wait_all) first.
+              auto load_inputs = [&]() -> cudaError_t {
+                for (int r = 0; r < N; ++r) {
+                  cudaError_t e = cudaSetDevice(rk[r].dev);
+                  if (e == cudaSuccess)
+                    e = cudaMemcpy(rk[r].in, placed[r].data(), placed[r].size(), cudaMemcpyHostToDevice);
+                  if (e == cudaSuccess && !in_place) e = cudaMemset(rk[r].out, 0xff, plen * dt->size);
+                  if (e != cudaSuccess) return e;
+                }
+                return cudaSuccess;
+              };
+              CK(load_inputs());
               // Each rank's buffers as segments (launch_allreduce fills in their logical starts).
               std::vector<std::vector<Segment>> segs(N, std::vector<Segment>(nbuf));
               for (int r = 0; r < N; ++r)
                 for (size_t k = 0; k < nbuf; ++k)
                   segs[r][k] = Segment{0, first[k + 1] - first[k],
                                        static_cast<char*>(rk[r].in) + phys[k] * dt->size,
-                                       static_cast<char*>(rk[r].out) + phys[k] * dt->size};
+                                       static_cast<char*>(out_of(rk[r])) + phys[k] * dt->size};
               // One launch of every rank. All ranks are launched before any is synchronized (a
               // blocking call before the last launch would leave the others spinning); with
               // --late-rank, that rank last, --late-ms after the others.
@@ -892,18 +912,24 @@ int main(int argc, char** argv) {
                   if (count > 0) R.calls += algo == Algorithm::kHierarchical ? long(nbuf) : 1;
                   e = copy_engine
                           ? gpu::launch_allreduce_copy_engine(gpu::PeerAccess{nullptr, R.table}, bases.data(),
-                                                              cfg, dt->dt, op, R.in, R.out, count, max_lanes,
+                                                              cfg, dt->dt, op, R.in, out_of(R), count, max_lanes,
                                                               R.stream, ce_serial ? nullptr : &R.ce_aux)
                       : nbuf > 1 ? gpu::launch_allreduce(gpu::PeerAccess{nullptr, R.table}, cfg, dt->dt, op,
                                                          algo, segs[r].data(), int(nbuf), R.stream)
                                  : gpu::launch_allreduce(gpu::PeerAccess{nullptr, R.table}, cfg, dt->dt, op, algo,
-                                                         R.in, R.out, count, R.stream);
+                                                         R.in, out_of(R), count, R.stream);
                   if (e != cudaSuccess) return e;
                 }
                 return cudaSuccess;
               };
               if (late && unmark_waits(rk, N, lane_bytes, rpn)) return 1;
-              for (int it = 0; it < iters; ++it) CK(launch_all());
+              for (int it = 0; it < iters; ++it) {
+                if (in_place && it > 0) {  // the last iteration's results replaced the inputs
+                  if (!wait_all(rk, N)) return 3;
+                  CK(load_inputs());
+                }
+                CK(launch_all());
+              }
               if (time_iters > 0) {
                 double us_per_iter = 0;
                 CK(time_calls(rk, N, time_iters, time_graph, launch_all, &us_per_iter));
@@ -927,7 +953,7 @@ int main(int argc, char** argv) {
               std::vector<char> got(plen * dt->size);
               for (int r = 0; r < N; ++r) {
                 CK(cudaSetDevice(rk[r].dev));
-                CK(cudaMemcpy(got.data(), rk[r].out, got.size(), cudaMemcpyDeviceToHost));
+                CK(cudaMemcpy(got.data(), out_of(rk[r]), got.size(), cudaMemcpyDeviceToHost));
                 for (size_t k = 0; k < nbuf; ++k)  // the buffers' elements, in message order
                   std::memcpy(host.data() + first[k] * dt->size, got.data() + phys[k] * dt->size,
                               (first[k + 1] - first[k]) * dt->size);

@@ -4,7 +4,7 @@
 # results go under $OUT (default ./gpu_out).
 #
 #   bash scripts/gpu_run.sh test       native harness (N = 2, 3, 4, 8; several buffers a call;
-#                                      GIN emulated; copy engines; flight recorder;
+#                                      GIN emulated; copy engines; in place; flight recorder;
 #                                      psum_add_rmsnorm and psum_add_layernorm in one kernel;
 #                                      psum_scatter and all_gather; fault injection),
 #                                      compute-sanitizer, the GPU pytest suite and the
@@ -93,6 +93,12 @@ harness() {
   $H --collectives 1 --ranks 2,3,4,8 --dtypes f32,bf16 --ops sum,max --iters 2 --counts 7,1000,4099 \
     --lane-bytes 4096 --chunk-bytes 256 >> "$OUT/harness.log" 2>&1
   log "harness, psum_scatter and all_gather after all-reduces on one window rc=$? $(tail -1 "$OUT/harness.log")"
+  $H --ranks 2,3,4,8 --algos ring,tree,one_shot,two_shot,copy_engine --dtypes f32,bf16 --ops sum,max \
+    --iters 2 --counts 1,1000,300001 --in-place 1 >> "$OUT/harness.log" 2>&1
+  log "harness, in place (the asynchronous start's buffers) rc=$? $(tail -1 "$OUT/harness.log")"
+  $H --ranks 2,4 --algos ring,tree,one_shot,two_shot --dtypes f32 --ops sum --iters 2 --segments 5 \
+    --counts 7,1000,300001 --in-place 1 >> "$OUT/harness.log" 2>&1
+  log "harness, in place, 5 buffers a call rc=$? $(tail -1 "$OUT/harness.log")"
   $H --ranks 2 --counts 1000 --algos one_shot --dtypes f32 --ops sum --iters 1 --timeout-s 1 \
     --fault-rank 1 >> "$OUT/harness.log" 2>&1
   log "fault injection rc=$? (3 expected): $(grep -m1 'timed out' "$OUT/harness.log")"
