@@ -870,13 +870,20 @@ int main(int argc, char** argv) {
                 for (size_t i = 0; i < count; ++i) encode(dt->dt, vals[r][i], host.data() + i * dt->size);
                 placed[r] = place(host);
               }
-              // Every rank's input, and its output poisoned; all ranks idle (wait_all) first.
+              // Every rank's input, and its output poisoned, on the rank's stream, finished
+              // before it returns (a cudaMemcpy from pageable memory may return before its DMA
+              // ends, and the kernels' non-blocking streams do not wait for it); all ranks idle
+              // (wait_all) first.
               auto load_inputs = [&]() -> cudaError_t {
                 for (int r = 0; r < N; ++r) {
-                  cudaError_t e = cudaSetDevice(rk[r].dev);
+                  const Rank& R = rk[r];
+                  cudaError_t e = cudaSetDevice(R.dev);
                   if (e == cudaSuccess)
-                    e = cudaMemcpy(rk[r].in, placed[r].data(), placed[r].size(), cudaMemcpyHostToDevice);
-                  if (e == cudaSuccess && !in_place) e = cudaMemset(rk[r].out, 0xff, plen * dt->size);
+                    e = cudaMemcpyAsync(R.in, placed[r].data(), placed[r].size(),
+                                        cudaMemcpyHostToDevice, R.stream);
+                  if (e == cudaSuccess && !in_place)
+                    e = cudaMemsetAsync(R.out, 0xff, plen * dt->size, R.stream);
+                  if (e == cudaSuccess) e = cudaStreamSynchronize(R.stream);
                   if (e != cudaSuccess) return e;
                 }
                 return cudaSuccess;
