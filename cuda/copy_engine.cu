@@ -78,7 +78,7 @@ __global__ void ce_sync_kernel(Peers peers, LaneParams p, int step, int begin) {
       seen = ld_acquire_sys(f);
       if ((++spins & 1023u) == 0 && globaltimer_ns() - start > p.timeout_ns) {
         report_timeout(peers, p, 0, q, step, round, tag, seen, place_of_wait(tag, step), kData);
-        __trap();
+        trap_after_report(p);
       }
     }
     if (rec) rec_note(*rec, kRecWait, step, q, tag, rec->round0, globaltimer_ns());

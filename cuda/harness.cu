@@ -44,7 +44,8 @@
 // ring, tree and two_shot every other rank published one.
 // --dtypes takes the short names of JAX_GIN_DTYPES (common.h): f32, f64, bf16, f16, i32, i64,
 // u32 (unsigned types get inputs 0..14, the others -7..7).
-// Exit code: 0 all correct, 1 mismatch or CUDA error, 3 a wait timed out (diagnostic printed).
+// Exit code: 0 all correct; 1 a mismatch, a CUDA error, or a failed launch that left no hang
+// report; 3 a wait timed out (its report printed).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -263,18 +264,27 @@ cudaError_t time_calls(std::vector<Rank>& rk, int N, int time_iters, bool graph,
 #undef CE
 }
 
-// Waits for every rank's stream. False if one failed: a wait timed out (the kernel trapped),
-// whose diagnostics are printed.
-bool wait_all(std::vector<Rank>& rk, int N) {
+// Waits for every rank's stream. 0 if all finished; 3 if one failed because a wait timed out
+// (the kernel trapped), whose reports are printed; 1 if one failed and no rank wrote a report
+// (a timeout must always leave one, trap_after_report).
+int wait_all(std::vector<Rank>& rk, int N) {
   bool failed = false;
   for (int r = 0; r < N; ++r)
     if (cudaSetDevice(rk[r].dev) != cudaSuccess || cudaStreamSynchronize(rk[r].stream) != cudaSuccess)
       failed = true;
-  if (!failed) return true;
+  if (!failed) return 0;
+  int reports = 0;
   for (int r = 0; r < N; ++r)
-    if (rk[r].diag_host->diag.valid) std::printf("%s\n", gpu::describe(*rk[r].diag_host, N).c_str());
+    if (rk[r].diag_host->diag.valid) {
+      std::printf("%s\n", gpu::describe(*rk[r].diag_host, N).c_str());
+      ++reports;
+    }
+  if (reports == 0) {
+    std::printf("FAIL: a launch failed and no rank wrote a hang report\n");
+    return 1;
+  }
   std::printf("launch failed (a wait timed out)\n");
-  return false;
+  return 3;
 }
 
 // --late-rank: rank r's state block (RecState, in its window), as the kernels find it.
@@ -473,7 +483,8 @@ struct CollectiveArgs {
 // (exact in any order) and lands on rank q; every rank's all-gather output is the ranks'
 // inputs in rank order. With --time-iters, also the time per call and nccl-tests' bandwidths:
 // algbw = the large side's bytes (N blocks) / time, busbw = algbw * (N - 1) / N. Returns the
-// failures (printed), or -1 if a wait timed out; adds the cases it ran to *cases.
+// failures (printed), or minus wait_all's exit code if a launch failed; adds the cases it ran
+// to *cases.
 long check_collectives(std::vector<Rank>& rk, int N, const CollectiveArgs& a, long* cases) {
   int ngpu = 0;
   for (const Rank& R : rk) ngpu = std::max(ngpu, R.dev + 1);
@@ -561,7 +572,7 @@ long check_collectives(std::vector<Rank>& rk, int N, const CollectiveArgs& a, lo
                         lbytes, gpu::collective_lanes(algo, block * dt->size, N, max_lanes, a.lane_grain), us,
                         algbw, algbw * (N - 1) / N);
           }
-          if (!wait_all(rk, N)) return -1;
+          if (int rc = wait_all(rk, N)) return -rc;
           long bad = 0;
           for (int r = 0; r < N; ++r) {
             CK(cudaSetDevice(rk[r].dev));
@@ -932,7 +943,7 @@ int main(int argc, char** argv) {
               if (late && unmark_waits(rk, N, lane_bytes, rpn)) return 1;
               for (int it = 0; it < iters; ++it) {
                 if (in_place && it > 0) {  // the last iteration's results replaced the inputs
-                  if (!wait_all(rk, N)) return 3;
+                  if (int rc = wait_all(rk, N)) return rc;
                   CK(load_inputs());
                 }
                 CK(launch_all());
@@ -946,7 +957,7 @@ int main(int argc, char** argv) {
                             os_.c_str(), as.c_str(), count * dt->size,
                             nbuf > 1 ? (" buffers=" + std::to_string(nbuf)).c_str() : "", us_per_iter);
               }
-              if (!wait_all(rk, N)) return 3;
+              if (int rc = wait_all(rk, N)) return rc;
               long bad = 0, stale = 0;
               if (late) {
                 // waits through Transport::wait publish; LL one_shot (small messages), the copy
@@ -989,7 +1000,7 @@ int main(int argc, char** argv) {
       }
       long n = 0;
       const long bad = check_collectives(rk, N, coll, &n);
-      if (bad < 0) return 3;
+      if (bad < 0) return int(-bad);
       failures += bad;
       cases += n;
       std::printf("ranks=%d: collectives %ld passed, %ld failed\n", N, n - bad, bad);

@@ -223,7 +223,7 @@ __device__ __forceinline__ uint64_t ll_reduce_line(const Peers& peers, const Lan
           if ((spins & 1023u) == 0 && globaltimer_ns() - start > p.timeout_ns) {
             report_timeout(peers, p, lane, q, 0, round, flag, (a >> 32) != flag ? (a >> 32) : (b >> 32),
                            0, kData);
-            __trap();
+            trap_after_report(p);
           }
         }
       }

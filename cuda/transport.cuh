@@ -367,6 +367,23 @@ __device__ inline void report_timeout(const Peers& peers, const LaneParams& p, i
   record_timeout(p, lane, peer, step, round, expected, seen);
 }
 
+// Ends the launch after a wait timed out. A trap ends every thread of the launch at once, and
+// the waits of many threads (every thread of an LL kernel, thread 0 of every lane) often time
+// out together: the first traps to come while the thread that claimed the report (claim_report)
+// still copies the state blocks would leave no report. So each waits until this rank's report
+// is marked valid, for at most kReportWaitNs (the claimant may itself be stuck on a bad
+// window), then traps.
+constexpr uint64_t kReportWaitNs = 1000000000ull;
+__device__ inline void trap_after_report(const LaneParams& p) {
+  if (p.diag != nullptr) {
+    const volatile int32_t* valid = &p.diag->diag.valid;
+    const uint64_t start = globaltimer_ns();
+    while (*valid == 0 && globaltimer_ns() - start < kReportWaitNs) {
+    }
+  }
+  __trap();
+}
+
 // dsts[*][i] = srcs[0][i] op srcs[1][i] op ... in source order, for i < n, by `nthreads`
 // threads of which this is `tid`, 16 bytes at a time: vector v is always handled by thread
 // v % nthreads. Accumulates in the wide type (float for 16-bit floats) and rounds once per
@@ -536,7 +553,7 @@ class GpuTransport {
             }
             if (waited > p_.timeout_ns) {
               report(peer, kind, step, value, seen);
-              __trap();
+              trap_after_report(p_);
             }
           }
         }
@@ -766,7 +783,7 @@ class HierTransport {
           if ((++spins & 1023u) == 0 && globaltimer_ns() - start > p_.timeout_ns) {
             if (p_.diag != nullptr && claim_report(p_))
               record_timeout(p_, lane_, peer, step, round_of_wait(value, step), value, seen);
-            __trap();
+            trap_after_report(p_);
           }
         }
       }

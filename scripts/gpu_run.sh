@@ -103,6 +103,16 @@ harness() {
     --fault-rank 1 >> "$OUT/harness.log" 2>&1
   log "fault injection rc=$? (3 expected): $(grep -m1 'timed out' "$OUT/harness.log")"
   log "$(grep -m1 '^diagnosis' "$OUT/harness.log")"
+  # many waits time out at once (every thread of an LL launch, thread 0 of every lane of a
+  # ring): the first to claim the report must finish it before any traps, every run
+  rcs=""
+  for c in "one_shot 1000" "one_shot 1000" "one_shot 1000" "ring 3000001" "ring 3000001"; do
+    read -r algo count <<< "$c"
+    $H --ranks 8 --counts "$count" --algos "$algo" --dtypes f32 --ops sum --iters 1 --timeout-s 1 \
+      --fault-rank 3 >> "$OUT/harness.log" 2>&1
+    rcs+="$? "
+  done
+  log "fault injection, many waits timing out at once, 5 runs: rc $rcs(3 each expected)"
   # a tree over several chunks: the faulty rank may wait at the same step as its waiters
   $H --ranks 8 --counts 100000 --algos tree --dtypes f32 --ops sum --iters 1 --timeout-s 1 \
     --chunk-bytes 4096 --fault-rank 5 >> "$OUT/harness.log" 2>&1
