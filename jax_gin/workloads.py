@@ -913,6 +913,11 @@ def format_report(result: dict, meta: dict | None = None) -> list:
             lines.append("#   (XLA's CPU backend computes lax's bfloat16 all-reduce and the ops "
                          "around it in float32, dropping roundings the program asks for, "
                          "which jax_gin's keep)")
+        elif not cmp["bitwise_equal"] and meta is not None and meta.get("platform") != "cpu":
+            lines.append("#   (each variant is its own XLA program, whose matmul fusions XLA "
+                         "autotunes on its own: the configurations chosen, and so the last "
+                         "bits of a step, can differ; --xla_gpu_autotune_level=0 takes the "
+                         "default ones: docs/performance.md)")
     cmp = result.get("lax_vs_jax_gin_fused")
     if cmp:
         same = "yes" if cmp["bitwise_equal"] else "no"

@@ -114,6 +114,25 @@ def test_one_device_gives_no_lax_ratio():
                for line in workloads.format_report(result))
 
 
+def test_report_says_why_a_gpu_step_may_differ_in_the_last_bits():
+    """On GPUs each variant is its own program with its own autotuned matmuls: a step whose
+    results differ from lax's says so; one whose results are equal, or a CPU run of float32
+    steps, does not."""
+    mesh = workloads.make_mesh("tp-decode", jax.devices()[:1])
+    result = workloads.measure("tp-decode", mesh, tiny("tp-decode"), rounds=1, warmup=0)
+    meta = {"jax_gin": "x", "jax_gin_cuda": True, "jax": "x", "jaxlib": "x", "python": "x",
+            "host": "x", "ndevices": 1, "device_kind": "x", "ndevices_total": 1,
+            "xla_flags": "", "nccl_nvls_enable": "0", "date": "x", "sizes": "x"}
+
+    def note(platform, equal):
+        result["lax_vs_jax_gin"] = {"bitwise_equal": equal, "max_abs_diff": 0.0 if equal else 0.05}
+        lines = workloads.format_report(result, dict(meta, platform=platform))
+        return [line for line in lines if "autotunes" in line]
+
+    assert len(note("gpu", False)) == 1 and "--xla_gpu_autotune_level=0" in note("gpu", False)[0]
+    assert note("gpu", True) == [] and note("cpu", False) == []
+
+
 # Explicit tiny sizes: the CLI's defaults on GPUs are the full ones. Tensor parallelism splits
 # heads and ffn over the devices, so over a count that does not divide 8 they are multiples of it.
 _HEADS = 8 if 8 % ndev() == 0 else 2 * ndev()
