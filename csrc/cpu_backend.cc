@@ -274,6 +274,9 @@ class HostTransport {
       what = t.str();
       os << what;
     }
+    // This rank failed: its own state says so before the states are read, as on GPUs
+    // (report_timeout); run_call sets it again when the call returns.
+    ws_.rec_state(rank_).failed = 1;
     // A process that is gone: its ranks' records stopped where it died, so a laggard or a cycle
     // read from them would mislead. The diagnosis is that it is gone; the last calls follow.
     const std::vector<Seen> states = rank_states(ws_);

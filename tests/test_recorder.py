@@ -312,6 +312,8 @@ def test_laggard_text_ahead():
                            "for rank 2 at step 1 of round 1, but ranks 0, 2, 3 still wait for it "
                            "at step 0: its signals did not arrive."), text
     assert "rank 1: #1 psum/two_shot, waiting for rank 2 at step 1 of round 1" in text, text
+    # a rank that timed out shows so, with the wait it failed in
+    assert "rank 0: #1 psum/two_shot, failed waiting for rank 1 at step 0 of round 1" in text, text
 
 
 def test_laggard_text_later_chunk_and_tree():
@@ -350,6 +352,26 @@ def test_laggard_text_of_a_rank_gone_on_to_its_next_call():
                            "for it for its credit; it is still in its call #1 (psum, ring), "
                            "waiting for rank 1 at step 0 of round 1; rank 1 has finished that "
                            "call: its signals did not arrive."), text
+
+
+def test_laggard_text_of_a_chain_to_a_rank_gone_on():
+    """Rank 3 of a tree over 4 ranks lost its signals partway through call #2 and went on to
+    call #3, where it waits for a credit; rank 0 waits in call #2 for rank 2, which waits for
+    rank 3. Reported by rank 3, the diagnosis follows rank 0's waits to rank 3; reported by
+    the others, rank 3 finished the call."""
+    psum, tree = OP_CODES["sum"], ALGORITHM_CODES["tree"]
+    # (seq, done, wait seq, wait round, wait peer, wait step, op, algorithm, failed, place, kind)
+    states = [[2, 1, 2, 2, 2, 1, psum, tree, 0, 1, 0], [2, 1, 2, 2, 3, 1, psum, tree, 0, 1, 0],
+              [2, 1, 2, 2, 3, 1, psum, tree, 0, 1, 0], [3, 2, 3, 3, 1, -1, psum, tree, 0, 0, 1]]
+    text = _native.cpu.laggard_text(states, 0, 3)
+    assert text.startswith("diagnosis: rank 0 never entered call #3 (psum, tree); rank 3 waits "
+                           "in that call for its credit; it is still in its call #2 (psum, "
+                           "tree), waiting for rank 2 at step 1 of round 2; it waits, through "
+                           "rank 2, for rank 3, which has finished that call: its signals did "
+                           "not arrive."), text
+    text = _native.cpu.laggard_text(states, 0, 0)
+    assert text.startswith("diagnosis: rank 3 finished call #2 (psum, tree), but ranks 1, 2 "
+                           "still wait for it at step 1: its signals did not arrive."), text
 
 
 def test_laggard_text_of_a_rank_whose_lane_0_returned():

@@ -97,8 +97,9 @@ inline std::string last_calls_text(const std::vector<Seen>& s, int group) {
     os << (r ? ";" : "") << " rank " << r << ": ";
     if (x.seq == 0) { os << "none"; continue; }
     os << "#" << x.seq << " " << call_op_name(x.op) << "/" << algorithm_name(Algorithm(x.algo));
-    if (x.in_call()) os << (x.waiting() ? ", " + wait_text(x) : std::string(", running"));
-    else if (x.failed) os << ", failed" << (x.waiting() ? " " + wait_text(x) : std::string());
+    // A rank that timed out keeps the wait it failed in published: failed before in_call.
+    if (x.failed) os << ", failed" << (x.waiting() ? " " + wait_text(x) : std::string());
+    else if (x.in_call()) os << (x.waiting() ? ", " + wait_text(x) : std::string(", running"));
     else os << ", done";
   }
   return os.str();
@@ -174,10 +175,23 @@ inline std::string laggard_text(const std::vector<Seen>& s, int group, int self)
     else if (lb.in_call()) os << "; it is still in its " << call_name(lb.seq, lb.op, lb.algo)
                              << (lb.waiting() ? ", " + wait_text(lb) : std::string(", not waiting"));
     else os << "; its last call was " << call_name(lb.seq, lb.op, lb.algo) << (lb.failed ? ", failed" : ", done");
-    // It waits, in its call, for a rank that has gone on to a later call: that rank finished
-    // the call, so what it sent there did not arrive.
-    if (lb.waiting() && lb.wpeer < n && s[size_t(lb.wpeer)].seq > lb.seq)
-      os << "; rank " << lb.wpeer << " has finished that call: its signals did not arrive";
+    // It waits, in its call, for a rank that has gone on to a later call, or for ranks that
+    // wait in that call for each other up to one that has: that rank finished the call, so
+    // what it sent there did not arrive.
+    std::vector<int> via;
+    for (int q = behind; s[size_t(q)].waiting() && s[size_t(q)].wpeer < n && int(via.size()) < n;) {
+      const int p = s[size_t(q)].wpeer;
+      if (s[size_t(p)].seq > lb.seq) {
+        if (via.empty()) os << "; rank " << p << " has finished that call";
+        else os << "; it waits, through " << ranks_word(via) << ", for rank " << p
+                << ", which has finished that call";
+        os << ": its signals did not arrive";
+        break;
+      }
+      if (s[size_t(p)].seq != lb.seq) break;
+      via.push_back(p);
+      q = p;
+    }
   } else {
     // Every rank entered call k. A rank waited for that has finished the call (it returned,
     // or is in a later call) did not deliver its signals; else follow the waits from this rank
