@@ -212,18 +212,18 @@ class HostTransport {
         for (int r = 0; broken && dead.empty() && r < nranks(); ++r) dead = ws_.gone(r);
         if (!dead.empty()) {
           const std::string why = "gave up because " + dead + " is gone (it exited or was killed)";
-          record(peer, step, value, seen, why.c_str(),
+          record(f, peer, step, value, seen, why.c_str(),
                  " This process is intact, but no collective of this group can complete again: "
                  "restart the job.", &dead);
           return false;
         }
       }
       if (broken) {
-        record(peer, step, value, seen, nullptr, nullptr, nullptr, /*after_another=*/true);
+        record(f, peer, step, value, seen, nullptr, nullptr, nullptr, /*after_another=*/true);
         return false;
       }
       if (clock::now() - start > limit) {
-        record(peer, step, value, seen, nullptr);
+        record(f, peer, step, value, seen, nullptr);
         return false;
       }
     }
@@ -241,11 +241,12 @@ class HostTransport {
     rec_note(*entry_, kind, step, peer, value, round0_, now_ns());
   }
 
-  // `why`: why the wait gave up (null: the timeout); `advice`: what to do (null: for the
-  // timeout, set a longer one; for a failed peer, nothing); `gone`: the process that is gone,
-  // if that is why; `after_another`: another rank failed first (the header says which, and
-  // how, and this error repeats it).
-  void record(int peer, int step, uint64_t expected, uint64_t seen, const char* why,
+  // The wait on flag `f` for `expected` from `peer` gave up. `why`: why (null: the timeout);
+  // `advice`: what to do (null: for the timeout, set a longer one; for a failed peer,
+  // nothing); `gone`: the process that is gone, if that is why; `after_another`: another rank
+  // failed first (the header says which, and how, and this error repeats it).
+  void record(const std::atomic<uint64_t>& f, int peer, int step, uint64_t expected, uint64_t seen,
+              const char* why,
               const char* advice = nullptr, const std::string* gone = nullptr,
               bool after_another = false) {
     WorkspaceHeader& h = ws_.header();
@@ -275,15 +276,17 @@ class HostTransport {
       os << what;
     }
     // This rank failed: its own state says so before the states are read, as on GPUs
-    // (report_timeout); run_call sets it again when the call returns.
+    // (fail_wait); run_call sets it again when the call returns.
     ws_.rec_state(rank_).failed = 1;
     // A process that is gone: its ranks' records stopped where it died, so a laggard or a cycle
     // read from them would mislead. The diagnosis is that it is gone; the last calls follow.
     const std::vector<Seen> states = rank_states(ws_);
+    // A timed-out signal that is there now, after the states were read, came late (laggard.h).
+    const bool late = !why && !after_another && f.load(std::memory_order_acquire) >= expected;
     os << "\n"
        << (gone ? "diagnosis: " + *gone + " is gone; the last calls below stop where it died\n" +
                       last_calls_text(states, group_)
-                : laggard_text(states, group_, rank_));
+                : laggard_text(states, group_, rank_, late ? peer : -1));
     error_ = os.str();
     int32_t none = 0;
     if (!after_another && h.first_failed.compare_exchange_strong(none, -1)) {  // claimed

@@ -77,8 +77,8 @@ __global__ void ce_sync_kernel(Peers peers, LaneParams p, int step, int begin) {
     while (seen < tag) {
       seen = ld_acquire_sys(f);
       if ((++spins & 1023u) == 0 && globaltimer_ns() - start > p.timeout_ns) {
-        report_timeout(peers, p, 0, q, step, round, tag, seen, place_of_wait(tag, step), kData);
-        trap_after_report(p);
+        fail_wait(peers, p, 0, q, step, round, tag, seen, place_of_wait(tag, step), kData,
+                  [&] { return ld_acquire_sys(f) >= tag; });
       }
     }
     if (rec) rec_note(*rec, kRecWait, step, q, tag, rec->round0, globaltimer_ns());

@@ -221,9 +221,11 @@ __device__ __forceinline__ uint64_t ll_reduce_line(const Peers& peers, const Lan
           ld_volatile_v2(src, a, b);
           if ((a >> 32) == flag && (b >> 32) == flag) break;
           if ((spins & 1023u) == 0 && globaltimer_ns() - start > p.timeout_ns) {
-            report_timeout(peers, p, lane, q, 0, round, flag, (a >> 32) != flag ? (a >> 32) : (b >> 32),
-                           0, kData);
-            trap_after_report(p);
+            fail_wait(peers, p, lane, q, 0, round, flag, (a >> 32) != flag ? (a >> 32) : (b >> 32),
+                      0, kData, [&] {
+                        ld_volatile_v2(src, a, b);
+                        return (a >> 32) == flag && (b >> 32) == flag;
+                      });
           }
         }
       }

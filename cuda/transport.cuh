@@ -315,8 +315,10 @@ __device__ __forceinline__ void run_recorded_lane(const LaneParams& p, int lane,
   rec_close_lane(p, rec, &s_rec, round + 1 - round0, tp.recorded());
 }
 
+// Writes this rank's hang report's diagnostic and marks the report valid. `late`: the awaited
+// signal was there when read again after the wait timed out (laggard.h's late_peer).
 __device__ inline void record_timeout(const LaneParams& p, int lane, int peer, int step,
-                                      uint64_t round, uint64_t expected, uint64_t seen) {
+                                      uint64_t round, uint64_t expected, uint64_t seen, bool late) {
   volatile Diagnostic* d = &p.diag->diag;
   d->op = p.op;
   d->algorithm = p.algorithm;
@@ -328,6 +330,7 @@ __device__ inline void record_timeout(const LaneParams& p, int lane, int peer, i
   d->round = round;
   d->expected = expected;
   d->seen = seen;
+  static_cast<volatile HangReport*>(p.diag)->late = late ? 1 : 0;
   __threadfence_system();
   d->valid = 1;
   __threadfence_system();
@@ -341,30 +344,6 @@ __device__ inline void record_timeout(const LaneParams& p, int lane, int peer, i
 __device__ inline bool claim_report(const LaneParams& p) {
   auto* word = reinterpret_cast<unsigned long long*>(p.rounds + kReportClaimIndex);
   return atomicCAS(word, 0ull, 1ull) == 0ull;
-}
-
-// A wait timed out: this rank's state says so, then the first such wait (claim_report) reads
-// every rank's state block through its window into the report (the host names the rank that
-// is behind from them) and writes its own diagnostic; the caller traps. `place` and `kind` as
-// state_wait's.
-template <class Peers>
-__device__ inline void report_timeout(const Peers& peers, const LaneParams& p, int lane, int peer,
-                                      int step, uint64_t round, uint64_t expected, uint64_t seen,
-                                      uint32_t place, int kind) {
-  state_wait(p, peer, step, round, place, kind);
-  if (p.state != nullptr) static_cast<volatile RecState*>(p.state)->failed = 1;
-  if (p.diag == nullptr || !claim_report(p)) return;
-  if (p.state != nullptr) {
-    constexpr int kWords = sizeof(RecState) / sizeof(uint64_t);
-    for (int q = 0; q < p.nranks; ++q) {
-      const volatile uint64_t* src =
-          reinterpret_cast<const volatile uint64_t*>(peers.base(q) + p.state_offset);
-      volatile uint64_t* dst = reinterpret_cast<volatile uint64_t*>(&p.diag->states[q]);
-      for (int w = 0; w < kWords; ++w) dst[w] = src[w];
-    }
-    p.diag->nstates = p.nranks;
-  }
-  record_timeout(p, lane, peer, step, round, expected, seen);
 }
 
 // Ends the launch after a wait timed out. A trap ends every thread of the launch at once, and
@@ -382,6 +361,33 @@ __device__ inline void trap_after_report(const LaneParams& p) {
     }
   }
   __trap();
+}
+
+// A wait of a group within one node timed out: this rank's state says so, then the first such
+// wait (claim_report) reads every rank's state block through its window into the report (the
+// host names the rank that is behind from them), reads the awaited signal again
+// (`arrived()`: whether it is there now) and writes its own diagnostic; then the launch ends
+// (trap_after_report). `place` and `kind` as state_wait's.
+template <class Peers, class Arrived>
+__device__ inline void fail_wait(const Peers& peers, const LaneParams& p, int lane, int peer,
+                                 int step, uint64_t round, uint64_t expected, uint64_t seen,
+                                 uint32_t place, int kind, Arrived&& arrived) {
+  state_wait(p, peer, step, round, place, kind);
+  if (p.state != nullptr) static_cast<volatile RecState*>(p.state)->failed = 1;
+  if (p.diag != nullptr && claim_report(p)) {
+    if (p.state != nullptr) {
+      constexpr int kWords = sizeof(RecState) / sizeof(uint64_t);
+      for (int q = 0; q < p.nranks; ++q) {
+        const volatile uint64_t* src =
+            reinterpret_cast<const volatile uint64_t*>(peers.base(q) + p.state_offset);
+        volatile uint64_t* dst = reinterpret_cast<volatile uint64_t*>(&p.diag->states[q]);
+        for (int w = 0; w < kWords; ++w) dst[w] = src[w];
+      }
+      p.diag->nstates = p.nranks;
+    }
+    record_timeout(p, lane, peer, step, round, expected, seen, arrived());
+  }
+  trap_after_report(p);
 }
 
 // dsts[*][i] = srcs[0][i] op srcs[1][i] op ... in source order, for i < n, by `nthreads`
@@ -551,10 +557,9 @@ class GpuTransport {
               state_wait(p_, peer, step, round_of_wait(value, step), place_of_wait(value, step), kind);
               publish = waited + kWaitPublishNs;
             }
-            if (waited > p_.timeout_ns) {
-              report(peer, kind, step, value, seen);
-              trap_after_report(p_);
-            }
+            if (waited > p_.timeout_ns)
+              fail_wait(peers_, p_, lane_, peer, step, round_of_wait(value, step), value, seen,
+                        place_of_wait(value, step), kind, [&] { return ld_acquire_sys(f) >= value; });
           }
         }
         if (publish != kWaitPublishNs)
@@ -567,11 +572,6 @@ class GpuTransport {
   }
 
  private:
-  __device__ void report(int peer, int kind, int step, uint64_t expected, uint64_t seen) const {
-    report_timeout(peers_, p_, lane_, peer, step, round_of_wait(expected, step), expected, seen,
-                   place_of_wait(expected, step), kind);
-  }
-
   Peers peers_;
   LaneParams p_;
   int lane_;
@@ -782,7 +782,8 @@ class HierTransport {
         while ((seen = rail_.read(id)) < value) {
           if ((++spins & 1023u) == 0 && globaltimer_ns() - start > p_.timeout_ns) {
             if (p_.diag != nullptr && claim_report(p_))
-              record_timeout(p_, lane_, peer, step, round_of_wait(value, step), value, seen);
+              record_timeout(p_, lane_, peer, step, round_of_wait(value, step), value, seen,
+                             /*late=*/false);  // no states, so no diagnosis for it to correct
             trap_after_report(p_);
           }
         }

@@ -355,6 +355,24 @@ def test_laggard_text_of_a_rank_gone_on_to_its_next_call():
                            "call: its signals did not arrive."), text
 
 
+def test_laggard_text_of_a_late_signal():
+    """A rank whose awaited signal is there when it reads its flag again, after the states:
+    the signal came late (its peer entered about a timeout after it), and the states, which
+    show the peer done, must not make the diagnosis say that its signals did not arrive."""
+    psum, one_shot = OP_CODES["sum"], ALGORITHM_CODES["one_shot"]
+    # (seq, done, wait seq, wait round, wait peer, wait step, op, algorithm, failed, place, kind)
+    rank0 = [1, 0, 1, 1, 1, 0, psum, one_shot, 1, 0, 0]
+    rank1 = [1, 1, 0, 0, -1, 0, psum, one_shot, 0, 0, 0]
+    assert "its signals did not arrive" in _native.cpu.laggard_text([rank0, rank1], 0, 0)
+    text = _native.cpu.laggard_text([rank0, rank1], 0, 0, late_peer=1)
+    assert text.startswith("diagnosis: the signal that rank 0 waited for in call #1 (psum, "
+                           "one_shot) arrived just after its wait timed out: nothing was lost, "
+                           "but rank 1, or a rank that it waited for, was late by about the "
+                           "timeout.\nlast calls of group 0: rank 0: #1 psum/one_shot, failed "
+                           "waiting for rank 1 at step 0 of round 1; rank 1: #1 psum/one_shot, "
+                           "done"), text
+
+
 def test_laggard_text_of_a_chain_to_a_rank_gone_on():
     """Rank 3 of a tree over 4 ranks lost its signals partway through call #2 and went on to
     call #3, where it waits for a credit; rank 0 waits in call #2 for rank 2, which waits for

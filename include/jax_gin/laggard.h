@@ -107,11 +107,23 @@ inline std::string last_calls_text(const std::vector<Seen>& s, int group) {
 
 // "diagnosis: rank 3 never entered call #1842 (psum, one_shot); ranks 0-2 wait for it at step 0.
 // last calls of group 0: ..." for the ranks' states `s`, as rank `self` of `group` reports it.
-inline std::string laggard_text(const std::vector<Seen>& s, int group, int self) {
+// `late_peer` >= 0: the signal that `self` waited for, from that rank, was there when `self`
+// read its flag again after reading the states. It arrived late, not never: the ranks were
+// about a timeout apart, and the states, read as that rank went on, would name it as a rank
+// whose signals did not arrive.
+inline std::string laggard_text(const std::vector<Seen>& s, int group, int self, int late_peer = -1) {
   using namespace laggard_detail;
   const int n = int(s.size());
   const Seen& me = s[size_t(self)];
   const uint64_t k = me.seq;
+  if (late_peer >= 0) {
+    Text os;
+    os << "diagnosis: the signal that rank " << self << " waited for in " << call_name(k, me.op, me.algo)
+       << " arrived just after its wait timed out: nothing was lost, but rank " << late_peer
+       << ", or a rank that it waited for, was late by about the timeout.\n"
+       << last_calls_text(s, group);
+    return os.str();
+  }
   // The rank that is behind: the lowest call number, then the earliest phase (waiting in an
   // earlier round, step, chunk of a step, or tree of a double tree's step (kData's before
   // kDataB's), before a rank that finished the call). A rank waits in this order.

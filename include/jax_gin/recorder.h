@@ -88,11 +88,13 @@ static_assert(sizeof(RecState) == 64, "RecState is one cache line");
 
 // What a GPU rank leaves for the host (in host-mapped memory) when one of its waits times
 // out: the wait, then every rank's state block as read through the windows at that moment
-// (`nstates` of them, by rank; 0 where they cannot be read: groups that span nodes).
+// (`nstates` of them, by rank; 0 where they cannot be read: groups that span nodes), and
+// whether the awaited signal was there when read again after them (`late`: laggard.h's
+// late_peer).
 struct HangReport {
   Diagnostic diag;
   int32_t nstates;
-  int32_t pad;
+  int32_t late;
   RecState states[kMaxRanks];
 };
 
