@@ -602,7 +602,15 @@ int64_t create_comm(const CommConfig& config, std::vector<std::shared_ptr<Worksp
 
 void destroy_comm(int64_t id) {
   std::unique_lock<std::shared_mutex> lock(g_registry_mu);
-  g_registry.erase(id);
+  auto it = g_registry.find(id);
+  if (it == g_registry.end()) return;
+  // A program still running on it (reset() waits only for programs whose results are alive)
+  // would have ranks that no longer find it and ranks that wait for them until the timeout:
+  // those give up at once instead. Only where every rank is this process's: a shared
+  // workspace's header is read by the other processes too.
+  for (const auto& g : it->second->groups)
+    if (g->ws && g->ws->name().empty()) g->ws->header().broken.store(1);
+  g_registry.erase(it);
 }
 
 std::shared_ptr<Comm> find_comm(int64_t id) {

@@ -649,8 +649,9 @@ resets = 0
 def reset() -> None:
     """Forget every cached communicator, and JAX's compiled programs with them
     (jax.clear_caches()): a jitted function is lowered again at its next call, with new
-    communicators. It first waits for the programs still running whose results are alive.
-    Programs compiled ahead of time (`.lower(...).compile()`) before the reset can no longer
+    communicators. It first waits for the programs still running whose results are alive;
+    on CPU devices the calls of one whose results were dropped give up at once. Programs
+    compiled ahead of time (`.lower(...).compile()`) before the reset can no longer
     run."""
     global resets
     resets += 1

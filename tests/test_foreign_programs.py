@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import pytest
@@ -53,6 +54,32 @@ def test_reset_waits_for_programs_still_running():
         jax_gin.runtime.reset()
         for y in ys:
             assert_bitwise(y, want)
+
+
+def test_reset_under_a_dropped_program(monkeypatch):
+    """reset() right after dispatching a program whose results are dropped: reset() does not
+    wait for it, so its ranks that come to a call after the reset no longer find the
+    communicator, and those already in a call give up at once rather than wait out the
+    timeout. The next program runs with lax's bits, long before one timeout."""
+    needs_devices(2)
+    timeout = 20.0
+    monkeypatch.setattr(jax_gin.runtime.settings, "timeout_s", timeout)
+    mesh = mesh_1d()
+    x = exact_input((1 << 12,), ndev(), "float32")
+    want = smap(lambda v: lax.psum(v, "i"), mesh, P("i"))(x)
+
+    def chain(v):
+        for _ in range(30):
+            v = jax_gin.psum(v, "i", algorithm="one_shot") * 0.125
+        return v
+    start = time.monotonic()
+    for _ in range(3):
+        f = smap(chain, mesh, P("i"))
+        f(x)  # dispatched, its results dropped
+        jax_gin.runtime.reset()
+        g = smap(lambda v: jax_gin.psum(v, "i", algorithm="ring"), mesh, P("i"))
+        assert_bitwise(g(x), want)
+    assert time.monotonic() - start < timeout / 2
 
 
 _WORKER = textwrap.dedent("""
