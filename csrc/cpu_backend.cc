@@ -814,6 +814,74 @@ std::string allreduce_logical(Comm& comm, uint32_t logical_id, DType dtype, RedO
 }
 
 // ---------------------------------------------------------------------------------------
+// Worker threads
+
+RankWorker::RankWorker() : thread_([this] { loop(); }) {}
+
+RankWorker::~RankWorker() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_one();
+  // A communicator whose last reference goes on its own worker (a call's `done` runs XLA's
+  // continuation there) cannot join that thread: it ends by itself after this call.
+  if (thread_.get_id() == std::this_thread::get_id()) thread_.detach();
+  else thread_.join();
+}
+
+bool RankWorker::submit(Work work, Done done) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (busy_) return false;
+    busy_ = true;
+    queue_.emplace_back(std::move(work), std::move(done));
+  }
+  cv_.notify_one();
+  return true;
+}
+
+void RankWorker::loop() {
+  for (;;) {
+    std::pair<Work, Done> call;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopped, and every queued call has run
+      call = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    const std::string err = call.first();
+    {
+      // Free before `done`: XLA may start this rank's next call from inside it.
+      std::lock_guard<std::mutex> lock(mu_);
+      busy_ = false;
+    }
+    call.second(err);
+  }
+}
+
+std::string submit(Comm& comm, uint32_t logical_id, RankWorker::Work work,
+                   RankWorker::Done done) {
+  int group = 0, rank = 0;
+  std::string err = locate(comm, logical_id, &group, &rank);
+  if (!err.empty()) return err;
+  RankWorker* worker;
+  {
+    std::lock_guard<std::mutex> lock(comm.workers_mu);
+    if (comm.workers.empty()) comm.workers.resize(comm.config.group_of.size());
+    auto& w = comm.workers[logical_id];
+    if (!w) w.reset(new RankWorker());
+    worker = w.get();
+  }
+  if (worker->submit(std::move(work), std::move(done))) return std::string();
+  Text os;
+  os << "jax_gin: two collectives ran concurrently on rank " << rank << " of group " << group
+     << " of communicator " << comm.id << "; calls on one communicator must be ordered";
+  return os.str();
+}
+
+// ---------------------------------------------------------------------------------------
 // Flight recorder
 
 void set_record(bool on) { g_record.store(on, std::memory_order_relaxed); }

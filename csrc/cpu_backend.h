@@ -10,10 +10,14 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "jax_gin/common.h"
@@ -153,11 +157,43 @@ struct Group {
   std::string first_error;
 };
 
+// The thread that runs one rank's calls, one after another, for the FFI handlers (ffi_cpu.cc).
+// They hand a call to it and return a future at once, so that the device's XLA thread goes on
+// with the operations that do not need the call's results (a lax collective, say) while the
+// rank waits for its peers here: a device blocked inside a jax_gin call while its peers block
+// in XLA's rendezvous of a lax collective was a deadlock. A call's `done` runs on this thread
+// (XLA continues the program from the future's completion there).
+class RankWorker {
+ public:
+  using Work = std::function<std::string()>;           // the call: its error, or empty
+  using Done = std::function<void(const std::string&)>;  // told the call's error, or empty
+  RankWorker();
+  ~RankWorker();  // runs the calls already queued, then ends the thread
+  RankWorker(const RankWorker&) = delete;
+  RankWorker& operator=(const RankWorker&) = delete;
+  // Queues a call; false (and nothing queued) while the previous call has not finished.
+  bool submit(Work work, Done done);
+
+ private:
+  void loop();
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<Work, Done>> queue_;
+  bool busy_ = false;  // a call is queued or running (its `done` not yet called)
+  bool stop_ = false;
+  std::thread thread_;
+};
+
 struct Comm {
   int64_t id = 0;
   uint32_t fingerprint = 0;  // the high half of the custom calls' "comm" attribute (ffi_common.h)
   CommConfig config;
   std::vector<std::unique_ptr<Group>> groups;
+  // The worker of each logical device (XLA partition id) that has made a call here, started
+  // at its first call. Declared last, so that they end (finishing their queued calls, which
+  // use the groups) before the rest of the communicator goes.
+  std::mutex workers_mu;
+  std::vector<std::unique_ptr<RankWorker>> workers;
 };
 
 // Every group in private memory (one process).
@@ -205,6 +241,15 @@ std::string collective_logical(Comm& comm, uint32_t logical_id, DType dtype, int
 // Same, addressed by the logical device id that XLA reports as the partition id.
 std::string allreduce_logical(Comm& comm, uint32_t logical_id, DType dtype, RedOp op,
                               Algorithm algo, Segment* seg, int nseg, int call_op = -1);
+
+// Runs `work` (a call of logical device `logical_id`: allreduce_logical or
+// collective_logical, say) on that device's worker thread, after the calls queued before it,
+// then `done` with its error (empty: success) on the same thread. Returns an error, and runs
+// neither, where the device is not in the communicator or its previous call has not finished
+// (XLA orders the calls by their order tokens: a call starts only once the previous one is
+// done, so that this holds).
+std::string submit(Comm& comm, uint32_t logical_id, RankWorker::Work work,
+                   RankWorker::Done done);
 
 }  // namespace cpu
 }  // namespace jax_gin

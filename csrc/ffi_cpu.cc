@@ -1,9 +1,17 @@
 // XLA FFI handlers for the CPU backend. Execute-only: they look up the communicator that the
-// Python runtime built before the program ran, and run this device's rank on its thread.
-// A CPU device runs its program on one thread, so the asynchronous pair of the GPU is
-// synchronous here: the start reduces, the done returns its operands (aliased).
+// Python runtime built before the program ran, check the call, and hand this device's rank of
+// it to the rank's worker thread (cpu_backend.h: RankWorker), returning a future that the
+// worker completes. The device's XLA thread meanwhile runs the operations that do not need the
+// call's results: XLA's CPU runtime runs independent operations in whatever order they become
+// ready, which can differ between devices, so a device that blocked inside a jax_gin call
+// while its peers blocked in the rendezvous of an independent lax collective (or the other
+// way round) deadlocked. XLA starts a call only once the previous one of its order chain has
+// completed (the order token), so each rank's calls still run one at a time, in order.
+// The asynchronous pair of the GPU is synchronous here: the start reduces, the done returns
+// its operands (aliased).
 #include "ffi_cpu.h"
 
+#include <array>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -18,25 +26,51 @@ namespace ffi = xla::ffi;
 namespace jax_gin {
 namespace {
 
+// A call that failed before it started (bad input, a missing communicator).
+ffi::Future failed(ffi::Error err) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  promise.SetError(std::move(err));
+  return future;
+}
+
+// Runs `work` (this device's rank of a call: its error text, empty on success) on the rank's
+// worker thread; the future completes there, with the error as an INTERNAL one, as the
+// synchronous handlers returned it.
+ffi::Future run_on_worker(cpu::Comm& c, uint32_t logical_id, cpu::RankWorker::Work work) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  std::string err = cpu::submit(c, logical_id, std::move(work),
+                                [promise](const std::string& e) mutable {
+                                  if (e.empty()) promise.SetAvailable();
+                                  else promise.SetError(ffi::Error::Internal(e));
+                                });
+  if (!err.empty()) promise.SetError(ffi::Error::Internal(err));
+  return future;
+}
+
 // This device's rank of the all-reduce of xs into outs.
-ffi::Error AllReduce(ffi::Buffer<ffi::U32> partition_id, ffi::RemainingArgs& xs,
-                     ffi::RemainingRets& outs, int64_t comm, int32_t op, int32_t algorithm) {
+ffi::Future AllReduce(ffi::Buffer<ffi::U32> partition_id, ffi::RemainingArgs& xs,
+                      ffi::RemainingRets& outs, int64_t comm, int32_t op, int32_t algorithm) {
   DType dtype;
-  Segment seg[kMaxSegments];
+  std::array<Segment, kMaxSegments> seg;
   int nseg = 0;
-  if (ffi::Error err = collect_segments(xs, outs, seg, &nseg, &dtype); err.failure()) return err;
-  if (ffi::Error err = check_enums(op, algorithm); err.failure()) return err;
+  if (ffi::Error err = collect_segments(xs, outs, seg.data(), &nseg, &dtype); err.failure())
+    return failed(std::move(err));
+  if (ffi::Error err = check_enums(op, algorithm); err.failure()) return failed(std::move(err));
   auto c = cpu::find_comm(comm_id(comm));
-  if (!names_comm(c.get(), comm)) return missing_comm(comm);
+  if (!names_comm(c.get(), comm)) return failed(missing_comm(comm));
   const uint32_t logical_id = partition_id.typed_data()[0];
-  std::string err = cpu::allreduce_logical(*c, logical_id, dtype, RedOp(op), Algorithm(algorithm),
-                                           seg, nseg);
-  if (!err.empty()) return ffi::Error::Internal(err);
-  return ffi::Error::Success();
+  // The communicator outlives the call: destroying it first finishes its workers' calls.
+  cpu::Comm& cm = *c;
+  return run_on_worker(cm, logical_id, [&cm, logical_id, dtype, op, algorithm, seg, nseg]() mutable {
+    return cpu::allreduce_logical(cm, logical_id, dtype, RedOp(op), Algorithm(algorithm),
+                                  seg.data(), nseg);
+  });
 }
 
 // The order token (an HLO token: _primitive.py's chain) orders the calls; it holds nothing.
-ffi::Error CpuAllReduceImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token order_in,
+ffi::Future CpuAllReduceImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token order_in,
                             ffi::RemainingArgs xs, ffi::Result<ffi::Token> order_out,
                             ffi::RemainingRets outs, int64_t comm, int32_t op, int32_t algorithm) {
   (void)order_in;
@@ -46,7 +80,7 @@ ffi::Error CpuAllReduceImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token order
 
 // The synchronous all-reduce with a uint32 order token: what a partially-manual shard_map
 // lowers to (XLA's batch partitioner takes no HLO token operands). The token's value is unused.
-ffi::Error CpuAllReducePartitionedImpl(ffi::Buffer<ffi::U32> partition_id,
+ffi::Future CpuAllReducePartitionedImpl(ffi::Buffer<ffi::U32> partition_id,
                                        ffi::Buffer<ffi::U32> order_in, ffi::RemainingArgs xs,
                                        ffi::Result<ffi::Buffer<ffi::U32>> order_out,
                                        ffi::RemainingRets outs, int64_t comm, int32_t op,
@@ -56,7 +90,7 @@ ffi::Error CpuAllReducePartitionedImpl(ffi::Buffer<ffi::U32> partition_id,
   return AllReduce(partition_id, xs, outs, comm, op, algorithm);
 }
 
-ffi::Error CpuAllReduceStartImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token order_in,
+ffi::Future CpuAllReduceStartImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token order_in,
                                  ffi::RemainingArgs xs, ffi::Result<ffi::Token> order_out,
                                  ffi::RemainingRets outs, int64_t comm, int32_t op,
                                  int32_t algorithm, int32_t max_lanes, int32_t slot,
@@ -92,57 +126,66 @@ ffi::Error CpuAllReduceDoneImpl(ffi::Token order_in, ffi::RemainingArgs operands
 // psum_add_rmsnorm and psum_add_layernorm (bias non-null): x is reduced into new_residual by
 // the all-reduce, then each row becomes residual + sum (rounded to the element type) and its
 // norm (norm.h), in the same order on every rank, so that every rank's results are bitwise the
-// same.
-ffi::Error cpu_add_norm(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x,
-                        ffi::AnyBuffer residual, ffi::AnyBuffer weight, const ffi::AnyBuffer* bias,
-                        ffi::Result<ffi::AnyBuffer> normed, ffi::Result<ffi::AnyBuffer> new_residual,
-                        int64_t comm, int32_t algorithm, float eps) {
+// same. Both run on the rank's worker.
+ffi::Future cpu_add_norm(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x,
+                         ffi::AnyBuffer residual, ffi::AnyBuffer weight, const ffi::AnyBuffer* bias,
+                         ffi::Result<ffi::AnyBuffer> normed, ffi::Result<ffi::AnyBuffer> new_residual,
+                         int64_t comm, int32_t algorithm, float eps) {
   size_t rows = 0, d = 0;
   DType dtype;
+  // This also checks that the element type has the epilogue (NormElem).
   if (ffi::Error err = check_norm_buffers(x, residual, weight, bias, *normed, *new_residual,
                                           &dtype, &rows, &d);
       err.failure())
-    return err;
-  if (ffi::Error err = check_enums(int32_t(RedOp::kSum), algorithm); err.failure()) return err;
+    return failed(std::move(err));
+  if (ffi::Error err = check_enums(int32_t(RedOp::kSum), algorithm); err.failure())
+    return failed(std::move(err));
   auto c = cpu::find_comm(comm_id(comm));
-  if (!names_comm(c.get(), comm)) return missing_comm(comm);
-  Segment seg{0, x.element_count(), x.untyped_data(), new_residual->untyped_data()};
-  std::string err = cpu::allreduce_logical(*c, partition_id.typed_data()[0], dtype, RedOp::kSum,
-                                           Algorithm(algorithm), &seg, 1,
-                                           bias ? kOpAddLayerNorm : kOpAddRmsNorm);
-  if (!err.empty()) return ffi::Error::Internal(err);
-  const bool ok = with_dtype<HostElem>(dtype, false, [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    if constexpr (NormElem<T>::ok) {
-      const T* res = static_cast<const T*>(residual.untyped_data());
-      const T* w = static_cast<const T*>(weight.untyped_data());
-      const T* b = bias ? static_cast<const T*>(bias->untyped_data()) : nullptr;
-      T* nr = static_cast<T*>(new_residual->untyped_data());
-      T* out = static_cast<T*>(normed->untyped_data());
-      for (size_t r = 0; r < rows; ++r) add_norm_row(res + r * d, nr + r * d, w, b, out + r * d, d, eps);
+  if (!names_comm(c.get(), comm)) return failed(missing_comm(comm));
+  const uint32_t logical_id = partition_id.typed_data()[0];
+  const void* res = residual.untyped_data();
+  const void* w = weight.untyped_data();
+  const void* b = bias ? bias->untyped_data() : nullptr;
+  void* nr = new_residual->untyped_data();
+  void* out = normed->untyped_data();
+  Segment seg{0, x.element_count(), x.untyped_data(), nr};
+  const int call_op = bias ? kOpAddLayerNorm : kOpAddRmsNorm;
+  cpu::Comm& cm = *c;
+  return run_on_worker(cm, logical_id, [=, &cm]() mutable {
+    std::string err = cpu::allreduce_logical(cm, logical_id, dtype, RedOp::kSum,
+                                             Algorithm(algorithm), &seg, 1, call_op);
+    if (!err.empty()) return err;
+    with_dtype<HostElem>(dtype, false, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      if constexpr (NormElem<T>::ok) {
+        const T* rp = static_cast<const T*>(res);
+        const T* wp = static_cast<const T*>(w);
+        const T* bp = static_cast<const T*>(b);
+        T* nrp = static_cast<T*>(nr);
+        T* op = static_cast<T*>(out);
+        for (size_t r = 0; r < rows; ++r)
+          add_norm_row(rp + r * d, nrp + r * d, wp, bp, op + r * d, d, eps);
+      }
       return true;
-    } else {
-      return false;
-    }
+    });
+    return std::string();
   });
-  if (!ok) return ffi::Error::InvalidArgument(norm_dtype_error(dtype, bias != nullptr));
-  return ffi::Error::Success();
 }
 
-ffi::Error CpuAddRmsNormImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token, ffi::AnyBuffer x,
-                             ffi::AnyBuffer residual, ffi::AnyBuffer weight, ffi::Result<ffi::Token>,
-                             ffi::Result<ffi::AnyBuffer> normed,
-                             ffi::Result<ffi::AnyBuffer> new_residual, int64_t comm,
-                             int32_t algorithm, float eps) {
+ffi::Future CpuAddRmsNormImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token, ffi::AnyBuffer x,
+                              ffi::AnyBuffer residual, ffi::AnyBuffer weight, ffi::Result<ffi::Token>,
+                              ffi::Result<ffi::AnyBuffer> normed,
+                              ffi::Result<ffi::AnyBuffer> new_residual, int64_t comm,
+                              int32_t algorithm, float eps) {
   return cpu_add_norm(partition_id, x, residual, weight, nullptr, normed, new_residual, comm,
                       algorithm, eps);
 }
 
-ffi::Error CpuAddLayerNormImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token, ffi::AnyBuffer x,
-                               ffi::AnyBuffer residual, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
-                               ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> normed,
-                               ffi::Result<ffi::AnyBuffer> new_residual, int64_t comm,
-                               int32_t algorithm, float eps) {
+ffi::Future CpuAddLayerNormImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token, ffi::AnyBuffer x,
+                                ffi::AnyBuffer residual, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
+                                ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> normed,
+                                ffi::Result<ffi::AnyBuffer> new_residual, int64_t comm,
+                                int32_t algorithm, float eps) {
   return cpu_add_norm(partition_id, x, residual, weight, &bias, normed, new_residual, comm,
                       algorithm, eps);
 }
@@ -160,24 +203,27 @@ auto norm_binding_tail(Binding b) {
 }
 
 // psum_scatter and all_gather (collectives.h): one buffer in, one out.
-ffi::Error CpuCollectiveImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token order_in,
-                             ffi::AnyBuffer x, ffi::Result<ffi::Token> order_out,
-                             ffi::Result<ffi::AnyBuffer> y, int64_t comm, int32_t op,
-                             int32_t algorithm) {
+ffi::Future CpuCollectiveImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token order_in,
+                              ffi::AnyBuffer x, ffi::Result<ffi::Token> order_out,
+                              ffi::Result<ffi::AnyBuffer> y, int64_t comm, int32_t op,
+                              int32_t algorithm) {
   (void)order_in;
   (void)order_out;
   auto c = cpu::find_comm(comm_id(comm));
-  if (!names_comm(c.get(), comm)) return missing_comm(comm);
+  if (!names_comm(c.get(), comm)) return failed(missing_comm(comm));
   DType dtype;
   size_t block = 0;
   if (ffi::Error err = check_collective(x, *y, op, algorithm, c->config.nranks, &dtype, &block);
       err.failure())
-    return err;
-  std::string err = cpu::collective_logical(*c, partition_id.typed_data()[0], dtype, op,
-                                            Algorithm(algorithm), x.untyped_data(),
-                                            y->untyped_data(), block);
-  if (!err.empty()) return ffi::Error::Internal(err);
-  return ffi::Error::Success();
+    return failed(std::move(err));
+  const uint32_t logical_id = partition_id.typed_data()[0];
+  const void* in = x.untyped_data();
+  void* out = y->untyped_data();
+  cpu::Comm& cm = *c;
+  return run_on_worker(cm, logical_id, [=, &cm] {
+    return cpu::collective_logical(cm, logical_id, dtype, op, Algorithm(algorithm), in, out,
+                                   block);
+  });
 }
 
 }  // namespace
