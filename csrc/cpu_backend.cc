@@ -816,46 +816,46 @@ std::string allreduce_logical(Comm& comm, uint32_t logical_id, DType dtype, RedO
 // ---------------------------------------------------------------------------------------
 // Worker threads
 
-RankWorker::RankWorker() : thread_([this] { loop(); }) {}
+RankWorker::RankWorker() : s_(std::make_shared<State>()), thread_(&RankWorker::loop, s_) {}
 
 RankWorker::~RankWorker() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
+    std::lock_guard<std::mutex> lock(s_->mu);
+    s_->stop = true;
   }
-  cv_.notify_one();
-  // A communicator whose last reference goes on its own worker (a call's `done` runs XLA's
-  // continuation there) cannot join that thread: it ends by itself after this call.
+  s_->cv.notify_one();
+  // The communicator's last reference went on this worker (a call it ran held it): it cannot
+  // join itself, and ends by itself once this call returns.
   if (thread_.get_id() == std::this_thread::get_id()) thread_.detach();
   else thread_.join();
 }
 
 bool RankWorker::submit(Work work, Done done) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (busy_) return false;
-    busy_ = true;
-    queue_.emplace_back(std::move(work), std::move(done));
+    std::lock_guard<std::mutex> lock(s_->mu);
+    if (s_->busy) return false;
+    s_->busy = true;
+    s_->queue.emplace_back(std::move(work), std::move(done));
   }
-  cv_.notify_one();
+  s_->cv.notify_one();
   return true;
 }
 
-void RankWorker::loop() {
+void RankWorker::loop(std::shared_ptr<State> s) {
   for (;;) {
     std::pair<Work, Done> call;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopped, and every queued call has run
-      call = std::move(queue_.front());
-      queue_.pop_front();
+      std::unique_lock<std::mutex> lock(s->mu);
+      s->cv.wait(lock, [&] { return s->stop || !s->queue.empty(); });
+      if (s->queue.empty()) return;  // stopped, and every queued call has run
+      call = std::move(s->queue.front());
+      s->queue.pop_front();
     }
     const std::string err = call.first();
     {
       // Free before `done`: XLA may start this rank's next call from inside it.
-      std::lock_guard<std::mutex> lock(mu_);
-      busy_ = false;
+      std::lock_guard<std::mutex> lock(s->mu);
+      s->busy = false;
     }
     call.second(err);
   }

@@ -162,7 +162,10 @@ struct Group {
 // with the operations that do not need the call's results (a lax collective, say) while the
 // rank waits for its peers here: a device blocked inside a jax_gin call while its peers block
 // in XLA's rendezvous of a lax collective was a deadlock. A call's `done` runs on this thread
-// (XLA continues the program from the future's completion there).
+// (XLA continues the program from the future's completion there, and may hand it the rank's
+// next call). A queued call holds its communicator, so the communicator's last reference may
+// go on this very thread, which then outlives its RankWorker: the thread uses only its
+// shared State.
 class RankWorker {
  public:
   using Work = std::function<std::string()>;           // the call: its error, or empty
@@ -175,12 +178,15 @@ class RankWorker {
   bool submit(Work work, Done done);
 
  private:
-  void loop();
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::pair<Work, Done>> queue_;
-  bool busy_ = false;  // a call is queued or running (its `done` not yet called)
-  bool stop_ = false;
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<std::pair<Work, Done>> queue;
+    bool busy = false;  // a call is queued or running (its `done` not yet called)
+    bool stop = false;
+  };
+  static void loop(std::shared_ptr<State> s);
+  std::shared_ptr<State> s_;
   std::thread thread_;
 };
 
@@ -190,8 +196,8 @@ struct Comm {
   CommConfig config;
   std::vector<std::unique_ptr<Group>> groups;
   // The worker of each logical device (XLA partition id) that has made a call here, started
-  // at its first call. Declared last, so that they end (finishing their queued calls, which
-  // use the groups) before the rest of the communicator goes.
+  // at its first call. Declared last, so that they end before the rest of the communicator
+  // goes.
   std::mutex workers_mu;
   std::vector<std::unique_ptr<RankWorker>> workers;
 };

@@ -61,10 +61,9 @@ ffi::Future AllReduce(ffi::Buffer<ffi::U32> partition_id, ffi::RemainingArgs& xs
   auto c = cpu::find_comm(comm_id(comm));
   if (!names_comm(c.get(), comm)) return failed(missing_comm(comm));
   const uint32_t logical_id = partition_id.typed_data()[0];
-  // The communicator outlives the call: destroying it first finishes its workers' calls.
-  cpu::Comm& cm = *c;
-  return run_on_worker(cm, logical_id, [&cm, logical_id, dtype, op, algorithm, seg, nseg]() mutable {
-    return cpu::allreduce_logical(cm, logical_id, dtype, RedOp(op), Algorithm(algorithm),
+  // The call holds the communicator (cpu_backend.h: RankWorker).
+  return run_on_worker(*c, logical_id, [c, logical_id, dtype, op, algorithm, seg, nseg]() mutable {
+    return cpu::allreduce_logical(*c, logical_id, dtype, RedOp(op), Algorithm(algorithm),
                                   seg.data(), nseg);
   });
 }
@@ -150,9 +149,8 @@ ffi::Future cpu_add_norm(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x,
   void* out = normed->untyped_data();
   Segment seg{0, x.element_count(), x.untyped_data(), nr};
   const int call_op = bias ? kOpAddLayerNorm : kOpAddRmsNorm;
-  cpu::Comm& cm = *c;
-  return run_on_worker(cm, logical_id, [=, &cm]() mutable {
-    std::string err = cpu::allreduce_logical(cm, logical_id, dtype, RedOp::kSum,
+  return run_on_worker(*c, logical_id, [=]() mutable {
+    std::string err = cpu::allreduce_logical(*c, logical_id, dtype, RedOp::kSum,
                                              Algorithm(algorithm), &seg, 1, call_op);
     if (!err.empty()) return err;
     with_dtype<HostElem>(dtype, false, [&](auto tag) {
@@ -219,9 +217,8 @@ ffi::Future CpuCollectiveImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token ord
   const uint32_t logical_id = partition_id.typed_data()[0];
   const void* in = x.untyped_data();
   void* out = y->untyped_data();
-  cpu::Comm& cm = *c;
-  return run_on_worker(cm, logical_id, [=, &cm] {
-    return cpu::collective_logical(cm, logical_id, dtype, op, Algorithm(algorithm), in, out,
+  return run_on_worker(*c, logical_id, [=] {
+    return cpu::collective_logical(*c, logical_id, dtype, op, Algorithm(algorithm), in, out,
                                    block);
   });
 }
