@@ -787,12 +787,11 @@ def test_one_function_on_meshes_of_one_shape(api):
 def test_independent_jax_gin_and_lax_collectives():
     """jax_gin calls and lax collectives that take nothing from each other, in one program.
     XLA's CPU runtime runs independent operations in whatever order they become ready, which
-    can differ between devices; a device blocked inside a jax_gin call while its peers blocked
-    in the rendezvous of a lax collective deadlocked (seen once, on 8 CPU devices of a 2-core
-    machine, in a program of 156 jax_gin calls and 21 lax ones; not reproduced on demand). The
-    CPU handlers now return a future and run the rank's call on a worker thread, so that the
-    device's thread goes on to the lax collective. This guards the results of such a program
-    (bit for bit lax's); whether a run would have met the deadlock depends on timing."""
+    can differ between devices; a handler that held the device's XLA thread while its peers
+    sat in the rendezvous of a lax collective would deadlock (debugging.md). The CPU handlers
+    return a future and wait on the rank's worker thread. Whether a run meets the orders that
+    would deadlock depends on timing, so this guards the results of such a program, bit for
+    bit lax's, over three runs."""
     mesh = mesh_1d()
     n = ndev()
 
