@@ -64,7 +64,7 @@ def _sum_inputs(nranks, dtype, width=4096):
 @pytest.mark.parametrize("algo", jax_gin.ALGORITHMS + ("auto", "lax"))
 @pytest.mark.parametrize("nranks", sorted({2, ndev()}))
 def test_sixteen_bit_roundings(nranks, algo, dtype):
-    """README, Numbers, bit for bit: one_shot, two_shot (and auto where it picks them) give the
+    """docs/api.md, Numbers, bit for bit: one_shot, two_shot (and auto where it picks them) give the
     float32 sum rounded once to the 16-bit dtype; ring and tree at most N - 1 roundings of
     16-bit partials; over 2 ranks every scheme rounds once; lax on CPUs sums bfloat16 in
     float32 and rounds once, float16 in float16 in rank order (a rounding per addition)."""

@@ -248,9 +248,9 @@ def test_good_env_values(monkeypatch):
         assert s.single_process is s.record is s.experimental_gin is value, text
 
 
-def test_defaults_are_the_readmes(monkeypatch):
-    """README's Settings table, in an environment without JAX_GIN_ variables: the defaults
-    there (the GPU launch settings are None here, the kernels' own defaults)."""
+def test_defaults_are_documented(monkeypatch):
+    """The settings tables (README, docs/api.md), in an environment without JAX_GIN_ variables:
+    the defaults there (the GPU launch settings are None here, the kernels' own defaults)."""
     import os
     for var in [v for v in os.environ if v.startswith("JAX_GIN_")]:
         monkeypatch.delenv(var)
@@ -263,8 +263,8 @@ def test_defaults_are_the_readmes(monkeypatch):
             s.ll_max_bytes) == (None,) * 5
 
 
-def test_gpu_launch_defaults_are_the_readmes():
-    """README's Settings table: the GPU launch settings left None take the kernels' defaults
+def test_gpu_launch_defaults_are_documented():
+    """docs/api.md's GPU launch settings: those left None take the kernels' defaults
     (LaunchConfig), and max_lanes at most the GPU's SM count."""
     if not jax_gin.has_cuda():
         pytest.skip("needs the CUDA extension")

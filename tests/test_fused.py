@@ -612,7 +612,7 @@ def test_layernorm_bad_shapes(case, match):
 
 @pytest.mark.parametrize("op,eps", [("psum_add_rmsnorm", 1e-6), ("psum_add_layernorm", 1e-5)])
 def test_default_eps(op, eps):
-    # The README's defaults: eps=1e-6 (RMSNorm) and 1e-5 (LayerNorm). Rows of values near
+    # The documented defaults (README, docs/api.md): eps=1e-6 (RMSNorm) and 1e-5 (LayerNorm). Rows of values near
     # 1e-3, so that mean(r**2) is near eps and another eps changes the result.
     mesh = mesh_1d()
     n = ndev()

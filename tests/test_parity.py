@@ -117,7 +117,7 @@ def test_python_constants():
 @pytest.mark.parametrize("algo", jax_gin.ALGORITHMS + ("auto",))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_signed_zeros(algo, dtype):
-    """The one place exact sums differ from lax's on CPU devices (README, Numbers): column 0
+    """The one place exact sums differ from lax's on CPU devices (docs/api.md, Numbers): column 0
     holds -0.0 on every rank, and its sum is -0.0 (jax_gin adds the values themselves), where
     XLA's CPU all-reduce sums from +0 and gives +0.0; any +0.0 among them gives +0.0 in both."""
     n = ndev()
@@ -134,7 +134,7 @@ def test_signed_zeros(algo, dtype):
 @pytest.mark.parametrize("op", ["pmax", "pmin"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_signed_zero_ties(algo, op, dtype):
-    """README, Numbers: a pmax/pmin tie of +0.0 and -0.0 is lax's where one rank reduces every
+    """docs/api.md, Numbers: a pmax/pmin tie of +0.0 and -0.0 is lax's where one rank reduces every
     contribution (one_shot, two_shot, auto) -- lax keeps the lowest rank's zero -- and ring and
     tree may settle it otherwise, as a zero with the same bits on every rank. Each column holds
     its own pattern of signs over the ranks (the whole array is read back before it is
@@ -209,7 +209,7 @@ def test_results_identical_on_every_rank():
 @pytest.mark.parametrize("op", ["pmax", "pmin"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_nan_propagates(algo, op, dtype):
-    """README: pmax and pmin propagate NaN, as jnp.max does (XLA's CPU all-reduce drops it):
+    """docs/api.md: pmax and pmin propagate NaN, as jnp.max does (XLA's CPU all-reduce drops it):
     column k holds NaN on rank k only, and every rank's result there is NaN; the other
     columns are lax's."""
     n = ndev()

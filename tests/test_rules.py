@@ -335,7 +335,7 @@ def test_shipped_h200_table():
 
 
 def test_shipped_cpu_table():
-    """README: on 8 CPU devices (jax_gin/tuning/cpu_n8.json) `auto` runs a kernel up to 32 KiB
+    """docs/api.md: on 8 CPU devices (jax_gin/tuning/cpu_n8.json) `auto` runs a kernel up to 32 KiB
     per device and hands every larger size to XLA's all-reduce: the program has no jax_gin
     call there, and gives lax's bits."""
     from jax_gin import _select
@@ -723,7 +723,7 @@ def test_collective_xla_fallback_grad(cpu_collective_tables):
 
 
 def test_public_algorithms_and_dtypes():
-    """README's API table: ALGORITHMS and SUPPORTED_DTYPES, which the native library lists
+    """docs/api.md's list: ALGORITHMS and SUPPORTED_DTYPES, which the native library lists
     (and the tests parametrize over, so a name lost there would shrink them unseen)."""
     assert jax_gin.ALGORITHMS == ("ring", "tree", "one_shot", "two_shot")
     assert jax_gin.SUPPORTED_DTYPES == (
@@ -759,7 +759,7 @@ def test_profiler_names():
 
 @pytest.mark.parametrize("api", ["psum", "all_gather"])
 def test_one_function_on_meshes_of_one_shape(api):
-    # README: a jitted function run on several meshes of one shape (other devices, or another
+    # docs/api.md: a jitted function run on several meshes of one shape (other devices, or another
     # order) gives its shard_map the mesh= it runs on; each mesh then lowers with its own
     # communicators, and each result equals lax's on that mesh.
     needs_devices(4)
