@@ -639,6 +639,15 @@ std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Al
 
 namespace {
 
+// The error of a rank's call that started before its previous call finished: the workspace's
+// busy flag (run_call) and the rank's worker (submit) refuse it alike.
+std::string concurrent_calls(const Comm& comm, int group, int rank) {
+  Text os;
+  os << "jax_gin: two collectives ran concurrently on rank " << rank << " of group " << group
+     << " of communicator " << comm.id << "; calls on one communicator must be ordered";
+  return os.str();
+}
+
 // One rank's call: the checks, the busy flag and the flight recorder around `body(tp, round)`,
 // which runs the schedule over a HostTransport whose slots are `slot_bytes` apart and returns
 // false on failure. `op` is the call's op (CallOp), `bytes` its message size for the recorder.
@@ -675,10 +684,7 @@ std::string run_call(Comm& comm, int group, int rank, DType dtype, int op, Algor
   if (rank == comm.config.fault_rank && comm.config.fault_mode == 1) return std::string();
   RankControl& ctl = ws.control(rank);
   if (ctl.busy.exchange(1, std::memory_order_acquire) != 0) {
-    Text os;
-    os << "jax_gin: two collectives ran concurrently on rank " << rank << " of group " << group
-       << " of communicator " << comm.id << "; calls on one communicator must be ordered";
-    return os.str();
+    return concurrent_calls(comm, group, rank);
   }
   struct Release {
     std::atomic<uint64_t>& b;
@@ -875,10 +881,7 @@ std::string submit(Comm& comm, uint32_t logical_id, RankWorker::Work work,
     worker = w.get();
   }
   if (worker->submit(std::move(work), std::move(done))) return std::string();
-  Text os;
-  os << "jax_gin: two collectives ran concurrently on rank " << rank << " of group " << group
-     << " of communicator " << comm.id << "; calls on one communicator must be ordered";
-  return os.str();
+  return concurrent_calls(comm, group, rank);
 }
 
 // ---------------------------------------------------------------------------------------
