@@ -7,6 +7,8 @@
 // while its peers blocked in the rendezvous of an independent lax collective (or the other
 // way round) deadlocked. XLA starts a call only once the previous one of its order chain has
 // completed (the order token), so each rank's calls still run one at a time, in order.
+// The partitioned all-reduce (a partially-manual shard_map's, whose uint32 tokens order only
+// the calls of one block) runs on the device's XLA thread instead, as the handlers did before.
 // The asynchronous pair of the GPU is synchronous here: the start reduces, the done returns
 // its operands (aliased).
 #include "ffi_cpu.h"
@@ -34,6 +36,16 @@ ffi::Future failed(ffi::Error err) {
   return future;
 }
 
+// A call that ran on the device's XLA thread: its error text (empty on success) as a future
+// that is already complete.
+ffi::Future completed(const std::string& err) {
+  if (!err.empty()) return failed(ffi::Error::Internal(err));
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  promise.SetAvailable();
+  return future;
+}
+
 // Runs `work` (this device's rank of a call: its error text, empty on success) on the rank's
 // worker thread; the future completes there, with the error as an INTERNAL one, as the
 // synchronous handlers returned it.
@@ -49,9 +61,11 @@ ffi::Future run_on_worker(cpu::Comm& c, uint32_t logical_id, cpu::RankWorker::Wo
   return future;
 }
 
-// This device's rank of the all-reduce of xs into outs.
+// This device's rank of the all-reduce of xs into outs, on the rank's worker; with `here`,
+// on the device's XLA thread, which waits for it (the partitioned target, below).
 ffi::Future AllReduce(ffi::Buffer<ffi::U32> partition_id, ffi::RemainingArgs& xs,
-                      ffi::RemainingRets& outs, int64_t comm, int32_t op, int32_t algorithm) {
+                      ffi::RemainingRets& outs, int64_t comm, int32_t op, int32_t algorithm,
+                      bool here = false) {
   DType dtype;
   std::array<Segment, kMaxSegments> seg;
   int nseg = 0;
@@ -61,6 +75,9 @@ ffi::Future AllReduce(ffi::Buffer<ffi::U32> partition_id, ffi::RemainingArgs& xs
   auto c = cpu::find_comm(comm_id(comm));
   if (!names_comm(c.get(), comm)) return failed(missing_comm(comm));
   const uint32_t logical_id = partition_id.typed_data()[0];
+  if (here)
+    return completed(cpu::allreduce_logical(*c, logical_id, dtype, RedOp(op),
+                                            Algorithm(algorithm), seg.data(), nseg));
   // The call holds the communicator (cpu_backend.h: RankWorker).
   return run_on_worker(*c, logical_id, [c, logical_id, dtype, op, algorithm, seg, nseg]() mutable {
     return cpu::allreduce_logical(*c, logical_id, dtype, RedOp(op), Algorithm(algorithm),
@@ -79,6 +96,11 @@ ffi::Future CpuAllReduceImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token orde
 
 // The synchronous all-reduce with a uint32 order token: what a partially-manual shard_map
 // lowers to (XLA's batch partitioner takes no HLO token operands). The token's value is unused.
+// It runs on the device's XLA thread, not on the rank's worker: a uint32 token orders only the
+// calls of one block, and nothing orders two independent blocks' calls, which XLA hands to a
+// device one after the other. Run here, the second starts when the first has returned, as
+// before the workers; handed to the worker, it came while the first still ran there and
+// failed ("two collectives ran concurrently"), in every run of such a program.
 ffi::Future CpuAllReducePartitionedImpl(ffi::Buffer<ffi::U32> partition_id,
                                        ffi::Buffer<ffi::U32> order_in, ffi::RemainingArgs xs,
                                        ffi::Result<ffi::Buffer<ffi::U32>> order_out,
@@ -86,7 +108,7 @@ ffi::Future CpuAllReducePartitionedImpl(ffi::Buffer<ffi::U32> partition_id,
                                        int32_t algorithm) {
   (void)order_in;
   order_out->typed_data()[0] = 0;
-  return AllReduce(partition_id, xs, outs, comm, op, algorithm);
+  return AllReduce(partition_id, xs, outs, comm, op, algorithm, /*here=*/true);
 }
 
 ffi::Future CpuAllReduceStartImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token order_in,

@@ -221,3 +221,31 @@ def test_any_device_count(op, layout):
     assert_bitwise(f(x), g(x))
     # a group of n > 1 devices runs jax_gin's partitioned call; over one, auto returns the input
     assert ("_partitioned" in f.lower(x).as_text()) == (shape[0] > 1)
+
+
+@pytest.mark.parametrize("algo", ["one_shot", "ring"])
+def test_two_independent_blocks(algo):
+    # Two partially-manual shard_maps in one program that take nothing from each other, on one
+    # communicator (the 'x' groups of one mesh). Their calls chain uint32 tokens within each
+    # block only, so XLA hands a device the second block's call without waiting for the
+    # first's: on the CPU the partitioned call runs on the device's own thread, which returns
+    # from it first. (Handed to the rank's worker it failed with "two collectives ran
+    # concurrently" in every run; at 16 x 12 it passed, XLA's CPU runtime running that
+    # program's operations one after the other.) Three runs, bit for bit lax's.
+    mesh = _mesh((4, 2), ("x", "y"))
+
+    def program(psum, **kw):
+        def block(k):
+            def f(v):
+                for j in range(3):
+                    v = psum(v * k + j, "x", **kw) % 17
+                return v
+            return jax.shard_map(f, mesh=mesh, in_specs=(P("x"),), out_specs=P("x"),
+                                 axis_names={"x"})
+        return jax.jit(lambda a, b: (block(2)(a), block(3)(b)))
+
+    a = _global((64, 64), mesh, P("x", "y"), seed=1)
+    b = _global((64, 64), mesh, P("x", "y"), seed=2)
+    ours, want = program(jax_gin.psum, algorithm=algo), program(lax.psum)(a, b)
+    for _ in range(3):
+        jax.tree.map(assert_bitwise, jax.block_until_ready(ours(a, b)), want)
