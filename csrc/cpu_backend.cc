@@ -87,6 +87,17 @@ std::vector<Seen> rank_states(const Workspace& ws) {
   return s;
 }
 
+// Writes `what` (how `rank` failed: "timed out after 2 s waiting for ...") as the group's
+// first failure, unless another rank's came first; the ranks that give up after it repeat it.
+void note_first_failure(WorkspaceHeader& h, int rank, const std::string& what) {
+  int32_t none = 0;
+  if (!h.first_failed.compare_exchange_strong(none, -1)) return;  // another rank's is there
+  const size_t n = std::min(what.size(), sizeof h.first_failure - 1);
+  std::memcpy(h.first_failure, what.data(), n);
+  h.first_failure[n] = '\0';
+  h.first_failed.store(rank + 1, std::memory_order_release);  // the text is whole
+}
+
 // The transport for one rank of a CPU group: peers' windows are plain host memory.
 class HostTransport {
  public:
@@ -288,13 +299,7 @@ class HostTransport {
                       last_calls_text(states, group_)
                 : laggard_text(states, group_, rank_, late ? peer : -1));
     error_ = os.str();
-    int32_t none = 0;
-    if (!after_another && h.first_failed.compare_exchange_strong(none, -1)) {  // claimed
-      const size_t n = std::min(what.size(), sizeof h.first_failure - 1);
-      std::memcpy(h.first_failure, what.data(), n);
-      h.first_failure[n] = '\0';
-      h.first_failed.store(rank_ + 1, std::memory_order_release);  // the text is whole
-    }
+    if (!after_another) note_first_failure(h, rank_, what);
     h.broken.store(1);
   }
 
@@ -840,8 +845,8 @@ bool RankWorker::submit(Work work, Done done) {
   {
     std::lock_guard<std::mutex> lock(s_->mu);
     if (s_->busy) return false;
-    s_->busy = true;
     s_->queue.emplace_back(std::move(work), std::move(done));
+    s_->busy = true;  // after the queueing, which may throw
   }
   s_->cv.notify_one();
   return true;
@@ -872,15 +877,39 @@ std::string submit(Comm& comm, uint32_t logical_id, RankWorker::Work work,
   int group = 0, rank = 0;
   std::string err = locate(comm, logical_id, &group, &rank);
   if (!err.empty()) return err;
-  RankWorker* worker;
-  {
-    std::lock_guard<std::mutex> lock(comm.workers_mu);
-    if (comm.workers.empty()) comm.workers.resize(comm.config.group_of.size());
-    auto& w = comm.workers[logical_id];
-    if (!w) w.reset(new RankWorker());
-    worker = w.get();
+  RankWorker* worker = nullptr;
+  try {
+    {
+      std::lock_guard<std::mutex> lock(comm.workers_mu);
+      if (comm.workers.empty()) comm.workers.resize(comm.config.group_of.size());
+      auto& w = comm.workers[logical_id];
+      if (!w) w.reset(new RankWorker());  // std::system_error where no thread can start
+      worker = w.get();
+    }
+    if (worker->submit(std::move(work), std::move(done))) return std::string();
+  } catch (const std::exception& e) {
+    // An exception must not leave the FFI handler; and the peers, already in the call or
+    // coming to it, would wait for this rank until the timeout: they give up at once,
+    // repeating this rank's failure.
+    Text what;
+    what << (worker ? "could not queue its call on its worker thread (" :
+                      "could not start its worker thread (")
+         << e.what() << ")";
+    Text os;
+    os << "jax_gin: rank " << rank << " of group " << group << " of communicator " << comm.id
+       << " " << what.str()
+       << ". Each communicator runs a thread per device of this process, from its first call "
+          "until jax_gin.runtime.reset(): a limit on threads (ulimit -u, a container's pids "
+          "limit) may have been reached";
+    Group& g = *comm.groups[size_t(group)];
+    if (g.ws) {
+      note_first_failure(g.ws->header(), rank, what.str() + ".");
+      g.ws->header().broken.store(1);
+    }
+    std::lock_guard<std::mutex> lock(g.error_mu);
+    if (g.first_error.empty()) g.first_error = os.str();  // later calls: "cannot be reused: ..."
+    return os.str() + ". To recover, call jax_gin.runtime.reset() and the jitted functions again";
   }
-  if (worker->submit(std::move(work), std::move(done))) return std::string();
   return concurrent_calls(comm, group, rank);
 }
 

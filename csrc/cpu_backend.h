@@ -251,7 +251,9 @@ std::string allreduce_logical(Comm& comm, uint32_t logical_id, DType dtype, RedO
 // Runs `work` (a call of logical device `logical_id`: allreduce_logical or
 // collective_logical, say) on that device's worker thread, after the calls queued before it,
 // then `done` with its error (empty: success) on the same thread. Returns an error, and runs
-// neither, where the device is not in the communicator or its previous call has not finished
+// neither, where the device is not in the communicator, its worker thread cannot start (a
+// limit on threads; the group then fails, so that its peers give up at once, repeating this
+// error) or its previous call has not finished
 // (XLA orders the calls by their order tokens: a call starts only once the previous one is
 // done, so that this holds).
 std::string submit(Comm& comm, uint32_t logical_id, RankWorker::Work work,

@@ -1,5 +1,10 @@
 """No silent hangs: an injected fault makes every wait time out with op, rank, peer and step."""
+import os
 import re
+import shutil
+import subprocess
+import sys
+import time
 
 import jax
 import numpy as np
@@ -187,3 +192,75 @@ def test_threads_harness_timeout():
     with pytest.raises(RuntimeError, match=r"rank \d of group 0 \(4 ranks\) .*waiting for peer \d at step \d"):
         _native.cpu.threads_allreduce(x, OP_CODES["sum"], ALGORITHM_CODES["ring"], 4096,
                                       timeout_s=0.3, fault_rank=2)
+
+
+# A shim for LD_PRELOAD: after probe_arm(n), pthread_create succeeds n more times, then fails
+# with EAGAIN, as under a limit on threads (ulimit -u, a container's pids limit).
+_THREAD_LIMIT_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <pthread.h>
+static int armed, left;
+void probe_arm(int n) { armed = 1; left = n; }
+int pthread_create(pthread_t* t, const pthread_attr_t* a, void* (*f)(void*), void* arg) {
+  static int (*real)(pthread_t*, const pthread_attr_t*, void* (*)(void*), void*);
+  if (!real) real = (int (*)(pthread_t*, const pthread_attr_t*, void* (*)(void*), void*))
+      dlsym(RTLD_NEXT, "pthread_create");
+  if (armed) { if (left <= 0) return EAGAIN; --left; }
+  return real(t, a, f, arg);
+}
+"""
+
+_THREAD_LIMIT_CHILD = r"""
+import ctypes, time
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+import jax_gin
+jax_gin.runtime.settings.timeout_s = 60
+mesh = Mesh(np.array(jax.devices()), ("i",))
+f = jax.jit(jax.shard_map(lambda v: jax_gin.psum(v, "i", algorithm="one_shot"), mesh=mesh,
+                          in_specs=P("i"), out_specs=P()))
+x = jnp.ones(8 * 16, jnp.float32)
+f.lower(x).compile()
+jax.block_until_ready(jax.jit(lambda v: v + 1)(x))   # XLA's own threads are up
+ctypes.CDLL(None).probe_arm(3)                        # three ranks' workers start, no more
+t = time.monotonic()
+try:
+    jax.block_until_ready(f(x))
+    print("NO ERROR")
+except Exception as e:
+    print("ERROR", round(time.monotonic() - t, 1), str(e).replace("\n", " "))
+"""
+
+
+def test_worker_thread_that_cannot_start(tmp_path):
+    """A rank whose worker thread cannot start (a limit on threads; each communicator runs one
+    per device) fails its call at once and says why, and its peers give up at once repeating
+    it, instead of peers that wait out the timeout and then blame a rank that "never entered
+    the call", with no word of the thread."""
+    needs_devices(2)
+    if jax.default_backend() != "cpu":
+        pytest.skip("CPU only")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("needs a C compiler for the LD_PRELOAD shim")
+    (tmp_path / "shim.c").write_text(_THREAD_LIMIT_SHIM)
+    shim = tmp_path / "shim.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(shim), str(tmp_path / "shim.c"), "-ldl"],
+                   check=True, capture_output=True)
+    (tmp_path / "child.py").write_text(_THREAD_LIMIT_CHILD)
+    env = dict(os.environ, LD_PRELOAD=str(shim), JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={ndev()}")
+    r = subprocess.run([sys.executable, str(tmp_path / "child.py")], env=env,
+                       capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(("ERROR", "NO ERROR"))]
+    assert r.returncode == 0 and lines, r.stdout + r.stderr[-3000:]
+    assert lines[-1].startswith("ERROR"), lines[-1]
+    seconds = float(lines[-1].split()[1])
+    assert seconds < 30, lines[-1]  # not the 60 s timeout
+    # the rank's own error, or a peer's that repeats it ("because rank 5 failed first: it
+    # could not start ..."), whichever device's error JAX raises
+    assert re.search(r"rank \d+ (of group 0 of communicator \d+|failed first: it) could not "
+                     r"start its worker thread \(Resource temporarily unavailable\)",
+                     lines[-1]), lines[-1]
