@@ -649,7 +649,10 @@ namespace {
 std::string concurrent_calls(const Comm& comm, int group, int rank) {
   Text os;
   os << "jax_gin: two collectives ran concurrently on rank " << rank << " of group " << group
-     << " of communicator " << comm.id << "; calls on one communicator must be ordered";
+     << " of communicator " << comm.id << "; calls on one communicator must be ordered. XLA "
+     << "orders a partially-manual shard_map's calls only among themselves: where such a block "
+     << "and another shard_map over the same mesh axes take nothing from each other's results, "
+     << "make one take a value of the other's (docs/design.md, Ordering)";
   return os.str();
 }
 

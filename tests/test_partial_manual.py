@@ -249,3 +249,46 @@ def test_two_independent_blocks(algo):
     ours, want = program(jax_gin.psum, algorithm=algo), program(lax.psum)(a, b)
     for _ in range(3):
         jax.tree.map(assert_bitwise, jax.block_until_ready(ours(a, b)), want)
+
+
+def test_independent_fully_and_partially_manual_blocks():
+    # A fully-manual shard_map (HLO order tokens; on the CPU its calls run on the rank's
+    # worker) and a partially-manual one (uint32 tokens) over the same mesh axis, on one
+    # communicator. Independent, nothing orders one block's calls against the other's: on
+    # the CPU a call that comes while the other's runs fails, and the error says how to order
+    # them (or the program runs, bit for bit lax's). Where the partially-manual block takes a
+    # value of the other's result, they run in order, bit for bit lax's.
+    mesh = _mesh((4, 2), ("x", "y"))
+
+    def program(psum, ordered, **kw):
+        def body(k):
+            def f(v):
+                for j in range(3):
+                    v = psum(v * k + j, "x", **kw) % 17
+                return v
+            return f
+        partial = jax.shard_map(body(2), mesh=mesh, in_specs=(P("x"),), out_specs=P("x"),
+                                axis_names={"x"})
+        full = jax.shard_map(body(3), mesh=mesh, in_specs=(P("x", "y"),),
+                             out_specs=P("x", "y"))
+
+        def f(a, b):
+            fb = full(b)
+            return partial(a + 0 * fb[0, 0] if ordered else a), fb
+        return jax.jit(f)
+
+    a = _global((128, 128), mesh, P("x", "y"), seed=3)
+    b = _global((128, 128), mesh, P("x", "y"), seed=4)
+    for ordered in (False, True):
+        want = program(lax.psum, ordered)(a, b)
+        ours = program(jax_gin.psum, ordered, algorithm="ring")
+        for _ in range(3 if ordered else 1):
+            try:
+                got = jax.block_until_ready(ours(a, b))
+            except Exception as e:  # noqa: BLE001 - XLA's runtime error
+                if ordered or jax.default_backend() != "cpu":
+                    raise
+                assert "ran concurrently" in str(e) and "take a value of the other" in str(e)
+                jax_gin.runtime.reset()
+                continue
+            jax.tree.map(assert_bitwise, got, want)
