@@ -1,6 +1,7 @@
 #include "cpu_backend.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -830,7 +831,10 @@ std::string allreduce_logical(Comm& comm, uint32_t logical_id, DType dtype, RedO
 // ---------------------------------------------------------------------------------------
 // Worker threads
 
-RankWorker::RankWorker() : s_(std::make_shared<State>()), thread_(&RankWorker::loop, s_) {}
+RankWorker::RankWorker(int64_t comm_id, uint32_t logical_id)
+    : s_(std::make_shared<State>()),
+      thread_(&RankWorker::loop, s_,
+              "jax_gin:" + std::to_string(comm_id) + "/" + std::to_string(logical_id)) {}
 
 RankWorker::~RankWorker() {
   {
@@ -848,22 +852,24 @@ bool RankWorker::submit(Work work, Done done) {
   {
     std::lock_guard<std::mutex> lock(s_->mu);
     if (s_->busy) return false;
-    s_->queue.emplace_back(std::move(work), std::move(done));
+    s_->call.emplace(std::move(work), std::move(done));
     s_->busy = true;  // after the queueing, which may throw
   }
   s_->cv.notify_one();
   return true;
 }
 
-void RankWorker::loop(std::shared_ptr<State> s) {
+void RankWorker::loop(std::shared_ptr<State> s, std::string name) {
+  name.resize(std::min<size_t>(name.size(), 15));  // the kernel's limit on a thread's name
+  pthread_setname_np(pthread_self(), name.c_str());
   for (;;) {
     std::pair<Work, Done> call;
     {
       std::unique_lock<std::mutex> lock(s->mu);
-      s->cv.wait(lock, [&] { return s->stop || !s->queue.empty(); });
-      if (s->queue.empty()) return;  // stopped, and every queued call has run
-      call = std::move(s->queue.front());
-      s->queue.pop_front();
+      s->cv.wait(lock, [&] { return s->stop || s->call; });
+      if (!s->call) return;  // stopped, and the queued call has run
+      call = std::move(*s->call);
+      s->call.reset();
     }
     const std::string err = call.first();
     {
@@ -886,7 +892,8 @@ std::string submit(Comm& comm, uint32_t logical_id, RankWorker::Work work,
       std::lock_guard<std::mutex> lock(comm.workers_mu);
       if (comm.workers.empty()) comm.workers.resize(comm.config.group_of.size());
       auto& w = comm.workers[logical_id];
-      if (!w) w.reset(new RankWorker());  // std::system_error where no thread can start
+      // std::system_error where no thread can start
+      if (!w) w.reset(new RankWorker(comm.id, logical_id));
       worker = w.get();
     }
     if (worker->submit(std::move(work), std::move(done))) return std::string();

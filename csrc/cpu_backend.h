@@ -12,10 +12,10 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -165,13 +165,14 @@ struct Group {
 // (XLA continues the program from the future's completion there, and may hand it the rank's
 // next call). A queued call holds its communicator, so the communicator's last reference may
 // go on this very thread, which then outlives its RankWorker: the thread uses only its
-// shared State.
+// shared State. The thread is named "jax_gin:<communicator>/<device>" (as gdb and top show
+// it).
 class RankWorker {
  public:
   using Work = std::function<std::string()>;           // the call: its error, or empty
   using Done = std::function<void(const std::string&)>;  // told the call's error, or empty
-  RankWorker();
-  ~RankWorker();  // runs the calls already queued, then ends the thread
+  RankWorker(int64_t comm_id, uint32_t logical_id);
+  ~RankWorker();  // runs the call already queued, then ends the thread
   RankWorker(const RankWorker&) = delete;
   RankWorker& operator=(const RankWorker&) = delete;
   // Queues a call; false (and nothing queued) while the previous call has not finished.
@@ -181,11 +182,11 @@ class RankWorker {
   struct State {
     std::mutex mu;
     std::condition_variable cv;
-    std::deque<std::pair<Work, Done>> queue;
-    bool busy = false;  // a call is queued or running (its `done` not yet called)
+    std::optional<std::pair<Work, Done>> call;  // queued, not yet taken by the thread
+    bool busy = false;  // a call is queued or running (its `done` not yet called): one at most
     bool stop = false;
   };
-  static void loop(std::shared_ptr<State> s);
+  static void loop(std::shared_ptr<State> s, std::string name);
   std::shared_ptr<State> s_;
   std::thread thread_;
 };

@@ -1,4 +1,7 @@
 """Transformations: grad (check_vma on and off), vmap, scan, interleaving with lax, jvp."""
+import os
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -817,3 +820,28 @@ def test_independent_jax_gin_and_lax_collectives():
     ours = make(jax_gin)
     for _ in range(3):
         jax.tree.map(assert_bitwise, jax.block_until_ready(ours(x)), want)
+
+
+def test_worker_threads_are_named():
+    """On CPU devices each rank's calls run on a worker thread named after its communicator
+    and device ("jax_gin:<communicator>/<device>"), so that gdb and top tell them apart from
+    XLA's threads."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("CPU devices only")
+    needs_devices(2)  # a group of one makes no call
+    jax_gin.runtime.reset()  # the workers of earlier communicators end
+    mesh = mesh_1d()
+    x = exact_input((64,), ndev(), "float32", seed=3)
+    f = jax.jit(jax.shard_map(lambda v: jax_gin.psum(v, "i"), mesh=mesh, in_specs=P("i"),
+                              out_specs=P("i")))
+    jax.block_until_ready(f(x))
+    names = set()
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as fh:
+                names.add(fh.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    workers = sorted(name for name in names if name.startswith("jax_gin:"))
+    comm = workers[0].split(":")[1].split("/")[0] if workers else "?"
+    assert workers == sorted(f"jax_gin:{comm}/{d}" for d in range(ndev())), names
