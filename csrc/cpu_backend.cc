@@ -71,6 +71,11 @@ uint64_t now_ns() {
 
 template <class T> void store_release(T& x, T v) { __atomic_store_n(&x, v, __ATOMIC_RELEASE); }
 template <class T> T load_acquire(const T& x) { return __atomic_load_n(&x, __ATOMIC_ACQUIRE); }
+// The state block's other fields: written by the rank's thread while peers (a hang report)
+// and Python read them. Advisory values, but plain accesses from two threads are a data race
+// (undefined behaviour; ThreadSanitizer reports it): relaxed atomic accesses instead.
+template <class T> void store_relaxed(T& x, T v) { __atomic_store_n(&x, v, __ATOMIC_RELAXED); }
+template <class T> T load_relaxed(const T& x) { return __atomic_load_n(&x, __ATOMIC_RELAXED); }
 
 std::shared_mutex g_registry_mu;
 std::map<int64_t, std::shared_ptr<Comm>> g_registry;
@@ -82,8 +87,13 @@ std::vector<Seen> rank_states(const Workspace& ws) {
   std::vector<Seen> s(static_cast<size_t>(n));
   for (int r = 0; r < n; ++r) {
     const RecState& st = ws.rec_state(r);
-    s[size_t(r)] =
-        seen_of(st, load_acquire(st.seq), load_acquire(st.done), load_acquire(st.wait_seq));
+    // seen_of's fields, each read with a relaxed atomic load (the writer may be running)
+    s[size_t(r)] = Seen{load_acquire(st.seq),         load_acquire(st.done),
+                        load_acquire(st.wait_seq),    load_relaxed(st.wait_round),
+                        load_relaxed(st.wait_peer),   load_relaxed(st.wait_step),
+                        load_relaxed(st.op),          load_relaxed(st.algorithm),
+                        load_relaxed(st.failed) != 0, load_relaxed(st.wait_place),
+                        load_relaxed(st.wait_kind)};
   }
   return s;
 }
@@ -193,11 +203,11 @@ class HostTransport {
     }
     // About to sleep: say what for in the state block, for a peer's hang report.
     RecState& st = ws_.rec_state(rank_);
-    st.wait_peer = peer;
-    st.wait_step = step;
-    st.wait_round = round_of_wait(value, step);
-    st.wait_place = uint16_t(place_of_wait(value, step));
-    st.wait_kind = uint8_t(kind);
+    store_relaxed(st.wait_peer, int32_t(peer));
+    store_relaxed(st.wait_step, int32_t(step));
+    store_relaxed(st.wait_round, round_of_wait(value, step));
+    store_relaxed(st.wait_place, uint16_t(place_of_wait(value, step)));
+    store_relaxed(st.wait_kind, uint8_t(kind));
     store_release(st.wait_seq, st.seq);
     using clock = std::chrono::steady_clock;
     const auto start = clock::now();
@@ -289,7 +299,7 @@ class HostTransport {
     }
     // This rank failed: its own state says so before the states are read, as on GPUs
     // (fail_wait); run_call sets it again when the call returns.
-    ws_.rec_state(rank_).failed = 1;
+    store_relaxed(ws_.rec_state(rank_).failed, uint8_t(1));
     // A process that is gone: its ranks' records stopped where it died, so a laggard or a cycle
     // read from them would mislead. The diagnosis is that it is gone; the last calls follow.
     const std::vector<Seen> states = rank_states(ws_);
@@ -703,11 +713,11 @@ std::string run_call(Comm& comm, int group, int rank, DType dtype, int op, Algor
   // Flight recorder: the state block always (a few stores), the ring entry when recording.
   RecState& st = ws.rec_state(rank);
   const uint64_t seq = st.seq + 1;
-  st.op = int8_t(op);
-  st.algorithm = int8_t(algo);
-  st.dtype = int8_t(dtype);
-  st.failed = 0;
-  st.bytes = uint64_t(bytes);
+  store_relaxed(st.op, int8_t(op));
+  store_relaxed(st.algorithm, int8_t(algo));
+  store_relaxed(st.dtype, int8_t(dtype));
+  store_relaxed(st.failed, uint8_t(0));
+  store_relaxed(st.bytes, uint64_t(bytes));
   store_release(st.seq, seq);
   RecEntry* entry = nullptr;
   if (g_record.load(std::memory_order_relaxed)) {
@@ -725,7 +735,7 @@ std::string run_call(Comm& comm, int group, int rank, DType dtype, int op, Algor
     entry->status = ok ? kRecDone : kRecFailed;
     store_release(entry->t_end, now_ns());
   }
-  st.failed = ok ? 0 : 1;
+  store_relaxed(st.failed, uint8_t(ok ? 0 : 1));
   store_release(st.done, seq);
   if (ok) return std::string();
   {
