@@ -76,6 +76,9 @@ template <class T> T load_acquire(const T& x) { return __atomic_load_n(&x, __ATO
 // (undefined behaviour; ThreadSanitizer reports it): relaxed atomic accesses instead.
 template <class T> void store_relaxed(T& x, T v) { __atomic_store_n(&x, v, __ATOMIC_RELAXED); }
 template <class T> T load_relaxed(const T& x) { return __atomic_load_n(&x, __ATOMIC_RELAXED); }
+struct RelaxedLoad {  // for seen_of (laggard.h)
+  template <class T> T operator()(const T& x) const { return load_relaxed(x); }
+};
 
 std::shared_mutex g_registry_mu;
 std::map<int64_t, std::shared_ptr<Comm>> g_registry;
@@ -87,13 +90,8 @@ std::vector<Seen> rank_states(const Workspace& ws) {
   std::vector<Seen> s(static_cast<size_t>(n));
   for (int r = 0; r < n; ++r) {
     const RecState& st = ws.rec_state(r);
-    // seen_of's fields, each read with a relaxed atomic load (the writer may be running)
-    s[size_t(r)] = Seen{load_acquire(st.seq),         load_acquire(st.done),
-                        load_acquire(st.wait_seq),    load_relaxed(st.wait_round),
-                        load_relaxed(st.wait_peer),   load_relaxed(st.wait_step),
-                        load_relaxed(st.op),          load_relaxed(st.algorithm),
-                        load_relaxed(st.failed) != 0, load_relaxed(st.wait_place),
-                        load_relaxed(st.wait_kind)};
+    s[size_t(r)] = seen_of(st, load_acquire(st.seq), load_acquire(st.done),
+                           load_acquire(st.wait_seq), RelaxedLoad{});
   }
   return s;
 }

@@ -28,11 +28,21 @@ struct Seen {
   bool waiting() const { return seq != 0 && wseq == seq && wpeer >= 0; }
 };
 
+// Reads a state block's advisory field as it is.
+struct PlainLoad {
+  template <class T> T operator()(const T& x) const { return x; }
+};
+
 // State block `st` as a reader saw it: its calls entered and returned and its wait's call as
-// the reader loaded them (the CPU, with acquire), the other fields as they are (advisory).
-inline Seen seen_of(const RecState& st, uint64_t seq, uint64_t done, uint64_t wait_seq) {
-  return Seen{seq, done, wait_seq, st.wait_round, st.wait_peer, st.wait_step, st.op,
-              st.algorithm, st.failed != 0, st.wait_place, st.wait_kind};
+// the reader loaded them (the CPU, with acquire), the other fields (advisory) each read with
+// `load`: as they are by default; the CPU backend, whose ranks' threads write them while a
+// peer reads, passes a relaxed atomic load.
+template <class Load = PlainLoad>
+inline Seen seen_of(const RecState& st, uint64_t seq, uint64_t done, uint64_t wait_seq,
+                    Load load = {}) {
+  return Seen{seq, done, wait_seq, load(st.wait_round), load(st.wait_peer), load(st.wait_step),
+              load(st.op), load(st.algorithm), load(st.failed) != 0, load(st.wait_place),
+              load(st.wait_kind)};
 }
 
 namespace laggard_detail {
