@@ -839,27 +839,51 @@ std::string allreduce_logical(Comm& comm, uint32_t logical_id, DType dtype, RedO
 // ---------------------------------------------------------------------------------------
 // Worker threads
 
+namespace {
+
+// How long a worker thread waits idle for its rank's next call before it ends. A new thread
+// costs tens of microseconds (pthread_create, a stack's first pages), paid only by a call
+// that comes after an idle second, next to calls that take tens of microseconds and more,
+// while an idle thread costs its stack and a pid until its communicator goes: 60
+// communicators on 8 CPU devices kept ~500 threads. A program's back-to-back calls (a training
+// step's, the next step's) come well within it.
+constexpr std::chrono::milliseconds kWorkerIdle{1000};
+
+}  // namespace
+
 RankWorker::RankWorker(int64_t comm_id, uint32_t logical_id)
     : s_(std::make_shared<State>()),
-      thread_(&RankWorker::loop, s_,
-              "jax_gin:" + std::to_string(comm_id) + "/" + std::to_string(logical_id)) {}
+      name_("jax_gin:" + std::to_string(comm_id) + "/" + std::to_string(logical_id)) {}
 
 RankWorker::~RankWorker() {
+  std::thread t;
   {
     std::lock_guard<std::mutex> lock(s_->mu);
     s_->stop = true;
+    t = std::move(s_->thread);  // not joinable where the thread ended idle (it detached itself)
   }
   s_->cv.notify_one();
+  if (!t.joinable()) return;
   // The communicator's last reference went on this worker (a call it ran held it): it cannot
   // join itself, and ends by itself once this call returns.
-  if (thread_.get_id() == std::this_thread::get_id()) thread_.detach();
-  else thread_.join();
+  if (t.get_id() == std::this_thread::get_id()) t.detach();
+  else t.join();
 }
 
 bool RankWorker::submit(Work work, Done done) {
   {
     std::lock_guard<std::mutex> lock(s_->mu);
     if (s_->busy) return false;
+    if (!s_->running) {
+      // The first call, or the thread ended idle (it decided so under this mutex, and detached
+      // itself: s_->thread is empty): a fresh one runs this call.
+      try {
+        s_->thread = std::thread(&RankWorker::loop, s_, name_);
+      } catch (const std::system_error& e) {
+        throw CannotStart(e.what());
+      }
+      s_->running = true;
+    }
     s_->call.emplace(std::move(work), std::move(done));
     s_->busy = true;  // after the queueing, which may throw
   }
@@ -874,8 +898,17 @@ void RankWorker::loop(std::shared_ptr<State> s, std::string name) {
     std::pair<Work, Done> call;
     {
       std::unique_lock<std::mutex> lock(s->mu);
-      s->cv.wait(lock, [&] { return s->stop || s->call; });
-      if (!s->call) return;  // stopped, and the queued call has run
+      s->cv.wait_for(lock, kWorkerIdle, [&] { return s->stop || s->call; });
+      if (!s->call) {
+        // Stopped (the queued call has run; ~RankWorker took the thread out of the State, to
+        // join it or, on this very thread, detach it), or idle for kWorkerIdle: end, and
+        // detach this thread, so that it is reaped as it ends (no one joins it now). Decided
+        // under the mutex that submit queues under: a call queued before this saw no
+        // `running` thread starts a fresh one.
+        s->running = false;
+        if (s->thread.joinable()) s->thread.detach();
+        return;
+      }
       call = std::move(*s->call);
       s->call.reset();
     }
@@ -895,40 +928,40 @@ std::string submit(Comm& comm, uint32_t logical_id, RankWorker::Work work,
   std::string err = locate(comm, logical_id, &group, &rank);
   if (!err.empty()) return err;
   RankWorker* worker = nullptr;
+  std::string what;  // why the call could not be handed to the worker
   try {
     {
       std::lock_guard<std::mutex> lock(comm.workers_mu);
       if (comm.workers.empty()) comm.workers.resize(comm.config.group_of.size());
       auto& w = comm.workers[logical_id];
-      // std::system_error where no thread can start
       if (!w) w.reset(new RankWorker(comm.id, logical_id));
       worker = w.get();
     }
     if (worker->submit(std::move(work), std::move(done))) return std::string();
+    return concurrent_calls(comm, group, rank);
+  } catch (const RankWorker::CannotStart& e) {
+    what = std::string("could not start its worker thread (") + e.what() + ")";
   } catch (const std::exception& e) {
-    // An exception must not leave the FFI handler; and the peers, already in the call or
-    // coming to it, would wait for this rank until the timeout: they give up at once,
-    // repeating this rank's failure.
-    Text what;
-    what << (worker ? "could not queue its call on its worker thread (" :
-                      "could not start its worker thread (")
-         << e.what() << ")";
-    Text os;
-    os << "jax_gin: rank " << rank << " of group " << group << " of communicator " << comm.id
-       << " " << what.str()
-       << ". Each communicator runs a thread per device of this process, from its first call "
-          "until jax_gin.runtime.reset(): a limit on threads (ulimit -u, a container's pids "
-          "limit) may have been reached";
-    Group& g = *comm.groups[size_t(group)];
-    if (g.ws) {
-      note_first_failure(g.ws->header(), rank, what.str() + ".");
-      g.ws->header().broken.store(1);
-    }
-    std::lock_guard<std::mutex> lock(g.error_mu);
-    if (g.first_error.empty()) g.first_error = os.str();  // later calls: "cannot be reused: ..."
-    return os.str() + ". To recover, call jax_gin.runtime.reset() and the jitted functions again";
+    what = std::string(worker ? "could not queue its call on its worker thread ("
+                              : "could not start its worker thread (") + e.what() + ")";
   }
-  return concurrent_calls(comm, group, rank);
+  // An exception must not leave the FFI handler; and the peers, already in the call or
+  // coming to it, would wait for this rank until the timeout: they give up at once,
+  // repeating this rank's failure.
+  Text os;
+  os << "jax_gin: rank " << rank << " of group " << group << " of communicator " << comm.id
+     << " " << what
+     << ". Each communicator runs a thread per device of this process while it makes calls "
+        "(a thread ends after a second without one): a limit on threads (ulimit -u, a "
+        "container's pids limit) may have been reached";
+  Group& g = *comm.groups[size_t(group)];
+  if (g.ws) {
+    note_first_failure(g.ws->header(), rank, what + ".");
+    g.ws->header().broken.store(1);
+  }
+  std::lock_guard<std::mutex> lock(g.error_mu);
+  if (g.first_error.empty()) g.first_error = os.str();  // later calls: "cannot be reused: ..."
+  return os.str() + ". To recover, call jax_gin.runtime.reset() and the jitted functions again";
 }
 
 // ---------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -163,32 +164,42 @@ struct Group {
 // rank waits for its peers here: a device blocked inside a jax_gin call while its peers block
 // in XLA's rendezvous of a lax collective was a deadlock. A call's `done` runs on this thread
 // (XLA continues the program from the future's completion there, and may hand it the rank's
-// next call). A queued call holds its communicator, so the communicator's last reference may
-// go on this very thread, which then outlives its RankWorker: the thread uses only its
-// shared State. The thread is named "jax_gin:<communicator>/<device>" (as gdb and top show
-// it).
+// next call). The thread starts at the first call, and ends by itself after about a second
+// without one (cpu_backend.cc: kWorkerIdle); the next call starts a fresh one. A queued call
+// holds its communicator, so the communicator's last reference may go on this very thread,
+// which then outlives its RankWorker: the thread uses only its shared State. The thread is
+// named "jax_gin:<communicator>/<device>" (as gdb and top show it).
 class RankWorker {
  public:
   using Work = std::function<std::string()>;           // the call: its error, or empty
   using Done = std::function<void(const std::string&)>;  // told the call's error, or empty
-  RankWorker(int64_t comm_id, uint32_t logical_id);
+  // submit's error where no thread can start (a limit on threads): what() is the system's.
+  struct CannotStart : std::runtime_error {
+    using std::runtime_error::runtime_error;
+  };
+  RankWorker(int64_t comm_id, uint32_t logical_id);  // starts no thread
   ~RankWorker();  // runs the call already queued, then ends the thread
   RankWorker(const RankWorker&) = delete;
   RankWorker& operator=(const RankWorker&) = delete;
-  // Queues a call; false (and nothing queued) while the previous call has not finished.
+  // Queues a call, starting a thread where none runs (CannotStart where it cannot); false
+  // (and nothing queued) while the previous call has not finished.
   bool submit(Work work, Done done);
 
  private:
   struct State {
-    std::mutex mu;
+    std::mutex mu;  // guards all of the below
     std::condition_variable cv;
     std::optional<std::pair<Work, Done>> call;  // queued, not yet taken by the thread
     bool busy = false;  // a call is queued or running (its `done` not yet called): one at most
     bool stop = false;
+    // A thread runs loop() and will take a queued call: false before the first call and once
+    // the thread decided to end (idle), which it does under `mu`, detaching itself.
+    bool running = false;
+    std::thread thread;  // the running thread, for ~RankWorker to join; empty once detached
   };
   static void loop(std::shared_ptr<State> s, std::string name);
   std::shared_ptr<State> s_;
-  std::thread thread_;
+  std::string name_;  // the thread's
 };
 
 struct Comm {
@@ -196,9 +207,9 @@ struct Comm {
   uint32_t fingerprint = 0;  // the high half of the custom calls' "comm" attribute (ffi_common.h)
   CommConfig config;
   std::vector<std::unique_ptr<Group>> groups;
-  // The worker of each logical device (XLA partition id) that has made a call here, started
-  // at its first call. Declared last, so that they end before the rest of the communicator
-  // goes.
+  // The worker of each logical device (XLA partition id) that has made a call here, made at
+  // its first call; its thread runs while calls come (RankWorker). Declared last, so that they
+  // end before the rest of the communicator goes.
   std::mutex workers_mu;
   std::vector<std::unique_ptr<RankWorker>> workers;
 };
@@ -254,7 +265,8 @@ std::string allreduce_logical(Comm& comm, uint32_t logical_id, DType dtype, RedO
 // then `done` with its error (empty: success) on the same thread. Returns an error, and runs
 // neither, where the device is not in the communicator, its worker thread cannot start (a
 // limit on threads; the group then fails, so that its peers give up at once, repeating this
-// error) or its previous call has not finished
+// error; a thread starts at a rank's first call and after an idle second) or its previous
+// call has not finished
 // (XLA orders the calls by their order tokens: a call starts only once the previous one is
 // done, so that this holds).
 std::string submit(Comm& comm, uint32_t logical_id, RankWorker::Work work,

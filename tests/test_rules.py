@@ -1,6 +1,7 @@
 """Transformations: grad (check_vma on and off), vmap, scan, interleaving with lax, jvp."""
 import os
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -822,6 +823,18 @@ def test_independent_jax_gin_and_lax_collectives():
         jax.tree.map(assert_bitwise, jax.block_until_ready(ours(x)), want)
 
 
+def _thread_names():
+    """The names of this process's threads (as top shows them)."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as fh:
+                names.append(fh.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return names
+
+
 def test_worker_threads_are_named():
     """On CPU devices each rank's calls run on a worker thread named after its communicator
     and device ("jax_gin:<communicator>/<device>"), so that gdb and top tell them apart from
@@ -835,13 +848,53 @@ def test_worker_threads_are_named():
     f = jax.jit(jax.shard_map(lambda v: jax_gin.psum(v, "i"), mesh=mesh, in_specs=P("i"),
                               out_specs=P("i")))
     jax.block_until_ready(f(x))
-    names = set()
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/comm") as fh:
-                names.add(fh.read().strip())
-        except OSError:  # the thread ended meanwhile
-            pass
+    names = set(_thread_names())
     workers = sorted(name for name in names if name.startswith("jax_gin:"))
     comm = workers[0].split(":")[1].split("/")[0] if workers else "?"
     assert workers == sorted(f"jax_gin:{comm}/{d}" for d in range(ndev())), names
+
+
+def test_idle_worker_threads_end():
+    """A rank's worker thread ends by itself after about a second without a call
+    (cpu_backend.cc: kWorkerIdle), and the rank's next call starts a fresh one: communicators
+    that are no longer called hold no threads (60 of them on 8 devices held ~500 threads until
+    reset()). Each device order of a mesh is a communicator of its own."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("CPU devices only")
+    needs_devices(2)  # a group of one makes no call
+    jax_gin.runtime.reset()  # the workers of earlier communicators end
+    devs = list(jax.devices())
+    n = len(devs)
+    orders = [devs[k:] + devs[:k] for k in range(n)]
+    meshes = [Mesh(np.array(o), ("i",)) for o in orders + [o[::-1] for o in orders]]
+
+    def make(mesh, lib):
+        return jax.jit(jax.shard_map(lambda v: lib.psum(v, "i") + lib.all_gather(
+            v[:2], "i", tiled=True).sum(), mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+
+    x = exact_input((8,), n, "float32", seed=11)
+    inputs = [jax.device_put(x, jax.sharding.NamedSharding(m, P("i"))) for m in meshes]
+    ours = [make(m, jax_gin).lower(xs).compile() for m, xs in zip(meshes, inputs)]
+    want = [make(m, lax)(xs) for m, xs in zip(meshes, inputs)]
+    assert len({c for c in jax_gin._runtime.comm_devices}) == len(meshes)
+
+    def run_all():
+        outs = [f(xs) for f, xs in zip(ours, inputs)]  # back to back
+        jax.block_until_ready(outs)
+        busy = [name for name in _thread_names() if name.startswith("jax_gin:")]
+        for got, ref in zip(outs, want):
+            assert_bitwise(got, ref)
+        return busy
+
+    def workers_when_idle():
+        deadline = time.monotonic() + 60
+        while True:
+            workers = [name for name in _thread_names() if name.startswith("jax_gin:")]
+            if not workers or time.monotonic() > deadline:
+                return workers
+            time.sleep(0.05)
+
+    assert run_all()  # the threads of the last calls at least (a second has not passed)
+    assert workers_when_idle() == []
+    assert run_all()  # fresh threads, the same numbers
+    assert workers_when_idle() == []
