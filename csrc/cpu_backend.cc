@@ -80,8 +80,16 @@ struct RelaxedLoad {  // for seen_of (laggard.h)
   template <class T> T operator()(const T& x) const { return load_relaxed(x); }
 };
 
-std::shared_mutex g_registry_mu;
-std::map<int64_t, std::shared_ptr<Comm>> g_registry;
+// The communicators, by id. Never destroyed (heap objects, leaked on purpose): at exit, a
+// static map's destructor would destroy the communicators still registered, and with them
+// their workers, whose destructors join the threads: a thread in a call whose peers never come
+// waits out the timeout (exit hung for a minute), one in a call's `done` runs XLA's
+// continuation while the process tears XLA down, and a thread that outlives its RankWorker
+// (detached) or a find_comm on an XLA thread would use the destroyed map or lock. Left alone,
+// the threads end with the process, and the operating system frees what they held (a shared
+// workspace's name is unlinked by jax_gin's atexit hook: unlink_all_workspaces).
+std::shared_mutex& g_registry_mu = *new std::shared_mutex;
+std::map<int64_t, std::shared_ptr<Comm>>& g_registry = *new std::map<int64_t, std::shared_ptr<Comm>>;
 int64_t g_next_id = 1;
 
 // Each rank's state block, as the hang report reads it (laggard.h).
@@ -614,17 +622,31 @@ int64_t create_comm(const CommConfig& config, std::vector<std::shared_ptr<Worksp
   return comm->id;
 }
 
+namespace {
+
+// The calls running on `comm` give up at once, and later ones fail. Only where every rank is
+// this process's: a shared workspace's header is read by the other processes too.
+void stop_private_calls(const Comm& comm) {
+  for (const auto& g : comm.groups)
+    if (g->ws && g->ws->name().empty()) g->ws->header().broken.store(1);
+}
+
+}  // namespace
+
 void destroy_comm(int64_t id) {
   std::unique_lock<std::shared_mutex> lock(g_registry_mu);
   auto it = g_registry.find(id);
   if (it == g_registry.end()) return;
   // A program still running on it (reset() waits only for programs whose results are alive)
   // would have ranks that no longer find it and ranks that wait for them until the timeout:
-  // those give up at once instead. Only where every rank is this process's: a shared
-  // workspace's header is read by the other processes too.
-  for (const auto& g : it->second->groups)
-    if (g->ws && g->ws->name().empty()) g->ws->header().broken.store(1);
+  // those give up at once instead.
+  stop_private_calls(*it->second);
   g_registry.erase(it);
+}
+
+void shutdown() {
+  std::shared_lock<std::shared_mutex> lock(g_registry_mu);
+  for (const auto& kv : g_registry) stop_private_calls(*kv.second);
 }
 
 std::shared_ptr<Comm> find_comm(int64_t id) {

@@ -219,6 +219,11 @@ int64_t create_comm(const CommConfig& config);
 // One workspace per group (null for groups without a rank in this process).
 int64_t create_comm(const CommConfig& config, std::vector<std::shared_ptr<Workspace>> workspaces);
 void destroy_comm(int64_t id);
+// At interpreter exit (jax_gin's atexit hook): the calls still running on communicators whose
+// ranks are all this process's give up at once, as destroy_comm makes them, so that JAX's
+// shutdown, which waits for the programs in flight, does not wait out the timeout of a call
+// whose peers never come. The communicators stay registered (the registry is never destroyed).
+void shutdown();
 std::shared_ptr<Comm> find_comm(int64_t id);
 // Sets communicator `id`'s fingerprint, before any program that uses it is lowered.
 void set_fingerprint(int64_t id, uint32_t fingerprint);

@@ -339,6 +339,8 @@ NB_MODULE(_jax_gin, m) {
   m.def("shm_unlink", [](const std::string& name) { return shm_unlink(name.c_str()) == 0; },
         nb::arg("name"), "remove a POSIX shared-memory name; False if there was none");
   m.def("cpu_comm_destroy", &cpu::destroy_comm);
+  m.def("cpu_shutdown", &cpu::shutdown,
+        "At interpreter exit: calls still running on this process's communicators give up.");
   m.def("cpu_comm_set_fingerprint", &cpu::set_fingerprint, nb::arg("comm"), nb::arg("fingerprint"),
         "the fingerprint that the custom calls' comm attribute carries (ffi_common.h)");
   m.def("cpu_num_comms", &cpu::num_comms);

@@ -680,6 +680,13 @@ def reset() -> None:
 
 def _shutdown() -> None:  # pragma: no cover - interpreter exit
     try:
+        # Calls still running (a program dispatched and never waited for) give up at once:
+        # JAX's shutdown waits for the programs in flight, and one whose call waits for a peer
+        # that never comes would hold the exit for the whole timeout.
+        _native.cpu.cpu_shutdown()
+    except Exception:
+        pass
+    try:
         # Names of shared-memory segments whose set-up did not finish (normally none).
         _native.cpu.cpu_unlink_all_workspaces()
     except Exception:

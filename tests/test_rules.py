@@ -1,6 +1,8 @@
 """Transformations: grad (check_vma on and off), vmap, scan, interleaving with lax, jvp."""
 import os
 import re
+import subprocess
+import sys
 import time
 
 import jax
@@ -898,3 +900,48 @@ def test_idle_worker_threads_end():
     assert workers_when_idle() == []
     assert run_all()  # fresh threads, the same numbers
     assert workers_when_idle() == []
+
+
+_EXIT_CHILD = r"""
+import sys, time
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+import jax_gin
+mode = sys.argv[1]
+mesh = Mesh(np.array(jax.devices()), ("i",))
+
+def body(v):
+    return jax.lax.fori_loop(0, 200, lambda k, u: u * 0.5 + jax_gin.psum(u, "i"), v)
+
+f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+x = jnp.ones(len(jax.devices()) * 4096, jnp.float32)
+jax.block_until_ready(f(x))  # compiled, and every rank's worker has run a call
+if mode == "hung":  # a call whose peers wait for rank 0's signals, which are lost
+    jax_gin.runtime.settings.timeout_s = 60
+    jax_gin.runtime.settings.fault_rank = 0
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+if mode != "idle":
+    out = f(x)  # dispatched, never waited for
+print("EXITING", time.monotonic(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["idle", "busy", "hung"])
+def test_exit_with_workers(tmp_path, mode):
+    """The interpreter exits cleanly (status 0, at once) with jax_gin's workers idle, with a
+    program's calls running on them, and with a call whose peers never come: the registry of
+    communicators is never destroyed (its destructor would join the workers while the process
+    is torn down), and jax_gin's atexit hook makes the calls in flight give up, so that JAX's
+    shutdown, which waits for them, does not wait out the 60 s timeout."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("CPU devices only")
+    needs_devices(2)
+    (tmp_path / "child.py").write_text(_EXIT_CHILD)
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={ndev()}")
+    r = subprocess.run([sys.executable, str(tmp_path / "child.py"), mode], env=env,
+                       capture_output=True, text=True, timeout=120)
+    end = time.monotonic()
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("EXITING")]
+    assert r.returncode == 0 and lines, r.stdout + r.stderr[-3000:]
+    assert end - float(lines[-1].split()[1]) < 30, r.stderr[-3000:]  # not the timeout
