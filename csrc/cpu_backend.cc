@@ -115,14 +115,33 @@ void note_first_failure(WorkspaceHeader& h, int rank, const std::string& what) {
   h.first_failed.store(rank + 1, std::memory_order_release);  // the text is whole
 }
 
+// Marks group `g` failed by its rank `rank`, for both ways a rank fails: a wait that gave up
+// (HostTransport::record) and a call that could not be handed to the rank's worker (submit).
+// `error`, the rank's error as its caller sees it, becomes the group's first error, which
+// later calls on the communicator repeat ("cannot be reused: ..."), unless one came first;
+// `what`, how the rank failed ("timed out after 2 s waiting for ..."; empty: it gave up after
+// another rank), the workspace's first failure, which the ranks that give up after it repeat,
+// unless another's is there. Then the workspace is broken, so that the peers give up at once:
+// last, so that a later call that sees it broken finds the first error already there.
+void fail_group(Group& g, int rank, const std::string& what, const std::string& error) {
+  {
+    std::lock_guard<std::mutex> lock(g.error_mu);
+    if (g.first_error.empty()) g.first_error = error;
+  }
+  if (!g.ws) return;
+  WorkspaceHeader& h = g.ws->header();
+  if (!what.empty()) note_first_failure(h, rank, what);
+  h.broken.store(1);
+}
+
 // The transport for one rank of a CPU group: peers' windows are plain host memory.
 class HostTransport {
  public:
   // `entry`: the call's flight-recorder entry (null: not recording), whose first round is
   // `round0`.
-  HostTransport(Workspace& ws, const CommConfig& cfg, int group, int rank, size_t slot_bytes,
+  HostTransport(Group& g, const CommConfig& cfg, int group, int rank, size_t slot_bytes,
                 int op, Algorithm algo, RecEntry* entry, uint64_t round0)
-      : ws_(ws), cfg_(cfg), group_(group), rank_(rank), slot_bytes_(slot_bytes), op_(op),
+      : g_(g), ws_(*g.ws), cfg_(cfg), group_(group), rank_(rank), slot_bytes_(slot_bytes), op_(op),
         algo_(algo), entry_(entry), round0_(round0) {}
 
   int rank() const { return rank_; }
@@ -316,10 +335,10 @@ class HostTransport {
                       last_calls_text(states, group_)
                 : laggard_text(states, group_, rank_, late ? peer : -1));
     error_ = os.str();
-    if (!after_another) note_first_failure(h, rank_, what);
-    h.broken.store(1);
+    fail_group(g_, rank_, what, error_);
   }
 
+  Group& g_;
   Workspace& ws_;
   const CommConfig& cfg_;
   int group_;
@@ -747,7 +766,7 @@ std::string run_call(Comm& comm, int group, int rank, DType dtype, int op, Algor
              int(algo), int(dtype), 0);
     store_release(entry->seq, seq);
   }
-  HostTransport tp(ws, comm.config, group, rank, slot_bytes, op, algo, entry, round + 1);
+  HostTransport tp(g, comm.config, group, rank, slot_bytes, op, algo, entry, round + 1);
   const uint64_t round_before = round;
   const bool ok = body(tp, round);
   if (entry) {
@@ -757,12 +776,7 @@ std::string run_call(Comm& comm, int group, int rank, DType dtype, int op, Algor
   }
   store_relaxed(st.failed, uint8_t(ok ? 0 : 1));
   store_release(st.done, seq);
-  if (ok) return std::string();
-  {
-    std::lock_guard<std::mutex> lock(g.error_mu);
-    if (g.first_error.empty()) g.first_error = tp.error();
-  }
-  return tp.error();
+  return ok ? std::string() : tp.error();  // a failure marked the group failed (fail_group)
 }
 
 // The group and rank of logical device `logical_id`, or an error.
@@ -976,13 +990,7 @@ std::string submit(Comm& comm, uint32_t logical_id, RankWorker::Work work,
      << ". Each communicator runs a thread per device of this process while it makes calls "
         "(a thread ends after a second without one): a limit on threads (ulimit -u, a "
         "container's pids limit) may have been reached";
-  Group& g = *comm.groups[size_t(group)];
-  if (g.ws) {
-    note_first_failure(g.ws->header(), rank, what + ".");
-    g.ws->header().broken.store(1);
-  }
-  std::lock_guard<std::mutex> lock(g.error_mu);
-  if (g.first_error.empty()) g.first_error = os.str();  // later calls: "cannot be reused: ..."
+  fail_group(*comm.groups[size_t(group)], rank, what + ".", os.str());
   return os.str() + ". To recover, call jax_gin.runtime.reset() and the jitted functions again";
 }
 

@@ -155,7 +155,7 @@ struct Group {
   explicit Group(std::shared_ptr<Workspace> w) : ws(std::move(w)) {}
   std::shared_ptr<Workspace> ws;
   std::mutex error_mu;
-  std::string first_error;
+  std::string first_error;  // the first failed rank's error here (fail_group), or empty
 };
 
 // The thread that runs one rank's calls, one after another, for the FFI handlers (ffi_cpu.cc).
