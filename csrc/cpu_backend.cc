@@ -694,15 +694,42 @@ std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Al
 
 namespace {
 
+// What the error of a rank's call that started before its previous call finished advises.
+enum class Overlap {
+  // The workspace's busy flag (run_call) under XLA's programs: a partially-manual shard_map's
+  // call (on the device's XLA thread) and another block's (on the worker). XLA orders the
+  // rest of one program's calls by their order tokens.
+  kXlaBlocks,
+  // The rank's worker (submit): its previous call, queued by XLA, has not finished. The calls
+  // that come to it are ordered within their program by order tokens (the partitioned
+  // all-reduce, whose tokens order one block only, runs on the XLA thread instead), so the two
+  // are, as far as we know, two programs' that ran at once.
+  kXlaPrograms,
+  // The busy flag under the caller's own threads (the threads harness: module.cc).
+  kThreads,
+};
+
 // The error of a rank's call that started before its previous call finished: the workspace's
-// busy flag (run_call) and the rank's worker (submit) refuse it alike.
-std::string concurrent_calls(const Comm& comm, int group, int rank) {
+// busy flag (run_call) and the rank's worker (submit) refuse it, each with its advice.
+std::string concurrent_calls(const Comm& comm, int group, int rank, Overlap overlap) {
   Text os;
   os << "jax_gin: two collectives ran concurrently on rank " << rank << " of group " << group
-     << " of communicator " << comm.id << "; calls on one communicator must be ordered. XLA "
-     << "orders a partially-manual shard_map's calls only among themselves: where such a block "
-     << "and another shard_map over the same mesh axes take nothing from each other's results, "
-     << "make one take a value of the other's (docs/design.md, Ordering)";
+     << " of communicator " << comm.id << "; calls on one communicator must be ordered. ";
+  switch (overlap) {
+    case Overlap::kXlaBlocks:
+      os << "XLA orders a partially-manual shard_map's calls only among themselves: where such "
+            "a block and another shard_map over the same mesh axes take nothing from each "
+            "other's results, make one take a value of the other's (docs/design.md, Ordering)";
+      break;
+    case Overlap::kXlaPrograms:
+      os << "XLA orders the calls of one program, not those of two programs that use the "
+            "communicator and run at once (called from two threads, say): wait for one's "
+            "results before calling the other";
+      break;
+    case Overlap::kThreads:
+      os << "Each rank's calls must come one after the other, from one thread at a time";
+      break;
+  }
   return os.str();
 }
 
@@ -710,8 +737,8 @@ std::string concurrent_calls(const Comm& comm, int group, int rank) {
 // which runs the schedule over a HostTransport whose slots are `slot_bytes` apart and returns
 // false on failure. `op` is the call's op (CallOp), `bytes` its message size for the recorder.
 template <class Body>
-std::string run_call(Comm& comm, int group, int rank, DType dtype, int op, Algorithm algo,
-                     size_t slot_bytes, size_t bytes, Body&& body) {
+std::string run_call(Comm& comm, int group, int rank, Caller caller, DType dtype, int op,
+                     Algorithm algo, size_t slot_bytes, size_t bytes, Body&& body) {
   if (group < 0 || group >= int(comm.groups.size()) || rank < 0 || rank >= comm.config.nranks ||
       !comm.groups[group]->ws) {
     Text os;
@@ -742,7 +769,8 @@ std::string run_call(Comm& comm, int group, int rank, DType dtype, int op, Algor
   if (rank == comm.config.fault_rank && comm.config.fault_mode == 1) return std::string();
   RankControl& ctl = ws.control(rank);
   if (ctl.busy.exchange(1, std::memory_order_acquire) != 0) {
-    return concurrent_calls(comm, group, rank);
+    return concurrent_calls(comm, group, rank,
+                            caller == Caller::kXla ? Overlap::kXlaBlocks : Overlap::kThreads);
   }
   struct Release {
     std::atomic<uint64_t>& b;
@@ -796,7 +824,7 @@ std::string locate(const Comm& comm, uint32_t logical_id, int* group, int* rank)
 }  // namespace
 
 std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Algorithm algo,
-                      Segment* seg, int nseg, int call_op) {
+                      Segment* seg, int nseg, int call_op, Caller caller) {
   if (nseg < 1 || nseg > kMaxSegments) return "jax_gin: " + std::to_string(nseg) + " buffers in one call (1.." +
                                               std::to_string(kMaxSegments) + " allowed)";
   const int nranks = comm.config.nranks;
@@ -814,7 +842,7 @@ std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Al
     return os.str();
   }
   const size_t slot_bytes = schedule::slot_elems(algo, nranks, lane_bytes, esize, rpn) * esize;
-  return run_call(comm, group, rank, dtype, call_op >= 0 ? call_op : int(op), algo, slot_bytes,
+  return run_call(comm, group, rank, caller, dtype, call_op >= 0 ? call_op : int(op), algo, slot_bytes,
                   count * esize,
                   [&](HostTransport& tp, uint64_t& round) {
     return with_dtype<HostElem>(dtype, false, [&](auto elem) {
@@ -827,7 +855,7 @@ std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Al
 }
 
 std::string collective(Comm& comm, int group, int rank, DType dtype, int call_op, Algorithm algo,
-                       const void* in, void* out, size_t block) {
+                       const void* in, void* out, size_t block, Caller caller) {
   if (call_op != kOpReduceScatter && call_op != kOpAllGather)
     return "jax_gin: unknown collective op " + std::to_string(call_op);
   if (!schedule::coll_supported(algo)) {
@@ -846,7 +874,7 @@ std::string collective(Comm& comm, int group, int rank, DType dtype, int call_op
   const size_t slot_bytes = schedule::coll_slot_elems(algo, nranks, lane_bytes, esize) * esize;
   // the recorder's size: the larger side, as nccl-tests reports these collectives
   const size_t bytes = block * esize * size_t(nranks);
-  return run_call(comm, group, rank, dtype, call_op, algo, slot_bytes, bytes,
+  return run_call(comm, group, rank, caller, dtype, call_op, algo, slot_bytes, bytes,
                   [&](HostTransport& tp, uint64_t& round) {
     return with_dtype<HostElem>(dtype, false, [&](auto elem) {
       using T = typename decltype(elem)::type;
@@ -861,7 +889,7 @@ std::string collective_logical(Comm& comm, uint32_t logical_id, DType dtype, int
   int group = 0, rank = 0;
   std::string err = locate(comm, logical_id, &group, &rank);
   if (!err.empty()) return err;
-  return collective(comm, group, rank, dtype, call_op, algo, in, out, block);
+  return collective(comm, group, rank, dtype, call_op, algo, in, out, block, Caller::kXla);
 }
 
 std::string allreduce_logical(Comm& comm, uint32_t logical_id, DType dtype, RedOp op,
@@ -869,7 +897,7 @@ std::string allreduce_logical(Comm& comm, uint32_t logical_id, DType dtype, RedO
   int group = 0, rank = 0;
   std::string err = locate(comm, logical_id, &group, &rank);
   if (!err.empty()) return err;
-  return allreduce(comm, group, rank, dtype, op, algo, seg, nseg, call_op);
+  return allreduce(comm, group, rank, dtype, op, algo, seg, nseg, call_op, Caller::kXla);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -974,7 +1002,7 @@ std::string submit(Comm& comm, uint32_t logical_id, RankWorker::Work work,
       worker = w.get();
     }
     if (worker->submit(std::move(work), std::move(done))) return std::string();
-    return concurrent_calls(comm, group, rank);
+    return concurrent_calls(comm, group, rank, Overlap::kXlaPrograms);
   } catch (const RankWorker::CannotStart& e) {
     what = std::string("could not start its worker thread (") + e.what() + ")";
   } catch (const std::exception& e) {

@@ -240,6 +240,11 @@ uint64_t calls_entered(const Workspace& ws, int rank);
 // Each rank's state and last recorded call, and who is behind, as text (the hang report).
 std::string laggard_report(const Workspace& ws, int group, int self);
 
+// Who makes a rank's calls, for the advice of the error of two calls of one rank that ran
+// concurrently: XLA's programs (the FFI handlers, through the *_logical functions) or the
+// caller's own threads (the threads harness of the test module).
+enum class Caller { kThreads, kXla };
+
 // One rank's part of an all-reduce of `count` elements. Blocks until the rank is done.
 // Returns an empty string on success, else a message naming op, rank, peer and step.
 std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Algorithm algo,
@@ -250,14 +255,14 @@ std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Al
 // `call_op`: the call as recorded and reported (CallOp) where it is not `op`'s all-reduce
 // (the fused norms'); -1: op.
 std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Algorithm algo,
-                      Segment* seg, int nseg, int call_op = -1);
+                      Segment* seg, int nseg, int call_op = -1, Caller caller = Caller::kThreads);
 
 // One rank's part of a reduce-scatter (call_op kOpReduceScatter, a sum) or all-gather
 // (kOpAllGather) of blocks of `block` elements (collectives.h): a reduce-scatter reads
 // nranks blocks from `in` and writes one to `out`, an all-gather the other way round.
 // block * dtype size must be a multiple of 16 bytes.
 std::string collective(Comm& comm, int group, int rank, DType dtype, int call_op, Algorithm algo,
-                       const void* in, void* out, size_t block);
+                       const void* in, void* out, size_t block, Caller caller = Caller::kThreads);
 std::string collective_logical(Comm& comm, uint32_t logical_id, DType dtype, int call_op,
                                Algorithm algo, const void* in, void* out, size_t block);
 
