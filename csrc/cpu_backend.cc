@@ -789,7 +789,10 @@ std::string run_call(Comm& comm, int group, int rank, Caller caller, DType dtype
   RecEntry* entry = nullptr;
   if (g_record.load(std::memory_order_relaxed)) {
     entry = ws.rec_ring(rank) + rec_slot(seq, uint64_t(ws.record_entries()));
-    store_release(entry->seq, uint64_t(0));  // a reader skips the slot while it is rewritten
+    // A seqlock: a reader skips the slot while it is rewritten (seq 0). The fence keeps the
+    // header's stores below from becoming visible before the 0.
+    store_relaxed(entry->seq, uint64_t(0));
+    std::atomic_thread_fence(std::memory_order_release);
     rec_open(*entry, now_ns(), uint64_t(bytes), round + 1, int(comm.id), group, rank, op,
              int(algo), int(dtype), 0);
     store_release(entry->seq, seq);
@@ -1032,10 +1035,15 @@ std::vector<RecEntry> recorder_entries(const Workspace& ws, int rank) {
   std::vector<RecEntry> out;
   const RecEntry* ring = ws.rec_ring(rank);
   for (int i = 0; i < ws.record_entries(); ++i) {
+    // The other side of run_call's seqlock: the copy's loads may not move past the fence, so
+    // that a seq still the same after it means the copy holds no field of a later call. (The
+    // copy itself is plain, as a seqlock's reader's is: a running call's rounds and events
+    // may be read mid-update, and are only advisory.)
     const uint64_t seq = load_acquire(ring[i].seq);
     if (seq == 0) continue;
     RecEntry e = ring[i];
-    if (load_acquire(ring[i].seq) != seq) continue;  // rewritten meanwhile
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (load_relaxed(ring[i].seq) != seq) continue;  // rewritten meanwhile
     e.seq = seq;
     out.push_back(e);
   }

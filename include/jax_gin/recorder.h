@@ -108,7 +108,9 @@ JG_HD bool rec_entries_ok(int64_t n) { return n >= 1 && n <= kRecMaxEntries && (
 JG_HD uint64_t rec_slot(uint64_t seq, uint64_t entries) { return (seq - 1) & (entries - 1); }
 
 // Fills entry e's header for a call that starts at `t` (ns) and runs rounds from round0;
-// every field but `seq`, which the writer publishes after (and clears before) with release.
+// every field but `seq`, which the writer clears before and sets after. The CPU backend
+// orders these as a seqlock (run_call, recorder_entries); a GPU ring is read by a copy from
+// the host, which may see a running call's entry mid-update.
 JG_HD void rec_open(RecEntry& e, uint64_t t, uint64_t bytes, uint64_t round0, int comm,
                            int group, int rank, int op, int algorithm, int dtype, int lane) {
   e.t_start = t;
