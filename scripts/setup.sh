@@ -59,7 +59,23 @@ if [ -z "${OFFLINE:-}" ]; then
     "$P" -m pip install -q "nvidia-nccl-cu13==2.28.9"
   fi
 fi
-echo "== building jax_gin (JAX_GIN_CUDA=${JAX_GIN_CUDA:-AUTO}; the CUDA kernels take minutes on few cores)"
-"$P" -m pip install -v ${OFFLINE:+--no-index} --no-build-isolation --no-deps -e . \
+# JAX_GIN_SANITIZE (address, thread, undefined): the CPU module under that sanitizer, built in a
+# folder of its own so that the default build's objects stay, with debug information and not
+# stripped (nanobind strips Release builds), so that its
+# reports name functions and lines (docs/debugging.md, Sanitizers).
+BUILD_DIR=()
+[ -n "${JAX_GIN_SANITIZE:-}" ] && BUILD_DIR=(-C "build-dir=build/sanitize-$JAX_GIN_SANITIZE" -C install.strip=false -C cmake.build-type=RelWithDebInfo)
+echo "== building jax_gin (JAX_GIN_CUDA=${JAX_GIN_CUDA:-AUTO}${JAX_GIN_SANITIZE:+, JAX_GIN_SANITIZE=$JAX_GIN_SANITIZE}; the CUDA kernels take minutes on few cores)"
+"$P" -m pip install -v ${OFFLINE:+--no-index} --no-build-isolation --no-deps "${BUILD_DIR[@]}" -e . \
   2>&1 | grep -E --line-buffered '^ *\[[0-9]+/[0-9]+\]|rror' || true
-"$P" -c "import jax_gin; print('jax_gin', jax_gin.__version__, '| CUDA extension:', jax_gin.has_cuda())"
+# A sanitizer's runtime must be loaded first into the (uninstrumented) Python that imports it.
+PRELOAD=
+if [ -n "${JAX_GIN_SANITIZE:-}" ]; then
+  lib=$(${CXX:-c++} -print-file-name="lib$(echo "$JAX_GIN_SANITIZE" | sed 's/address/asan/;s/thread/tsan/;s/undefined/ubsan/').so")
+  # AddressSanitizer's __cxa_throw interceptor finds the real one only if libstdc++ is loaded
+  # before the extensions that throw (jaxlib's)
+  [ "$JAX_GIN_SANITIZE" = address ] && lib="$lib $(${CXX:-c++} -print-file-name=libstdc++.so)"
+  PRELOAD="LD_PRELOAD=$lib"
+  echo "== run it with $PRELOAD (docs/debugging.md, Sanitizers)"
+fi
+env ${PRELOAD:+"$PRELOAD"} ASAN_OPTIONS=detect_leaks=0 "$P" -c "import jax_gin; print('jax_gin', jax_gin.__version__, '| CUDA extension:', jax_gin.has_cuda())"

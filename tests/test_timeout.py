@@ -250,7 +250,9 @@ def test_worker_thread_that_cannot_start(tmp_path):
     subprocess.run([cc, "-shared", "-fPIC", "-o", str(shim), str(tmp_path / "shim.c"), "-ldl"],
                    check=True, capture_output=True)
     (tmp_path / "child.py").write_text(_THREAD_LIMIT_CHILD)
-    env = dict(os.environ, LD_PRELOAD=str(shim), JAX_PLATFORMS="cpu",
+    # after a preloaded sanitizer's runtime, which must come first (docs/debugging.md)
+    preload = " ".join(p for p in (os.environ.get("LD_PRELOAD"), str(shim)) if p)
+    env = dict(os.environ, LD_PRELOAD=preload, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={ndev()}")
     r = subprocess.run([sys.executable, str(tmp_path / "child.py")], env=env,
                        capture_output=True, text=True, timeout=120)
