@@ -23,6 +23,7 @@
 #include <shared_mutex>
 #include <stdexcept>
 #include <thread>
+#include <system_error>
 
 #include "host_types.h"
 #include "jax_gin/text.h"
