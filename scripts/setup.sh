@@ -61,8 +61,8 @@ if [ -z "${OFFLINE:-}" ]; then
 fi
 # JAX_GIN_SANITIZE (address, thread, undefined): the CPU module under that sanitizer, built in a
 # folder of its own so that the default build's objects stay, with debug information and not
-# stripped (nanobind strips Release builds), so that its
-# reports name functions and lines (docs/debugging.md, Sanitizers).
+# stripped (nanobind strips Release builds), so that reports name functions and lines
+# (docs/debugging.md, Sanitizers).
 BUILD_DIR=()
 [ -n "${JAX_GIN_SANITIZE:-}" ] && BUILD_DIR=(-C "build-dir=build/sanitize-$JAX_GIN_SANITIZE" -C install.strip=false -C cmake.build-type=RelWithDebInfo)
 echo "== building jax_gin (JAX_GIN_CUDA=${JAX_GIN_CUDA:-AUTO}${JAX_GIN_SANITIZE:+, JAX_GIN_SANITIZE=$JAX_GIN_SANITIZE}; the CUDA kernels take minutes on few cores)"
