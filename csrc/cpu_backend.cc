@@ -22,8 +22,8 @@
 #include <set>
 #include <shared_mutex>
 #include <stdexcept>
-#include <thread>
 #include <system_error>
+#include <thread>
 
 #include "host_types.h"
 #include "jax_gin/text.h"
