@@ -194,8 +194,8 @@ def _block_warnings(path, events: list, lost: dict, reset: bool) -> list:
                   e["args"]["status"] == "running")
     if running:
         out.append(f"jax_gin.trace: {_calls(running)} still running when the block ended; "
-                   f"their spans in {path} have no end (dur 0, status 'running'): wait for "
-                   f"their results (jax.block_until_ready) inside the block")
+                   f"their spans in {path} have no end (dur 0, status 'running'): keep their "
+                   f"results, or wait for them (jax.block_until_ready) inside the block")
     if reset:
         out.append(f"jax_gin.trace: jax_gin.runtime.reset() ran in the block; the calls before "
                    f"it are not in {path} (their communicators, and the recorder's entries "
@@ -203,11 +203,26 @@ def _block_warnings(path, events: list, lost: dict, reset: bool) -> list:
     return out
 
 
+def _wait_for_dispatched() -> None:
+    """Wait until the computations that made this process's live arrays have run. JAX
+    dispatches asynchronously, so a block that ends without waiting for its results still has
+    calls queued; read now, the recorder would lack them. A failed computation's error is
+    left for the code that uses its result."""
+    import jax
+    for a in jax.live_arrays():
+        try:
+            a.block_until_ready()
+        except Exception:  # noqa: BLE001 - an error is the user's to see where they use `a`
+            pass
+
+
 @contextlib.contextmanager
 def trace(path):
     """Write every jax_gin call that this process's devices run inside the block to `path`
-    as a Chrome/Perfetto trace (see the module docstring). The recorder is on for the block;
-    results must be ready (jax.block_until_ready) before the block ends. The recorder keeps
+    as a Chrome/Perfetto trace (see the module docstring). The recorder is on for the block.
+    A block that ends without raising first waits for the computations behind this process's
+    live arrays (jax.live_arrays()), so calls still queued at its end are in the file too;
+    those whose results were dropped unread are not waited for. The recorder keeps
     the last JAX_GIN_RECORD_ENTRIES calls per rank: a longer block keeps only its last ones,
     and warns (RuntimeWarning) with the count of the others, as it does where
     jax_gin.runtime.reset() in the block destroyed the calls recorded before it, and where
@@ -227,6 +242,8 @@ def trace(path):
         body_raised = True
         raise
     finally:
+        if not body_raised:
+            _wait_for_dispatched()
         t1 = time.monotonic_ns()
         _runtime.settings.record = before
         try:

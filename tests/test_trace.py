@@ -253,6 +253,27 @@ def test_trace_warns_of_calls_still_running(tmp_path, monkeypatch):
             pass
 
 
+def test_trace_waits_for_calls_still_queued(tmp_path, monkeypatch):
+    """A block that dispatches calls and ends without waiting for them (JAX dispatches
+    asynchronously) still has every call in its file, ended, and warns of nothing."""
+    _own_communicators(monkeypatch)
+    needs_devices(2)
+    calls = 10
+    f = _psum("ring")
+    x = exact_input((ndev() * 1_000_000,), ndev(), "float32")  # 4 MB a device: ~ms a call
+    want = jax.block_until_ready(f(x))
+    path = tmp_path / "t.json"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with jax_gin.trace(path):
+            outs = [f(x) for _ in range(calls)]
+    spans = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "jax_gin"]
+    assert len(spans) == calls * ndev()
+    assert {s["args"]["status"] for s in spans} == {"done"}
+    for out in outs:
+        assert (out == want).all()
+
+
 def _fake_trace(path, pid, t0, host="h"):
     """A file as jax_gin.trace writes it: one process, one device, two calls."""
     events = [{"name": "process_name", "ph": "M", "pid": pid,
