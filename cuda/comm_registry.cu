@@ -305,15 +305,32 @@ void set_record(bool on) {
 
 std::vector<RecEntry> recorder_entries(int64_t id) {
   std::shared_lock<std::shared_mutex> lock(g_mu);
-  std::vector<RecEntry> out, ring;
+  std::vector<RecEntry> out, ring, again;
   for (const RankState& s : ranks_of(id)) {
     if (s.rec_ring == nullptr) continue;
-    ring.resize(s.cfg.rec_entries);
-    side_copy(s, ring.data(), s.rec_ring, ring.size() * sizeof(RecEntry), cudaMemcpyDeviceToHost,
-              "reading the recorder");
+    // Kernels may write the ring while it is copied, so an entry can be read mid-update. It is
+    // copied again until two copies agree; an entry is written within nanoseconds (at a call's
+    // open and close, or stored whole at its end), so the second copy settles all but an entry
+    // that a kernel wrote meanwhile, and the fourth is the last try: an entry that still
+    // differs is left out rather than shown torn.
+    const size_t n = size_t(s.cfg.rec_entries), bytes = n * sizeof(RecEntry);
+    ring.resize(n);
+    again.resize(n);
+    side_copy(s, ring.data(), s.rec_ring, bytes, cudaMemcpyDeviceToHost, "reading the recorder");
+    std::vector<bool> settled(n, false);
+    for (int tries = 0; tries < 3; ++tries) {
+      side_copy(s, again.data(), s.rec_ring, bytes, cudaMemcpyDeviceToHost, "reading the recorder");
+      bool all = true;
+      for (size_t i = 0; i < n; ++i) {
+        settled[i] = std::memcmp(&ring[i], &again[i], sizeof(RecEntry)) == 0;
+        all = all && settled[i];
+      }
+      ring.swap(again);
+      if (all) break;
+    }
     std::vector<RecEntry> mine;
-    for (const RecEntry& e : ring)
-      if (e.seq != 0) mine.push_back(e);
+    for (size_t i = 0; i < n; ++i)
+      if (settled[i] && ring[i].seq != 0) mine.push_back(ring[i]);
     std::sort(mine.begin(), mine.end(), [](const RecEntry& a, const RecEntry& b) { return a.seq < b.seq; });
     out.insert(out.end(), mine.begin(), mine.end());
   }

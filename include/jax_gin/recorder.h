@@ -109,8 +109,9 @@ JG_HD uint64_t rec_slot(uint64_t seq, uint64_t entries) { return (seq - 1) & (en
 
 // Fills entry e's header for a call that starts at `t` (ns) and runs rounds from round0;
 // every field but `seq`, which the writer clears before and sets after. The CPU backend
-// orders these as a seqlock (run_call, recorder_entries); a GPU ring is read by a copy from
-// the host, which may see a running call's entry mid-update.
+// orders these as a seqlock (run_call, recorder_entries); a GPU ring is copied by the host
+// until two copies agree (comm_registry.cu, recorder_entries), since a copy may catch an entry
+// mid-update.
 JG_HD void rec_open(RecEntry& e, uint64_t t, uint64_t bytes, uint64_t round0, int comm,
                            int group, int rank, int op, int algorithm, int dtype, int lane) {
   e.t_start = t;
