@@ -17,6 +17,7 @@
 #include <time.h>
 #include <unistd.h>
 #include <cstring>
+#include <exception>
 #include <map>
 #include <new>
 #include <set>

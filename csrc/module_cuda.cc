@@ -6,9 +6,11 @@
 #include <nanobind/stl/array.h>
 #include <nanobind/stl/vector.h>
 
+#include <exception>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "ffi_cuda.h"
 #include "jax_gin/recorder.h"
