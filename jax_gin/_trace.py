@@ -209,11 +209,15 @@ def _wait_for_dispatched() -> None:
     calls queued; read now, the recorder would lack them. A failed computation's error is
     left for the code that uses its result."""
     import jax
-    for a in jax.live_arrays():
-        try:
-            a.block_until_ready()
-        except Exception:  # noqa: BLE001 - an error is the user's to see where they use `a`
-            pass
+    arrays = jax.live_arrays()
+    try:
+        jax.block_until_ready(arrays)  # all at once; one failed computation stops it
+    except Exception:  # noqa: BLE001 - an error is the user's to see where they use its result
+        for a in arrays:
+            try:
+                a.block_until_ready()
+            except Exception:  # noqa: BLE001
+                pass
 
 
 @contextlib.contextmanager
