@@ -48,9 +48,10 @@ def psum_overlapping(x, axis_name, fn, *args, algorithm: str = "auto",
     must not call jax_gin's collectives itself; lax's collectives are fine. The results equal
     ``jax_gin.psum(x, axis_name, algorithm=algorithm)`` and ``fn(*args)`` bit for bit.
 
-    Works under jit, grad (reverse mode: the backward all-reduce runs beside fn's backward),
-    vmap over axes other than the reduced ones, and scan. Forward-mode differentiation (jvp) is
-    not supported, as for any custom_vjp.
+    Works under jit, grad (reverse mode: the backward all-reduce runs beside fn's backward;
+    reverse over reverse too, as in grad of a function of grad), vmap over axes other than the
+    reduced ones, and scan. Forward-mode differentiation (jvp, jacfwd, jax.hessian) is not
+    supported, as for any custom_vjp; jax.jacrev(jax.jacrev(f)) gives the Hessian.
     """
     algorithm = _select.validate(algorithm, API)
     bucket_bytes = _primitive._check_bucket_bytes(bucket_bytes, API)
@@ -95,7 +96,7 @@ def psum_overlapping(x, axis_name, fn, *args, algorithm: str = "auto",
 
 def _overlapped(reduced, fn, args, params, modes, sizes, invariant):
     """(the sums of `reduced`, fn(*args)) through the start/done primitives, differentiable in
-    reverse mode."""
+    reverse mode to any order."""
 
     def run(reduced, args, f):
         toks, bufs, k = [], [], 0
@@ -115,7 +116,10 @@ def _overlapped(reduced, fn, args, params, modes, sizes, invariant):
         return run(reduced, args, fn)
 
     def fwd(reduced, args):
-        sums, (ys, fn_vjp) = run(reduced, args, lambda *a: jax.vjp(fn, *a))
+        # through _overlapped, not run: a second reverse pass (jax.hessian's inner jacrev,
+        # jacrev of jacrev) differentiates fwd, which its own custom_vjp then serves
+        sums, (ys, fn_vjp) = _overlapped(reduced, lambda *a: jax.vjp(fn, *a), args, params,
+                                         modes, sizes, invariant)
         return (sums, ys), fn_vjp
 
     def bwd(fn_vjp, cts):
@@ -125,8 +129,10 @@ def _overlapped(reduced, fn, args, params, modes, sizes, invariant):
             # cotangent as varying (no communication), as lax.psum's does.
             ct_red = [_compat.pcast_varying(c, params["axes"]) for c in ct_sums]
             return ct_red, fn_vjp(ct_ys)
-        ct_red, ct_args = _overlapped(list(ct_sums), fn_vjp, (ct_ys,), params, modes, sizes,
-                                      invariant)
+        # fn_vjp (a pytree: its residuals) goes in as an operand, not closed over, so that a
+        # second reverse pass can differentiate this pair too
+        ct_red, ct_args = _overlapped(list(ct_sums), lambda f, c: f(c), (fn_vjp, ct_ys), params,
+                                      modes, sizes, invariant)
         return list(ct_red), ct_args
 
     overlapped.defvjp(fwd, bwd)

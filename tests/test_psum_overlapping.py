@@ -138,6 +138,32 @@ def test_grad(check_vma):
         assert len(re.findall(r"jax_gin_all_reduce_start", text)) == 2
 
 
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_second_order_reverse(check_vma):
+    """grad of a function of grad (reverse over reverse, as a Hessian-vector product through
+    jacrev is): lax's bits, the forward pass being differentiated too. Forward mode (jvp,
+    jacfwd, jax.hessian) is refused by JAX, as for any custom_vjp."""
+    g, m, w = inputs(257, "float32", seed=3)
+
+    def second(body):
+        def loss(g, m):
+            s, y = body(g, m, w)
+            return jnp.sum(jnp.tanh(s) * g) + jnp.sum(y * y)
+
+        def f(g, m):
+            gg, gm = jax.grad(loss, argnums=(0, 1))(g, m)
+            return jnp.sum(gg * gg) + jnp.sum(gm * gm)
+        return lambda g, m, w: jax.grad(f, argnums=(0, 1))(g, m)
+
+    ours = second(lambda g, m, w: jax_gin.psum_overlapping(g, "i", chain, m, w,
+                                                           algorithm=kernel_algorithm()))
+    ref = second(lambda g, m, w: (lax.psum(g, "i"), chain(m, w)))
+    run(ours, ref, (g, m, w), check_vma, out_specs=(P("i"), P("i")))
+    with pytest.raises(TypeError, match="forward-mode"):
+        run(lambda g, m, w: jax.jvp(lambda g: ours(g, m, w)[0], (g,), (g,)),
+            lambda g, m, w: g, (g, m, w), check_vma, out_specs=P("i"))
+
+
 def test_vmap_over_another_axis():
     g = exact_input((3, 40), ndev(), "float32", seed=3)
     m = jnp.ones((ndev() * 4, 8), jnp.float32)
