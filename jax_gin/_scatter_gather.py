@@ -177,10 +177,18 @@ def moved_dtype(dtype, api: str) -> tuple[np.dtype, float]:
     return dt, 1
 
 
+def _as_array(leaf, api):
+    """The leaf as a JAX array, or a TypeError that names `api` (a string is no scalar)."""
+    try:
+        return jnp.asarray(leaf)
+    except TypeError as e:
+        raise TypeError(f"jax_gin.{api}: {e}") from None
+
+
 def _prepare(leaf, axes, api):
     """The leaf as an array of a supported dtype, or of a _PACKED one (packed into words by
     _gather_plan): (array, how to undo the dtype change)."""
-    leaf = jnp.asarray(leaf)
+    leaf = _as_array(leaf, api)
     undo = None
     if api == "all_gather" and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
         # a key array moves as its key data (trailing dimensions of uint32), as lax's does
@@ -222,7 +230,7 @@ def _over_no_ranks(api, leaf, axes, dim, tiled):
     """`api`'s result for one leaf over axes of no elements (a vmap of an empty batch), which
     no element of the batch ever holds: lax's shape and dtype, as a slice or zeros. The leaf is
     checked as over any axis (_gather_dim; _canonical_dim, the dtype, _check_scatter_size)."""
-    leaf = jnp.asarray(leaf)
+    leaf = _as_array(leaf, api)
     if api == "all_gather":
         d = _gather_dim(leaf, dim, tiled)
         return jax.lax.slice_in_dim(leaf if tiled else jnp.expand_dims(leaf, d), 0, 0, axis=d)
@@ -266,6 +274,7 @@ def _scatter_plan(leaf, axes, nranks, dim, tiled):
     """A leaf to scatter as (N, mp) blocks (block q: the rows device q gets, padded to 16
     bytes), and the function that turns its block of the sum, (mp,), into the result."""
     # (a complex leaf's parts are a trailing axis: the leaf's own dimensions keep their index)
+    leaf = _as_array(leaf, "psum_scatter")
     d = _canonical_dim(dim, np.ndim(leaf), "psum_scatter", "scatter_dimension", np.shape(leaf))
     x, undo = _prepare(leaf, axes, "psum_scatter")
     size = x.shape[d]
@@ -289,6 +298,7 @@ def _scatter_plan(leaf, axes, nranks, dim, tiled):
 def _gather_plan(leaf, axes, nranks, dim, tiled):
     """A leaf to gather as its (mp,) block (padded to 16 bytes), and the function that turns
     every device's block, (N, mp), into the result."""
+    leaf = _as_array(leaf, "all_gather")
     d = _gather_dim(leaf, dim, tiled)
     x, undo = _prepare(leaf, axes, "all_gather")
     moved = jnp.moveaxis(x, d, 0) if tiled else x

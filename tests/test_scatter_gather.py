@@ -513,6 +513,16 @@ def test_errors_at_trace_time():
             run(lambda v: jax_gin.all_gather(v, "i", tiled=True, bucket_bytes=bad))
 
 
+@pytest.mark.parametrize("tiled", [True, False])
+@pytest.mark.parametrize("op", list(OPS))
+def test_non_array_leaf_is_named(op, tiled):
+    """A leaf that is no array (a string) is named as such, not taken for a scalar."""
+    ours = OPS[op][0]
+    f = smap(lambda v: (ours("abc", "i", tiled=tiled), v)[1], mesh_1d(), P("i"))
+    with pytest.raises(TypeError, match=rf"^jax_gin.{op}: .*'abc'.* is not a valid JAX array type"):
+        f(jnp.zeros((ndev(),), jnp.float32))
+
+
 def test_threads_harness_group_sizes():
     """The schedules over group sizes and windows no mesh here has: several rounds (small
     windows) and chunks, odd rank counts, against numpy."""
