@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, get_abstract_mesh
 
+from ._compat import batching
 from ._ops import OP_API_NAMES, check_dtype
 from ._primitive import pmax, pmin, psum
 from . import _select
@@ -150,6 +151,11 @@ def _mesh_of(*xs):
 
 def _run(api, op, args, out_factors, operand_factors, sizes, out_sharding):
     """Call the custom-partitioned `op`, through auto_axes when the mesh has Explicit axes."""
+    if builtins.any(isinstance(a, batching.BatchTracer) and a.batch_dim is not None
+                    for a in args):
+        raise NotImplementedError(
+            f"jax_gin.{api} does not support vmap of a batched operand (custom_partitioning has "
+            "no batching rule); call it on the whole batched array instead")
     explicit = _explicit_axes(*args)
     if not explicit:
         y = op(*args)
@@ -282,26 +288,26 @@ _reduce_op.def_partition(_reduce_partition, sharding_rule=_reduce_rule)
 # Differentiable contraction: einsum and matmul
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4, 5, 6))
-def _einsum(subscripts, x, w, algorithm, precision, preferred, out_sharding):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4, 5, 6, 7))
+def _einsum(subscripts, x, w, algorithm, precision, preferred, out_sharding, api):
     xs, ws, out = _parse_einsum(subscripts)
     sizes = {**dict(zip(xs, x.shape)), **dict(zip(ws, w.shape))}
     op = lambda a, b: _contract_op(a, b, subscripts, algorithm, precision, preferred)  # noqa: E731
-    return _run("einsum", op, (x, w), out, (xs, ws), sizes, out_sharding)
+    return _run(api, op, (x, w), out, (xs, ws), sizes, out_sharding)
 
 
-def _einsum_fwd(subscripts, x, w, algorithm, precision, preferred, out_sharding):
-    return _einsum(subscripts, x, w, algorithm, precision, preferred, out_sharding), (x, w)
+def _einsum_fwd(subscripts, x, w, algorithm, precision, preferred, out_sharding, api):
+    return _einsum(subscripts, x, w, algorithm, precision, preferred, out_sharding, api), (x, w)
 
 
-def _einsum_bwd(subscripts, algorithm, precision, preferred, out_sharding, res, g):
+def _einsum_bwd(subscripts, algorithm, precision, preferred, out_sharding, api, res, g):
     x, w = res
     xs, ws, out = _parse_einsum(subscripts)
     # dx contracts g with w over the letters of w missing from x; dw likewise. Each is a
     # jax_gin contraction, so a sharded contracted dimension all-reduces with jax_gin.
     g = g.astype(x.dtype)
-    dx = _einsum(f"{out},{ws}->{xs}", g, w, algorithm, precision, preferred, None)
-    dw = _einsum(f"{xs},{out}->{ws}", x, g, algorithm, precision, preferred, None)
+    dx = _einsum(f"{out},{ws}->{xs}", g, w, algorithm, precision, preferred, None, api)
+    dw = _einsum(f"{xs},{out}->{ws}", x, g, algorithm, precision, preferred, None, api)
     return _like(dx.astype(x.dtype), x), _like(dw.astype(w.dtype), w)
 
 
@@ -335,7 +341,7 @@ def _einsum_checked(subscripts, x, w, algorithm, precision, preferred_element_ty
     preferred = None if preferred_element_type is None else np.dtype(preferred_element_type)
     check_dtype(dtype if preferred is None else preferred, "psum", api)
     return _einsum(subscripts.replace(" ", ""), x, w, algorithm, precision, preferred,
-                   out_sharding)
+                   out_sharding, api)
 
 
 def matmul(x, w, *, algorithm: str = "auto", precision=None, preferred_element_type=None,
@@ -384,20 +390,20 @@ def _normalize_axis(axis, ndim: int, api: str) -> tuple:
     return tuple(sorted(out))
 
 
-def _reduce_raw(x, axes, op, algorithm, out_sharding):
+def _reduce_raw(x, axes, op, algorithm, out_sharding, api):
     names, kept = _reduce_factors(x.ndim, axes)
     sizes = dict(zip(names, x.shape))
     fn = lambda a: _reduce_op(a, axes, op, algorithm)  # noqa: E731
-    return _run(op, fn, (x,), kept, (names,), sizes, out_sharding)
+    return _run(api, fn, (x,), kept, (names,), sizes, out_sharding)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _reduce(x, axes, op, algorithm, out_sharding):
-    return _reduce_raw(x, axes, op, algorithm, out_sharding)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _reduce(x, axes, op, algorithm, out_sharding, api):
+    return _reduce_raw(x, axes, op, algorithm, out_sharding, api)
 
 
-def _reduce_fwd(x, axes, op, algorithm, out_sharding):
-    y = _reduce_raw(x, axes, op, algorithm, out_sharding)
+def _reduce_fwd(x, axes, op, algorithm, out_sharding, api):
+    y = _reduce_raw(x, axes, op, algorithm, out_sharding, api)
     return y, (x, y)
 
 
@@ -406,14 +412,14 @@ def _broadcast_back(v, x, axes):
     return _like(jnp.broadcast_to(jnp.expand_dims(v, axes), x.shape), x)
 
 
-def _reduce_bwd(axes, op, algorithm, out_sharding, res, g):
+def _reduce_bwd(axes, op, algorithm, out_sharding, api, res, g):
     x, y = res
     if op == "sum":
         return (_broadcast_back(g, x, axes),)
     # max/min: ties share the cotangent equally, exactly as jnp.max's derivative does. The
     # number of ties is a sum over the reduced (maybe sharded) dimensions: a jax_gin sum.
     hit = (x == _broadcast_back(y, x, axes)).astype(g.dtype)
-    counts = _reduce(hit, axes, "sum", algorithm, None)
+    counts = _reduce(hit, axes, "sum", algorithm, None, api)
     return (_broadcast_back(g / counts, x, axes) * hit,)
 
 
@@ -442,7 +448,8 @@ def _reduction(x, axis, keepdims, op, algorithm, out_sharding, api):
     if not axes:
         y = x.astype(out_dtype)
     else:
-        y = _reduce(x.astype(comp_dtype), axes, op, algorithm, None if keepdims else out_sharding)
+        y = _reduce(x.astype(comp_dtype), axes, op, algorithm, None if keepdims else out_sharding,
+                    api)
         y = y.astype(out_dtype)
     if keepdims:
         y = jnp.expand_dims(y, axes)
@@ -471,7 +478,7 @@ def mean(x, axis=None, keepdims: bool = False, *, algorithm: str = "auto", out_s
     comp_dtype = _computation_dtype(result_dtype)
     check_dtype(comp_dtype, "psum", "mean")
     count = math.prod(x.shape[a] for a in axes)
-    s = sum(x.astype(comp_dtype), axes, keepdims, algorithm=algorithm, out_sharding=out_sharding)
+    s = _reduction(x.astype(comp_dtype), axes, keepdims, "sum", algorithm, out_sharding, "mean")
     return jax.lax.div(s, jnp.asarray(count, comp_dtype)).astype(result_dtype)
 
 

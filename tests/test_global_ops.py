@@ -586,3 +586,25 @@ def test_axis_must_be_integers(axis):
     for fn in (jax_gin.sum, jax_gin.mean, jax_gin.max):
         with pytest.raises(TypeError, match=r"axis must be an integer or a tuple of integers"):
             fn(x, axis=axis)
+
+
+@pytest.mark.parametrize("kind", [AUTO, EXPLICIT], ids=["auto", "explicit"])
+@pytest.mark.parametrize("api", ["matmul", "einsum", "sum", "mean", "max", "min"])
+def test_vmap_is_refused_by_name(api, kind):
+    """vmap of a batched operand (which custom_partitioning cannot batch) names the op and
+    vmap, under grad too, and on Explicit axes does not blame the mesh's axis types."""
+    mesh = mesh_1d(kind)
+    x = put(ints((ndev(), 4)), mesh, P("i"))
+    w = ints((4, 3), seed=1)
+    ours, ref = {"matmul": (lambda v: jax_gin.matmul(v, w), lambda v: v @ w),
+                 "einsum": (lambda v: jax_gin.einsum("mk,kn->mn", v.reshape(-1, 4), w),
+                            lambda v: jnp.einsum("mk,kn->mn", v.reshape(-1, 4), w))}.get(
+        api, (lambda v: getattr(jax_gin, api)(v), lambda v: getattr(jnp, api)(v)))
+    for f in (jax.vmap(ours), jax.vmap(jax.grad(lambda v: jnp.sum(ours(v))))):
+        with pytest.raises(NotImplementedError,
+                           match=rf"^jax_gin.{api} does not support vmap of a batched operand"):
+            jax.jit(f)(x)
+    # vmap over another value than the op's operands works
+    t = jnp.arange(3.0)
+    assert_bitwise(jax.jit(lambda v: jax.vmap(lambda s: ours(v) * s)(t))(x),
+                   jax.jit(lambda v: jax.vmap(lambda s: ref(v) * s)(t))(x))
