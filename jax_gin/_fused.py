@@ -232,6 +232,9 @@ def _batch(kind, axis_data, vals_in, dims_in, *, axes, algorithm, eps, invariant
             "norm")
     x, residual, *ps = vals_in
     dx, dres, *dps = dims_in
+    if all(d is None for d in dims_in):
+        # JAX calls this rule with no batched operand too (jacfwd's primal call)
+        return kind.prim.bind(x, residual, *ps, **params), [None, None]
     size = axis_data.size
     x = jnp.broadcast_to(x, (size,) + x.shape) if dx is None else jnp.moveaxis(x, dx, 0)
     residual = (jnp.broadcast_to(residual, (size,) + residual.shape) if dres is None

@@ -544,6 +544,37 @@ def test_layernorm_grad_matches_unfused(algo, check_vma):
                  grads(lambda x, r, w, b: _ln_unfused(x, r, w, b, "i")), check_vma)
 
 
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("op", ["psum_add_rmsnorm", "psum_add_layernorm"])
+def test_jacfwd_matches_unfused(op, check_vma):
+    """jacfwd (vmap of the JVP, whose primal call has no batched operand) and a Hessian: the
+    unfused composition's bits. Before, the batching rule batched that call's results."""
+    n = ndev()
+    x, res, w, b = _ln_inputs((2, 5), "float32", 31)
+    if op == "psum_add_rmsnorm":
+        fused = lambda x, r, w, b: jax_gin.psum_add_rmsnorm(x, r, w, "i", algorithm="one_shot")  # noqa: E731
+        unfused = lambda x, r, w, b: _unfused(x, r, w, "i", algo="one_shot")  # noqa: E731
+    else:
+        fused = lambda x, r, w, b: jax_gin.psum_add_layernorm(x, r, w, b, "i", algorithm="one_shot")  # noqa: E731
+        unfused = lambda x, r, w, b: _ln_unfused(x, r, w, b, "i", algo="one_shot")  # noqa: E731
+
+    def derivs(fn):
+        sm = jax.shard_map(fn, mesh=mesh_1d(), in_specs=(P("i"), P("i"), P(), P()),
+                           out_specs=(P("i"), P("i")), check_vma=check_vma)
+        jac = jax.jacfwd(lambda *a: sm(*a)[0], argnums=(0, 1, 2, 3))
+        hess = jax.hessian(lambda *a: jnp.sum(jnp.sin(sm(*a)[0])), argnums=2)
+        # one program each, each waited for: the jacobian's program beside another block's
+        # calls fails with "two collectives ran concurrently", a defect of its own
+        return tuple(jax.block_until_ready(jax.jit(d)(x, res, w, b)) for d in (jac, hess))
+
+    got, want = derivs(fused), derivs(unfused)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    jax.tree.map(assert_bitwise, got[0], want[0])
+    # the Hessian's reverse pass sums cotangents that are not small integers: float32 rounding
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-5, atol=1e-5)
+    assert got[0][0].shape == (n * 2, 5, n * 2, 5)
+
+
 @pytest.mark.parametrize("batched", ["none", "weight", "bias", "both"])
 def test_layernorm_vmap(batched):
     n = ndev()
