@@ -155,7 +155,8 @@ def _run(api, op, args, out_factors, operand_factors, sizes, out_sharding):
                     for a in args):
         raise NotImplementedError(
             f"jax_gin.{api} does not support vmap of a batched operand (custom_partitioning has "
-            "no batching rule); call it on the whole batched array instead")
+            "no batching rule; jax.jacrev and jax.jacfwd batch too); call it on the whole "
+            "batched array instead")
     explicit = _explicit_axes(*args)
     if not explicit:
         y = op(*args)
