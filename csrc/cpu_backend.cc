@@ -702,11 +702,13 @@ enum class Overlap {
   // call (on the device's XLA thread) and another block's (on the worker). XLA orders the
   // rest of one program's calls by their order tokens.
   kXlaBlocks,
-  // The rank's worker (submit): its previous call, queued by XLA, has not finished. The calls
-  // that come to it are ordered within their program by order tokens (the partitioned
-  // all-reduce, whose tokens order one block only, runs on the XLA thread instead), so the two
-  // are, as far as we know, two programs' that ran at once.
+  // The rank's worker (submit): its previous call, queued by XLA, has not finished, and it
+  // came from another execution (XLA's run id): two programs that ran at once.
   kXlaPrograms,
+  // The same, from the same execution: two calls of one program whose order chains nothing
+  // links (XLA's CPU runtime orders a call after the call whose order token it takes; calls of
+  // two independent chains, such as two independent shard_map blocks, may run at once).
+  kXlaProgram,
   // The busy flag under the caller's own threads (the threads harness: module.cc).
   kThreads,
 };
@@ -727,6 +729,13 @@ std::string concurrent_calls(const Comm& comm, int group, int rank, Overlap over
       os << "XLA orders the calls of one program, not those of two programs that use the "
             "communicator and run at once (called from two threads, say): wait for one's "
             "results before calling the other";
+      break;
+    case Overlap::kXlaProgram:
+      os << "Both are calls of one program that nothing orders against each other: two "
+            "shard_map blocks (or transformed copies of one, such as a jax.jacfwd or vmap of "
+            "it beside the block itself) on the same mesh axes, neither taking a value of the "
+            "other's results. Make one block take a value of the other's, or make the calls in "
+            "one shard_map (docs/design.md, Ordering)";
       break;
     case Overlap::kThreads:
       os << "Each rank's calls must come one after the other, from one thread at a time";
@@ -939,10 +948,13 @@ RankWorker::~RankWorker() {
   else t.join();
 }
 
-bool RankWorker::submit(Work work, Done done) {
+bool RankWorker::submit(Work work, Done done, int64_t run_id, int64_t* busy_run_id) {
   {
     std::lock_guard<std::mutex> lock(s_->mu);
-    if (s_->busy) return false;
+    if (s_->busy) {
+      *busy_run_id = s_->run_id;
+      return false;
+    }
     if (!s_->running) {
       // The first call, or the thread ended idle (it decided so under this mutex, and detached
       // itself: s_->thread is empty): a fresh one runs this call.
@@ -955,6 +967,7 @@ bool RankWorker::submit(Work work, Done done) {
     }
     s_->call.emplace(std::move(work), std::move(done));
     s_->busy = true;  // after the queueing, which may throw
+    s_->run_id = run_id;
   }
   s_->cv.notify_one();
   return true;
@@ -992,7 +1005,7 @@ void RankWorker::loop(std::shared_ptr<State> s, std::string name) {
 }
 
 std::string submit(Comm& comm, uint32_t logical_id, RankWorker::Work work,
-                   RankWorker::Done done) {
+                   RankWorker::Done done, int64_t run_id) {
   int group = 0, rank = 0;
   std::string err = locate(comm, logical_id, &group, &rank);
   if (!err.empty()) return err;
@@ -1006,8 +1019,11 @@ std::string submit(Comm& comm, uint32_t logical_id, RankWorker::Work work,
       if (!w) w.reset(new RankWorker(comm.id, logical_id));
       worker = w.get();
     }
-    if (worker->submit(std::move(work), std::move(done))) return std::string();
-    return concurrent_calls(comm, group, rank, Overlap::kXlaPrograms);
+    int64_t busy_run_id = 0;
+    if (worker->submit(std::move(work), std::move(done), run_id, &busy_run_id))
+      return std::string();
+    return concurrent_calls(comm, group, rank,
+                            busy_run_id == run_id ? Overlap::kXlaProgram : Overlap::kXlaPrograms);
   } catch (const RankWorker::CannotStart& e) {
     what = std::string("could not start its worker thread (") + e.what() + ")";
   } catch (const std::exception& e) {

@@ -182,9 +182,10 @@ class RankWorker {
   ~RankWorker();  // runs the call already queued, then ends the thread
   RankWorker(const RankWorker&) = delete;
   RankWorker& operator=(const RankWorker&) = delete;
-  // Queues a call, starting a thread where none runs (CannotStart where it cannot); false
-  // (and nothing queued) while the previous call has not finished.
-  bool submit(Work work, Done done);
+  // Queues a call of XLA's execution `run_id`, starting a thread where none runs (CannotStart
+  // where it cannot); false (and nothing queued) while the previous call has not finished,
+  // with that call's run id in *busy_run_id.
+  bool submit(Work work, Done done, int64_t run_id, int64_t* busy_run_id);
 
  private:
   struct State {
@@ -192,6 +193,7 @@ class RankWorker {
     std::condition_variable cv;
     std::optional<std::pair<Work, Done>> call;  // queued, not yet taken by the thread
     bool busy = false;  // a call is queued or running (its `done` not yet called): one at most
+    int64_t run_id = 0;  // XLA's execution that the busy call belongs to
     bool stop = false;
     // A thread runs loop() and will take a queued call: false before the first call and once
     // the thread decided to end (idle), which it does under `mu`, detaching itself.
@@ -271,17 +273,17 @@ std::string collective_logical(Comm& comm, uint32_t logical_id, DType dtype, int
 std::string allreduce_logical(Comm& comm, uint32_t logical_id, DType dtype, RedOp op,
                               Algorithm algo, Segment* seg, int nseg, int call_op = -1);
 
-// Runs `work` (a call of logical device `logical_id`: allreduce_logical or
-// collective_logical, say) on that device's worker thread, after the calls queued before it,
-// then `done` with its error (empty: success) on the same thread. Returns an error, and runs
-// neither, where the device is not in the communicator, its worker thread cannot start (a
-// limit on threads; the group then fails, so that its peers give up at once, repeating this
-// error; a thread starts at a rank's first call and after an idle second) or its previous
-// call has not finished
-// (XLA orders the calls by their order tokens: a call starts only once the previous one is
-// done, so that this holds).
+// Runs `work` (a call of logical device `logical_id` in XLA's execution `run_id`:
+// allreduce_logical or collective_logical, say) on that device's worker thread, then `done`
+// with its error (empty: success) on the same thread. Returns an error, and runs neither,
+// where the device is not in the communicator, its worker thread cannot start (a limit on
+// threads; the group then fails, so that its peers give up at once, repeating this error; a
+// thread starts at a rank's first call and after an idle second) or its previous call has not
+// finished. XLA starts a call once the call whose order token it takes is done, so the calls
+// of one chain come one after the other; calls of chains that nothing links (two programs, or
+// two independent blocks of one: the error says which) may come at once.
 std::string submit(Comm& comm, uint32_t logical_id, RankWorker::Work work,
-                   RankWorker::Done done);
+                   RankWorker::Done done, int64_t run_id);
 
 }  // namespace cpu
 }  // namespace jax_gin

@@ -49,23 +49,25 @@ ffi::Future completed(const std::string& err) {
 // Runs `work` (this device's rank of a call: its error text, empty on success) on the rank's
 // worker thread; the future completes there, with the error as an INTERNAL one, as the
 // synchronous handlers returned it.
-ffi::Future run_on_worker(cpu::Comm& c, uint32_t logical_id, cpu::RankWorker::Work work) {
+ffi::Future run_on_worker(cpu::Comm& c, uint32_t logical_id, ffi::RunId run,
+                          cpu::RankWorker::Work work) {
   ffi::Promise promise;
   ffi::Future future(promise);
   std::string err = cpu::submit(c, logical_id, std::move(work),
                                 [promise](const std::string& e) mutable {
                                   if (e.empty()) promise.SetAvailable();
                                   else promise.SetError(ffi::Error::Internal(e));
-                                });
+                                },
+                                run.run_id);
   if (!err.empty()) promise.SetError(ffi::Error::Internal(err));
   return future;
 }
 
 // This device's rank of the all-reduce of xs into outs, on the rank's worker; with `here`,
 // on the device's XLA thread, which waits for it (the partitioned target, below).
-ffi::Future AllReduce(ffi::Buffer<ffi::U32> partition_id, ffi::RemainingArgs& xs,
-                      ffi::RemainingRets& outs, int64_t comm, int32_t op, int32_t algorithm,
-                      bool here = false) {
+ffi::Future AllReduce(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id,
+                      ffi::RemainingArgs& xs, ffi::RemainingRets& outs, int64_t comm, int32_t op,
+                      int32_t algorithm, bool here = false) {
   DType dtype;
   std::array<Segment, kMaxSegments> seg;
   int nseg = 0;
@@ -79,19 +81,19 @@ ffi::Future AllReduce(ffi::Buffer<ffi::U32> partition_id, ffi::RemainingArgs& xs
     return completed(cpu::allreduce_logical(*c, logical_id, dtype, RedOp(op),
                                             Algorithm(algorithm), seg.data(), nseg));
   // The call holds the communicator (cpu_backend.h: RankWorker).
-  return run_on_worker(*c, logical_id, [c, logical_id, dtype, op, algorithm, seg, nseg]() mutable {
+  return run_on_worker(*c, logical_id, run, [c, logical_id, dtype, op, algorithm, seg, nseg]() mutable {
     return cpu::allreduce_logical(*c, logical_id, dtype, RedOp(op), Algorithm(algorithm),
                                   seg.data(), nseg);
   });
 }
 
 // The order token (an HLO token: _primitive.py's chain) orders the calls; it holds nothing.
-ffi::Future CpuAllReduceImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token order_in,
+ffi::Future CpuAllReduceImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id, ffi::Token order_in,
                             ffi::RemainingArgs xs, ffi::Result<ffi::Token> order_out,
                             ffi::RemainingRets outs, int64_t comm, int32_t op, int32_t algorithm) {
   (void)order_in;
   (void)order_out;
-  return AllReduce(partition_id, xs, outs, comm, op, algorithm);
+  return AllReduce(run, partition_id, xs, outs, comm, op, algorithm);
 }
 
 // The synchronous all-reduce with a uint32 order token: what a partially-manual shard_map
@@ -101,17 +103,18 @@ ffi::Future CpuAllReduceImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token orde
 // device one after the other. Run here, the second starts when the first has returned, as
 // before the workers; handed to the worker, it came while the first still ran there and
 // failed ("two collectives ran concurrently"), in every run of such a program.
-ffi::Future CpuAllReducePartitionedImpl(ffi::Buffer<ffi::U32> partition_id,
+ffi::Future CpuAllReducePartitionedImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id,
                                        ffi::Buffer<ffi::U32> order_in, ffi::RemainingArgs xs,
                                        ffi::Result<ffi::Buffer<ffi::U32>> order_out,
                                        ffi::RemainingRets outs, int64_t comm, int32_t op,
                                        int32_t algorithm) {
   (void)order_in;
   order_out->typed_data()[0] = 0;
-  return AllReduce(partition_id, xs, outs, comm, op, algorithm, /*here=*/true);
+  return AllReduce(run, partition_id, xs, outs, comm, op, algorithm, /*here=*/true);
 }
 
-ffi::Future CpuAllReduceStartImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token order_in,
+ffi::Future CpuAllReduceStartImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id,
+                                 ffi::Token order_in,
                                  ffi::RemainingArgs xs, ffi::Result<ffi::Token> order_out,
                                  ffi::RemainingRets outs, int64_t comm, int32_t op,
                                  int32_t algorithm, int32_t max_lanes, int32_t slot,
@@ -121,7 +124,7 @@ ffi::Future CpuAllReduceStartImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token
   (void)copy_engine;  // a GPU transport; the CPU runs the algorithm's schedule (same results)
   (void)order_in;
   (void)order_out;
-  return AllReduce(partition_id, xs, outs, comm, op, algorithm);
+  return AllReduce(run, partition_id, xs, outs, comm, op, algorithm);
 }
 
 ffi::Error CpuAllReduceDoneImpl(ffi::Token order_in, ffi::RemainingArgs operands,
@@ -148,7 +151,7 @@ ffi::Error CpuAllReduceDoneImpl(ffi::Token order_in, ffi::RemainingArgs operands
 // the all-reduce, then each row becomes residual + sum (rounded to the element type) and its
 // norm (norm.h), in the same order on every rank, so that every rank's results are bitwise the
 // same. Both run on the rank's worker.
-ffi::Future cpu_add_norm(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x,
+ffi::Future cpu_add_norm(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x,
                          ffi::AnyBuffer residual, ffi::AnyBuffer weight, const ffi::AnyBuffer* bias,
                          ffi::Result<ffi::AnyBuffer> normed, ffi::Result<ffi::AnyBuffer> new_residual,
                          int64_t comm, int32_t algorithm, float eps) {
@@ -171,7 +174,7 @@ ffi::Future cpu_add_norm(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x,
   void* out = normed->untyped_data();
   Segment seg{0, x.element_count(), x.untyped_data(), nr};
   const int call_op = bias ? kOpAddLayerNorm : kOpAddRmsNorm;
-  return run_on_worker(*c, logical_id, [=]() mutable {
+  return run_on_worker(*c, logical_id, run, [=]() mutable {
     std::string err = cpu::allreduce_logical(*c, logical_id, dtype, RedOp::kSum,
                                              Algorithm(algorithm), &seg, 1, call_op);
     if (!err.empty()) return err;
@@ -192,21 +195,23 @@ ffi::Future cpu_add_norm(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x,
   });
 }
 
-ffi::Future CpuAddRmsNormImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token, ffi::AnyBuffer x,
+ffi::Future CpuAddRmsNormImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id, ffi::Token,
+                              ffi::AnyBuffer x,
                               ffi::AnyBuffer residual, ffi::AnyBuffer weight, ffi::Result<ffi::Token>,
                               ffi::Result<ffi::AnyBuffer> normed,
                               ffi::Result<ffi::AnyBuffer> new_residual, int64_t comm,
                               int32_t algorithm, float eps) {
-  return cpu_add_norm(partition_id, x, residual, weight, nullptr, normed, new_residual, comm,
+  return cpu_add_norm(run, partition_id, x, residual, weight, nullptr, normed, new_residual, comm,
                       algorithm, eps);
 }
 
-ffi::Future CpuAddLayerNormImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token, ffi::AnyBuffer x,
+ffi::Future CpuAddLayerNormImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id, ffi::Token,
+                                ffi::AnyBuffer x,
                                 ffi::AnyBuffer residual, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
                                 ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> normed,
                                 ffi::Result<ffi::AnyBuffer> new_residual, int64_t comm,
                                 int32_t algorithm, float eps) {
-  return cpu_add_norm(partition_id, x, residual, weight, &bias, normed, new_residual, comm,
+  return cpu_add_norm(run, partition_id, x, residual, weight, &bias, normed, new_residual, comm,
                       algorithm, eps);
 }
 
@@ -214,6 +219,7 @@ ffi::Future CpuAddLayerNormImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token, 
 // (norm_operands and norm_results, ffi_common.h).
 auto norm_binding_head() {
   return norm_operands(ffi::Ffi::Bind()
+                           .Ctx<ffi::RunId>()             // XLA's execution (for errors)
                            .Arg<ffi::Buffer<ffi::U32>>()  // partition id (logical id)
                            .Arg<ffi::Token>());           // order token of the previous call
 }
@@ -223,7 +229,7 @@ auto norm_binding_tail(Binding b) {
 }
 
 // psum_scatter and all_gather (collectives.h): one buffer in, one out.
-ffi::Future CpuCollectiveImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token order_in,
+ffi::Future CpuCollectiveImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id, ffi::Token order_in,
                               ffi::AnyBuffer x, ffi::Result<ffi::Token> order_out,
                               ffi::Result<ffi::AnyBuffer> y, int64_t comm, int32_t op,
                               int32_t algorithm) {
@@ -239,7 +245,7 @@ ffi::Future CpuCollectiveImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token ord
   const uint32_t logical_id = partition_id.typed_data()[0];
   const void* in = x.untyped_data();
   void* out = y->untyped_data();
-  return run_on_worker(*c, logical_id, [=] {
+  return run_on_worker(*c, logical_id, run, [=] {
     return cpu::collective_logical(*c, logical_id, dtype, op, Algorithm(algorithm), in, out,
                                    block);
   });
@@ -250,6 +256,7 @@ ffi::Future CpuCollectiveImpl(ffi::Buffer<ffi::U32> partition_id, ffi::Token ord
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAllReduce, jax_gin::CpuAllReduceImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()              // XLA's execution (for errors)
                                   .Arg<ffi::Buffer<ffi::U32>>()   // partition id (logical id)
                                   .Arg<ffi::Token>()              // order token of the previous call
                                   .RemainingArgs()                // x_0..x_k: buffers of one dtype
@@ -261,6 +268,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAllReduce, jax_gin::CpuAllReduceImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAllReducePartitioned, jax_gin::CpuAllReducePartitionedImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()              // XLA's execution (for errors)
                                   .Arg<ffi::Buffer<ffi::U32>>()   // partition id (logical id)
                                   .Arg<ffi::Buffer<ffi::U32>>()   // order token (uint32, unused)
                                   .RemainingArgs()                // x_0..x_k: buffers of one dtype
@@ -272,6 +280,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAllReducePartitioned, jax_gin::CpuAllRedu
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAllReduceStart, jax_gin::CpuAllReduceStartImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()              // XLA's execution (for errors)
                                   .Arg<ffi::Buffer<ffi::U32>>()   // partition id (logical id)
                                   .Arg<ffi::Token>()              // order token of the previous call
                                   .RemainingArgs()                // x_0..x_k: buffers of one dtype
@@ -302,6 +311,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAddLayerNorm, jax_gin::CpuAddLayerNormImp
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuCollective, jax_gin::CpuCollectiveImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()              // XLA's execution (for errors)
                                   .Arg<ffi::Buffer<ffi::U32>>()   // partition id (logical id)
                                   .Arg<ffi::Token>()              // order token of the previous call
                                   .Arg<ffi::AnyBuffer>()          // x

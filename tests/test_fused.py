@@ -563,8 +563,8 @@ def test_jacfwd_matches_unfused(op, check_vma):
                            out_specs=(P("i"), P("i")), check_vma=check_vma)
         jac = jax.jacfwd(lambda *a: sm(*a)[0], argnums=(0, 1, 2, 3))
         hess = jax.hessian(lambda *a: jnp.sum(jnp.sin(sm(*a)[0])), argnums=2)
-        # one program each, each waited for: the jacobian's program beside another block's
-        # calls fails with "two collectives ran concurrently", a defect of its own
+        # one program each, each waited for: in one program, nothing orders the jacobian's
+        # calls against the Hessian's (test_order.py::test_independent_blocks_of_one_program)
         return tuple(jax.block_until_ready(jax.jit(d)(x, res, w, b)) for d in (jac, hess))
 
     got, want = derivs(fused), derivs(unfused)

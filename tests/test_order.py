@@ -2,6 +2,9 @@
 recomputation, a nested jit, a scan, beside independent calls (the order tokens of
 _primitive.py)."""
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -172,3 +175,70 @@ def test_psum_overlapping_in_checkpointed_layers():
     want = ref(x)
     for _ in range(3):
         assert_bitwise(jax.block_until_ready(ours(x)), want)
+
+
+_UNLINKED_CHILD = r"""
+import os, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+import jax_gin
+mesh = Mesh(np.array(jax.devices()), ("i",))
+
+def block(psum):
+    def fn(x, r, w):
+        nr = r + psum(x, "i")
+        return nr * w, nr
+    return jax.shard_map(fn, mesh=mesh, in_specs=(P("i"), P("i"), P()), out_specs=(P("i"), P("i")))
+
+def program(psum, linked):
+    sm = block(psum)
+    def f(x, r, w):
+        jac = jax.jacfwd(lambda *a: sm(*a)[0], argnums=(0, 1, 2))(x, r, w)
+        if linked:  # the block takes a value of the jacobian's result: one order
+            x = x + 0 * jac[0][0, 0, 0, 0]
+        return jac, sm(x, r, w)
+    return jax.jit(f)
+
+n = len(jax.devices())
+x = jnp.asarray(np.arange(n * 2 * 5).reshape(n * 2, 5) % 7, jnp.float32)
+args = (x, x + 1, jnp.ones(5))
+linked = sys.argv[1] == "linked"
+want = program(jax.lax.psum, linked)(*args)
+try:
+    got = jax.block_until_ready(program(lambda v, a: jax_gin.psum(v, a, algorithm="one_shot"),
+                                        linked)(*args))
+    same = all(np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+    print("RESULT", "lax" if same else "DIFFERENT", flush=True)
+except Exception as e:
+    print("ERROR", str(e).replace("\n", " "), flush=True)
+# at once: the ranks that did not fail wait in XLA's rendezvous of the jacobian's permutes,
+# and XLA's CPU runtime ends the process after 40 s
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("linked", [False, True], ids=["unlinked", "linked"])
+def test_independent_blocks_of_one_program(tmp_path, linked):
+    """A jax.jacfwd of a shard_map block beside the block itself, in one program and on one
+    communicator: nothing orders the two blocks' calls, and XLA's CPU runtime may run them at
+    once. Such a program gives lax's numbers, or fails with an error that says the two calls
+    are of one program and how to order them (never numbers of calls paired across ranks in
+    different orders); with the block taking a value of the jacobian's result, lax's numbers."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("XLA's CPU runtime: GPUs run a device's calls on one stream in order")
+    needs_devices(2)
+    (tmp_path / "child.py").write_text(_UNLINKED_CHILD)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_GIN_TIMEOUT_S="20",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={ndev()}")
+    r = subprocess.run([sys.executable, str(tmp_path / "child.py"),
+                        "linked" if linked else "unlinked"], env=env, capture_output=True,
+                       text=True, timeout=120)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(("RESULT", "ERROR"))]
+    assert r.returncode == 0 and len(lines) == 1, r.stdout + r.stderr[-3000:]
+    if linked:
+        assert lines[0] == "RESULT lax", lines[0]
+    else:
+        assert lines[0] == "RESULT lax" or (
+            "two collectives ran concurrently" in lines[0]
+            and "Both are calls of one program that nothing orders" in lines[0]), lines[0]
