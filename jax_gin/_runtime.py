@@ -646,6 +646,21 @@ def num_communicators() -> int:
 resets = 0
 
 
+def wait_for_live_arrays() -> None:
+    """Wait until the programs that made this process's live arrays have run (JAX dispatches
+    them asynchronously); those whose results were dropped are not waited for. A failed
+    program's error belongs to whoever reads its results: here it only means it ended."""
+    arrays = jax.live_arrays()
+    try:
+        jax.block_until_ready(arrays)  # all at once; one failed program stops it
+    except Exception:  # noqa: BLE001
+        for a in arrays:
+            try:
+                a.block_until_ready()
+            except Exception:  # noqa: BLE001
+                pass
+
+
 def reset() -> None:
     """Forget every cached communicator, and JAX's compiled programs with them
     (jax.clear_caches()): a jitted function is lowered again at its next call, with new
@@ -655,14 +670,8 @@ def reset() -> None:
     run."""
     global resets
     resets += 1
-    # JAX dispatches programs asynchronously: wait for those whose results are alive, so that
-    # no communicator is destroyed under a call that is running or about to start. A failed
-    # program's error belongs to whoever reads its results; here it only means it ended.
-    for a in jax.live_arrays():
-        try:
-            a.block_until_ready()
-        except Exception:
-            pass
+    # so that no communicator is destroyed under a call that is running or about to start
+    wait_for_live_arrays()
     # Without clear_caches, a function jitted again (jax.jit(f) of the same f) would get its
     # old executable back from JAX's caches, which names a destroyed communicator.
     jax.clear_caches()

@@ -203,23 +203,6 @@ def _block_warnings(path, events: list, lost: dict, reset: bool) -> list:
     return out
 
 
-def _wait_for_dispatched() -> None:
-    """Wait until the computations that made this process's live arrays have run. JAX
-    dispatches asynchronously, so a block that ends without waiting for its results still has
-    calls queued; read now, the recorder would lack them. A failed computation's error is
-    left for the code that uses its result."""
-    import jax
-    arrays = jax.live_arrays()
-    try:
-        jax.block_until_ready(arrays)  # all at once; one failed computation stops it
-    except Exception:  # noqa: BLE001 - an error is the user's to see where they use its result
-        for a in arrays:
-            try:
-                a.block_until_ready()
-            except Exception:  # noqa: BLE001
-                pass
-
-
 @contextlib.contextmanager
 def trace(path):
     """Write every jax_gin call that this process's devices run inside the block to `path`
@@ -247,7 +230,8 @@ def trace(path):
         raise
     finally:
         if not body_raised:
-            _wait_for_dispatched()
+            # calls still queued (JAX dispatches asynchronously) are not yet in the recorder
+            _runtime.wait_for_live_arrays()
         t1 = time.monotonic_ns()
         _runtime.settings.record = before
         try:
