@@ -186,9 +186,8 @@ def _as_array(leaf, api):
 
 
 def _prepare(leaf, axes, api):
-    """The leaf as an array of a supported dtype, or of a _PACKED one (packed into words by
-    _gather_plan): (array, how to undo the dtype change)."""
-    leaf = _as_array(leaf, api)
+    """The leaf (an array: _as_array) as an array of a supported dtype, or of a _PACKED one
+    (packed into words by _gather_plan): (array, how to undo the dtype change)."""
     undo = None
     if api == "all_gather" and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
         # a key array moves as its key data (trailing dimensions of uint32), as lax's does
