@@ -221,7 +221,22 @@ class HostTransport {
   // may share 2 cores, and a waiter that spins or yields in a loop starves the very peer it
   // waits for (measured: 8 ms per small all-reduce with yield/sleep back-off, see git log).
   bool wait(int peer, int kind, uint64_t value, int step) {
-    std::atomic<uint64_t>& f = ws_.flags(rank_)[flag_index(0, peer, kind, nranks())];
+    return wait_on(ws_.flags(rank_)[flag_index(0, peer, kind, nranks())], peer, kind, value, step);
+  }
+
+  // Waits until the group's rank 0 (`leader`) starts call `seq` (run_call): its word in this
+  // rank's control reaches seq << 32. Returns the word, or 0 where the wait failed (error()).
+  uint64_t wait_turn(int leader, uint64_t seq) {
+    std::atomic<uint64_t>& w = ws_.control(rank_).turn;
+    return wait_on(w, leader, kData, seq << 32, kTurnStep) ? w.load(std::memory_order_acquire) : 0;
+  }
+
+  const std::string& error() const { return error_; }
+
+ private:
+  // Waits for flag (or turn word) `f` to reach `value`, sent by `peer` at `step` (kTurnStep:
+  // the turn word, before the call's first step).
+  bool wait_on(std::atomic<uint64_t>& f, int peer, int kind, uint64_t value, int step) {
     uint64_t seen = f.load(std::memory_order_acquire);
     if (seen >= value) return waited(peer, kind, value, step);
     for (int i = 0; i < 64; ++i) {
@@ -231,9 +246,10 @@ class HostTransport {
     // About to sleep: say what for in the state block, for a peer's hang report.
     RecState& st = ws_.rec_state(rank_);
     store_relaxed(st.wait_peer, int32_t(peer));
+    const bool turn = step == kTurnStep;
     store_relaxed(st.wait_step, int32_t(step));
-    store_relaxed(st.wait_round, round_of_wait(value, step));
-    store_relaxed(st.wait_place, uint16_t(place_of_wait(value, step)));
+    store_relaxed(st.wait_round, turn ? round0_ : round_of_wait(value, step));
+    store_relaxed(st.wait_place, uint16_t(turn ? 0 : place_of_wait(value, step)));
     store_relaxed(st.wait_kind, uint8_t(kind));
     store_release(st.wait_seq, st.seq);
     using clock = std::chrono::steady_clock;
@@ -278,9 +294,6 @@ class HostTransport {
     }
   }
 
-  const std::string& error() const { return error_; }
-
- private:
   bool waited(int peer, int kind, uint64_t value, int step) {
     if (entry_) note(kind == kCredit ? kRecCreditWait : kRecWait, step, peer, value);
     return true;
@@ -301,10 +314,16 @@ class HostTransport {
     WorkspaceHeader& h = ws_.header();
     Text wait;  // "waiting for peer 5 at step 2 of round 1 (flag 65538, expected 65539)"
     wait << "waiting for peer " << peer;
-    const uint64_t round = round_of_wait(expected, step);
-    if (step < 0) wait << " to release its window (credit) before round " << round;
-    else wait << " at step " << step << " of round " << round;
-    wait << " (flag " << seen << ", expected " << expected << ")";
+    if (step == kTurnStep) {
+      // the turn word: (call number << 32) | site
+      wait << " to start call #" << (expected >> 32) << " (it set the group's order of calls up "
+           << "to call #" << (seen >> 32) << ")";
+    } else {
+      const uint64_t round = round_of_wait(expected, step);
+      if (step < 0) wait << " to release its window (credit) before round " << round;
+      else wait << " at step " << step << " of round " << round;
+      wait << " (flag " << seen << ", expected " << expected << ")";
+    }
     Text os;
     os << "jax_gin " << call_op_name(op_) << " (" << algorithm_name(algo_) << ") on CPU: rank "
        << rank_ << " of group " << group_ << " (" << nranks() << " ranks) ";
@@ -380,7 +399,7 @@ bool run_all(HostTransport& tp, Algorithm algo, const Segment* seg, int nseg, si
 namespace {
 
 constexpr uint64_t kWorkspaceMagic = 0x314e49475f58414aull;  // "JAX_GIN1", little-endian
-constexpr uint32_t kWorkspaceVersion = 6;  // 2: three flag kinds per (lane, sender); 3: kMaxLanes 128; 4: recorder; 5: pid per rank; 6: first failure
+constexpr uint32_t kWorkspaceVersion = 7;  // 2: three flag kinds per (lane, sender); 3: kMaxLanes 128; 4: recorder; 5: pid per rank; 6: first failure; 7: turn word per rank
 constexpr size_t kHeaderBytes = 4096;
 constexpr size_t kPageBytes = 4096;
 
@@ -702,13 +721,10 @@ enum class Overlap {
   // call (on the device's XLA thread) and another block's (on the worker). XLA orders the
   // rest of one program's calls by their order tokens.
   kXlaBlocks,
-  // The rank's worker (submit): its previous call, queued by XLA, has not finished, and it
-  // came from another execution (XLA's run id): two programs that ran at once.
+  // The rank's worker (submit): calls of another execution (XLA's run id) are queued or
+  // running there: two programs that ran at once. (Calls of one execution are queued, and run
+  // in the group's order: Turn.)
   kXlaPrograms,
-  // The same, from the same execution: two calls of one program whose order chains nothing
-  // links (XLA's CPU runtime orders a call after the call whose order token it takes; calls of
-  // two independent chains, such as two independent shard_map blocks, may run at once).
-  kXlaProgram,
   // The busy flag under the caller's own threads (the threads harness: module.cc).
   kThreads,
 };
@@ -730,13 +746,6 @@ std::string concurrent_calls(const Comm& comm, int group, int rank, Overlap over
             "communicator and run at once (called from two threads, say): wait for one's "
             "results before calling the other";
       break;
-    case Overlap::kXlaProgram:
-      os << "Both are calls of one program that nothing orders against each other: two "
-            "shard_map blocks (or transformed copies of one, such as a jax.jacfwd or vmap of "
-            "it beside the block itself) on the same mesh axes, neither taking a value of the "
-            "other's results. Make one block take a value of the other's, or make the calls in "
-            "one shard_map (docs/design.md, Ordering)";
-      break;
     case Overlap::kThreads:
       os << "Each rank's calls must come one after the other, from one thread at a time";
       break;
@@ -744,12 +753,64 @@ std::string concurrent_calls(const Comm& comm, int group, int rank, Overlap over
   return os.str();
 }
 
+// The order of a group's calls (Turn): the group's rank 0 writes call `seq`'s site into the
+// others' turn words as it starts it; another rank waits for that (as for a peer's signal:
+// the timeout, a failed group, a process gone) and compares. Where rank 0 runs another call
+// first, a call that may decline is declined (turn.declined); one that may not fails, and its
+// group with it, since the ranks would pair different calls. An error, or empty. `round0`:
+// the call's first round, for the hang report.
+std::string take_turn(Comm& comm, Group& g, int group, int rank, Caller caller, Turn& turn,
+                      uint64_t seq, int op, Algorithm algo, size_t slot_bytes, uint64_t round0) {
+  Workspace& ws = *g.ws;
+  const int nranks = ws.nranks();
+  if (nranks == 1) return std::string();
+  if (rank == 0) {
+    const uint64_t word = (seq << 32) | turn.site;
+    for (int p = 1; p < nranks; ++p) {
+      // as HostTransport::signal: the store, then the peer's sleeper count
+      std::atomic<uint64_t>& w = ws.control(p).turn;
+      w.store(word, std::memory_order_seq_cst);
+      if (ws.control(p).sleepers.load(std::memory_order_seq_cst) != 0) futex_wake(&w);
+    }
+    return std::string();
+  }
+  HostTransport tp(g, comm.config, group, rank, slot_bytes, op, algo, nullptr, round0);
+  const uint64_t word = tp.wait_turn(0, seq);
+  if (word == 0) return tp.error();
+  const uint32_t lead = uint32_t(word);
+  if ((word >> 32) == seq && lead == turn.site) return std::string();
+  if ((word >> 32) == seq && turn.may_decline) {
+    turn.declined = true;
+    turn.leader_site = lead;
+    return std::string();
+  }
+  Text what;
+  what << "started call #" << seq << " as the program's jax_gin call " << turn.site
+       << ", but rank 0 started call #" << (word >> 32) << " as its call " << lead;
+  Text os;
+  os << "jax_gin " << call_op_name(op) << " (" << algorithm_name(algo) << ") on CPU: rank " << rank
+     << " of group " << group << " (" << nranks << " ranks) " << what.str()
+     << ". The ranks of a group make the same calls on a communicator, in rank 0's order, or "
+        "they would pair different calls. ";
+  if (turn.waited)
+    os << "This rank waited " << comm.config.timeout_s << " s for rank 0's call, and it did not "
+          "come: do all devices run the same program?";
+  else if (caller == Caller::kXla)
+    os << "A partially-manual shard_map's calls run in the order they come: where such a block "
+          "and another shard_map over the same mesh axes take nothing from each other's "
+          "results, make one take a value of the other's (docs/design.md, Ordering)";
+  else
+    os << "Each rank's calls must come in the same order";
+  fail_group(g, rank, what.str() + ".", os.str());
+  return os.str();
+}
+
 // One rank's call: the checks, the busy flag and the flight recorder around `body(tp, round)`,
 // which runs the schedule over a HostTransport whose slots are `slot_bytes` apart and returns
 // false on failure. `op` is the call's op (CallOp), `bytes` its message size for the recorder.
 template <class Body>
-std::string run_call(Comm& comm, int group, int rank, Caller caller, DType dtype, int op,
-                     Algorithm algo, size_t slot_bytes, size_t bytes, Body&& body) {
+std::string run_call(Comm& comm, int group, int rank, Caller caller, Turn* turn, DType dtype,
+                     int op, Algorithm algo, size_t slot_bytes, size_t bytes, Body&& body) {
   if (group < 0 || group >= int(comm.groups.size()) || rank < 0 || rank >= comm.config.nranks ||
       !comm.groups[group]->ws) {
     Text os;
@@ -791,12 +852,30 @@ std::string run_call(Comm& comm, int group, int rank, Caller caller, DType dtype
   // Flight recorder: the state block always (a few stores), the ring entry when recording.
   RecState& st = ws.rec_state(rank);
   const uint64_t seq = st.seq + 1;
+  const RecState last = st;  // the last call's fields, which a declined call puts back
   store_relaxed(st.op, int8_t(op));
   store_relaxed(st.algorithm, int8_t(algo));
   store_relaxed(st.dtype, int8_t(dtype));
   store_relaxed(st.failed, uint8_t(0));
   store_relaxed(st.bytes, uint64_t(bytes));
   store_release(st.seq, seq);
+  Turn unknown;
+  std::string err = take_turn(comm, g, group, rank, caller, turn ? *turn : unknown, seq, op,
+                              algo, slot_bytes, round + 1);
+  if (!err.empty() || (turn && turn->declined)) {
+    if (err.empty()) {  // declined: the state block shows the last call again
+      store_relaxed(st.op, last.op);
+      store_relaxed(st.algorithm, last.algorithm);
+      store_relaxed(st.dtype, last.dtype);
+      store_relaxed(st.failed, last.failed);
+      store_relaxed(st.bytes, last.bytes);
+      store_release(st.seq, seq - 1);
+    } else {
+      store_relaxed(st.failed, uint8_t(1));
+      store_release(st.done, seq);
+    }
+    return err;
+  }
   RecEntry* entry = nullptr;
   if (g_record.load(std::memory_order_relaxed)) {
     entry = ws.rec_ring(rank) + rec_slot(seq, uint64_t(ws.record_entries()));
@@ -838,7 +917,7 @@ std::string locate(const Comm& comm, uint32_t logical_id, int* group, int* rank)
 }  // namespace
 
 std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Algorithm algo,
-                      Segment* seg, int nseg, int call_op, Caller caller) {
+                      Segment* seg, int nseg, int call_op, Caller caller, Turn* turn) {
   if (nseg < 1 || nseg > kMaxSegments) return "jax_gin: " + std::to_string(nseg) + " buffers in one call (1.." +
                                               std::to_string(kMaxSegments) + " allowed)";
   const int nranks = comm.config.nranks;
@@ -856,8 +935,8 @@ std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Al
     return os.str();
   }
   const size_t slot_bytes = schedule::slot_elems(algo, nranks, lane_bytes, esize, rpn) * esize;
-  return run_call(comm, group, rank, caller, dtype, call_op >= 0 ? call_op : int(op), algo, slot_bytes,
-                  count * esize,
+  return run_call(comm, group, rank, caller, turn, dtype, call_op >= 0 ? call_op : int(op), algo,
+                  slot_bytes, count * esize,
                   [&](HostTransport& tp, uint64_t& round) {
     return with_dtype<HostElem>(dtype, false, [&](auto elem) {
       using T = typename decltype(elem)::type;
@@ -869,7 +948,7 @@ std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Al
 }
 
 std::string collective(Comm& comm, int group, int rank, DType dtype, int call_op, Algorithm algo,
-                       const void* in, void* out, size_t block, Caller caller) {
+                       const void* in, void* out, size_t block, Caller caller, Turn* turn) {
   if (call_op != kOpReduceScatter && call_op != kOpAllGather)
     return "jax_gin: unknown collective op " + std::to_string(call_op);
   if (!schedule::coll_supported(algo)) {
@@ -888,7 +967,7 @@ std::string collective(Comm& comm, int group, int rank, DType dtype, int call_op
   const size_t slot_bytes = schedule::coll_slot_elems(algo, nranks, lane_bytes, esize) * esize;
   // the recorder's size: the larger side, as nccl-tests reports these collectives
   const size_t bytes = block * esize * size_t(nranks);
-  return run_call(comm, group, rank, caller, dtype, call_op, algo, slot_bytes, bytes,
+  return run_call(comm, group, rank, caller, turn, dtype, call_op, algo, slot_bytes, bytes,
                   [&](HostTransport& tp, uint64_t& round) {
     return with_dtype<HostElem>(dtype, false, [&](auto elem) {
       using T = typename decltype(elem)::type;
@@ -899,19 +978,20 @@ std::string collective(Comm& comm, int group, int rank, DType dtype, int call_op
 }
 
 std::string collective_logical(Comm& comm, uint32_t logical_id, DType dtype, int call_op,
-                               Algorithm algo, const void* in, void* out, size_t block) {
+                               Algorithm algo, const void* in, void* out, size_t block,
+                               Turn* turn) {
   int group = 0, rank = 0;
   std::string err = locate(comm, logical_id, &group, &rank);
   if (!err.empty()) return err;
-  return collective(comm, group, rank, dtype, call_op, algo, in, out, block, Caller::kXla);
+  return collective(comm, group, rank, dtype, call_op, algo, in, out, block, Caller::kXla, turn);
 }
 
 std::string allreduce_logical(Comm& comm, uint32_t logical_id, DType dtype, RedOp op,
-                              Algorithm algo, Segment* seg, int nseg, int call_op) {
+                              Algorithm algo, Segment* seg, int nseg, int call_op, Turn* turn) {
   int group = 0, rank = 0;
   std::string err = locate(comm, logical_id, &group, &rank);
   if (!err.empty()) return err;
-  return allreduce(comm, group, rank, dtype, op, algo, seg, nseg, call_op, Caller::kXla);
+  return allreduce(comm, group, rank, dtype, op, algo, seg, nseg, call_op, Caller::kXla, turn);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -927,11 +1007,16 @@ namespace {
 // step's, the next step's) come well within it.
 constexpr std::chrono::milliseconds kWorkerIdle{1000};
 
+// How often a declined call is tried again while the call that rank 0 runs first has not come
+// to the rank's worker (RankWorker::loop).
+constexpr std::chrono::milliseconds kTurnRetry{1};
+
 }  // namespace
 
-RankWorker::RankWorker(int64_t comm_id, uint32_t logical_id)
+RankWorker::RankWorker(int64_t comm_id, uint32_t logical_id, double timeout_s)
     : s_(std::make_shared<State>()),
-      name_("jax_gin:" + std::to_string(comm_id) + "/" + std::to_string(logical_id)) {}
+      name_("jax_gin:" + std::to_string(comm_id) + "/" + std::to_string(logical_id)),
+      timeout_s_(timeout_s) {}
 
 RankWorker::~RankWorker() {
   std::thread t;
@@ -948,64 +1033,104 @@ RankWorker::~RankWorker() {
   else t.join();
 }
 
-bool RankWorker::submit(Work work, Done done, int64_t run_id, int64_t* busy_run_id) {
+bool RankWorker::submit(Work work, Done done, uint32_t site, int64_t run_id) {
   {
     std::lock_guard<std::mutex> lock(s_->mu);
-    if (s_->busy) {
-      *busy_run_id = s_->run_id;
-      return false;
-    }
+    if (s_->pending > 0 && s_->run_id != run_id) return false;
     if (!s_->running) {
       // The first call, or the thread ended idle (it decided so under this mutex, and detached
       // itself: s_->thread is empty): a fresh one runs this call.
       try {
-        s_->thread = std::thread(&RankWorker::loop, s_, name_);
+        s_->thread = std::thread(&RankWorker::loop, s_, name_, timeout_s_);
       } catch (const std::system_error& e) {
         throw CannotStart(e.what());
       }
       s_->running = true;
     }
-    s_->call.emplace(std::move(work), std::move(done));
-    s_->busy = true;  // after the queueing, which may throw
+    s_->calls.push_back(Call{std::move(work), std::move(done), site});
+    ++s_->pending;  // after the queueing, which may throw
     s_->run_id = run_id;
   }
   s_->cv.notify_one();
   return true;
 }
 
-void RankWorker::loop(std::shared_ptr<State> s, std::string name) {
+void RankWorker::loop(std::shared_ptr<State> s, std::string name, double timeout_s) {
   name.resize(std::min<size_t>(name.size(), 15));  // the kernel's limit on a thread's name
   pthread_setname_np(pthread_self(), name.c_str());
+  using clock = std::chrono::steady_clock;
+  uint32_t want = 0;  // the site of rank 0's call, which a declined call waits for; 0: none
+  clock::time_point until;  // how long it waits
   for (;;) {
-    std::pair<Work, Done> call;
+    Call call;
+    Turn turn;
+    turn.may_decline = true;
+    bool retry = false;  // the declined call again, to see whether rank 0 has gone on
     {
       std::unique_lock<std::mutex> lock(s->mu);
-      s->cv.wait_for(lock, kWorkerIdle, [&] { return s->stop || s->call; });
-      if (!s->call) {
-        // Stopped (the queued call has run; ~RankWorker took the thread out of the State, to
-        // join it or, on this very thread, detach it), or idle for kWorkerIdle: end, and
-        // detach this thread, so that it is reaped as it ends (no one joins it now). Decided
-        // under the mutex that submit queues under: a call queued before this saw no
-        // `running` thread starts a fresh one.
-        s->running = false;
-        if (s->thread.joinable()) s->thread.detach();
-        return;
+      auto it = s->calls.begin();
+      if (want != 0) {
+        // The declined call is queued again: wait for rank 0's call to come too. Every
+        // kTurnRetry the declined call is tried again, since rank 0's call may have run on
+        // the device's own thread (a partially-manual block's) and rank 0 gone on. Where it
+        // does not come within the timeout, the first call runs, and fails (take_turn): the
+        // ranks would pair it with another.
+        auto wanted = [&] {
+          it = std::find_if(s->calls.begin(), s->calls.end(),
+                            [&](const Call& c) { return c.site == want; });
+          return s->stop || it != s->calls.end();
+        };
+        s->cv.wait_until(lock, std::min(until, clock::now() + kTurnRetry), wanted);
+        if (it == s->calls.end()) {
+          it = s->calls.begin();
+          if (s->stop || clock::now() >= until) {
+            turn.may_decline = false;
+            turn.waited = !s->stop;
+          } else {
+            retry = true;
+          }
+        }
+        want = 0;
+      } else {
+        s->cv.wait_for(lock, kWorkerIdle, [&] { return s->stop || !s->calls.empty(); });
+        if (s->calls.empty()) {
+          // Stopped (the queued calls have run; ~RankWorker took the thread out of the State,
+          // to join it or, on this very thread, detach it), or idle for kWorkerIdle: end, and
+          // detach this thread, so that it is reaped as it ends (no one joins it now).
+          // Decided under the mutex that submit queues under: a call queued before this saw
+          // no `running` thread starts a fresh one.
+          s->running = false;
+          if (s->thread.joinable()) s->thread.detach();
+          return;
+        }
+        it = s->calls.begin();
       }
-      call = std::move(*s->call);
-      s->call.reset();
+      call = std::move(*it);
+      s->calls.erase(it);
     }
-    const std::string err = call.first();
-    {
-      // Free before `done`: XLA may start this rank's next call from inside it.
+    turn.site = call.site;
+    const std::string err = call.work(turn);
+    if (turn.declined) {
+      // Rank 0 runs call `leader_site` first: this one waits at the front of the queue.
       std::lock_guard<std::mutex> lock(s->mu);
-      s->busy = false;
+      s->calls.push_front(std::move(call));
+      want = turn.leader_site;
+      if (!retry)
+        until = clock::now() + std::chrono::duration_cast<clock::duration>(
+                                   std::chrono::duration<double>(timeout_s));
+      continue;
     }
-    call.second(err);
+    {
+      // Counted off before `done`: XLA may start this rank's next call from inside it.
+      std::lock_guard<std::mutex> lock(s->mu);
+      --s->pending;
+    }
+    call.done(err);
   }
 }
 
 std::string submit(Comm& comm, uint32_t logical_id, RankWorker::Work work,
-                   RankWorker::Done done, int64_t run_id) {
+                   RankWorker::Done done, uint32_t site, int64_t run_id) {
   int group = 0, rank = 0;
   std::string err = locate(comm, logical_id, &group, &rank);
   if (!err.empty()) return err;
@@ -1016,14 +1141,12 @@ std::string submit(Comm& comm, uint32_t logical_id, RankWorker::Work work,
       std::lock_guard<std::mutex> lock(comm.workers_mu);
       if (comm.workers.empty()) comm.workers.resize(comm.config.group_of.size());
       auto& w = comm.workers[logical_id];
-      if (!w) w.reset(new RankWorker(comm.id, logical_id));
+      if (!w) w.reset(new RankWorker(comm.id, logical_id, comm.config.timeout_s));
       worker = w.get();
     }
-    int64_t busy_run_id = 0;
-    if (worker->submit(std::move(work), std::move(done), run_id, &busy_run_id))
+    if (worker->submit(std::move(work), std::move(done), site, run_id))
       return std::string();
-    return concurrent_calls(comm, group, rank,
-                            busy_run_id == run_id ? Overlap::kXlaProgram : Overlap::kXlaPrograms);
+    return concurrent_calls(comm, group, rank, Overlap::kXlaPrograms);
   } catch (const RankWorker::CannotStart& e) {
     what = std::string("could not start its worker thread (") + e.what() + ")";
   } catch (const std::exception& e) {

@@ -12,10 +12,10 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -77,7 +77,11 @@ struct alignas(64) RankControl {
                                    // wake-up syscall when there are none
   std::atomic<int32_t> pid;        // the process that runs this rank (set by join)
   int32_t process;                 // its jax.process_index()
+  // The call that the group's rank 0 runs: (its call number << 32) | its site (Turn), written
+  // by rank 0 into every other rank's word as it starts the call (run_call).
+  std::atomic<uint64_t> turn;
 };
+static_assert(sizeof(RankControl) == 64, "RankControl is one cache line");
 
 // One group's symmetric workspace: all ranks' windows, flags and round counters, and the
 // flight recorder (recorder.h): each rank's state block and ring of `record_entries` calls.
@@ -159,50 +163,81 @@ struct Group {
   std::string first_error;  // the first failed rank's error here (fail_group), or empty
 };
 
+// Which call of its program a rank's call is, and whether it may wait for another. The ranks of
+// a group run their calls in the order that the group's rank 0 runs them: rank 0 writes each
+// call's site into the others' control words as it starts it, and another rank's call first
+// waits for that and compares (run_call). Where XLA hands a rank two calls that nothing orders
+// against each other (two independent shard_map blocks of one program), each rank's worker
+// thus runs them in rank 0's order, whichever came first to it.
+struct Turn {
+  // The program's custom call (the lowering's "site" attribute: a number unique in its module,
+  // the same in every process); 0 where not known (the threads harness).
+  uint32_t site = 0;
+  // On the rank's worker: where rank 0 runs another call first, the call returns at once
+  // without running (declined), naming that call's site, which the worker runs first.
+  // Elsewhere the call fails: its rank would pair it with another call.
+  bool may_decline = false;
+  // The worker waited the timeout for rank 0's call, which did not come; this one runs, and
+  // fails.
+  bool waited = false;
+  bool declined = false;
+  uint32_t leader_site = 0;  // the site of rank 0's call, where declined
+};
+
 // The thread that runs one rank's calls, one after another, for the FFI handlers (ffi_cpu.cc).
 // They hand a call to it and return a future at once, so that the device's XLA thread goes on
 // with the operations that do not need the call's results (a lax collective, say) while the
 // rank waits for its peers here: a device blocked inside a jax_gin call while its peers block
 // in XLA's rendezvous of a lax collective was a deadlock. A call's `done` runs on this thread
 // (XLA continues the program from the future's completion there, and may hand it the rank's
-// next call). The thread starts at the first call, and ends by itself after about a second
+// next call). Calls of one program that XLA hands it while one runs (two independent blocks'
+// calls) are queued, and run in the order of the group's rank 0 (Turn). The thread starts at
+// the first call, and ends by itself after about a second
 // without one (cpu_backend.cc: kWorkerIdle); the next call starts a fresh one. A queued call
 // holds its communicator, so the communicator's last reference may go on this very thread,
 // which then outlives its RankWorker: the thread uses only its shared State. The thread is
 // named "jax_gin:<communicator>/<device>" (as gdb and top show it).
 class RankWorker {
  public:
-  using Work = std::function<std::string()>;           // the call: its error, or empty
+  // The call (its error, or empty), told its site and whether it may decline (Turn).
+  using Work = std::function<std::string(Turn&)>;
   using Done = std::function<void(const std::string&)>;  // told the call's error, or empty
   // submit's error where no thread can start (a limit on threads): what() is the system's.
   struct CannotStart : std::runtime_error {
     using std::runtime_error::runtime_error;
   };
-  RankWorker(int64_t comm_id, uint32_t logical_id);  // starts no thread
-  ~RankWorker();  // runs the call already queued, then ends the thread
+  // `timeout_s`: how long a declined call's worker waits for the call that rank 0 runs first.
+  RankWorker(int64_t comm_id, uint32_t logical_id, double timeout_s);  // starts no thread
+  ~RankWorker();  // runs the calls already queued, then ends the thread
   RankWorker(const RankWorker&) = delete;
   RankWorker& operator=(const RankWorker&) = delete;
-  // Queues a call of XLA's execution `run_id`, starting a thread where none runs (CannotStart
-  // where it cannot); false (and nothing queued) while the previous call has not finished,
-  // with that call's run id in *busy_run_id.
-  bool submit(Work work, Done done, int64_t run_id, int64_t* busy_run_id);
+  // Queues call `site` of XLA's execution `run_id`, starting a thread where none runs
+  // (CannotStart where it cannot); false (and nothing queued) while calls of another execution
+  // are queued or running.
+  bool submit(Work work, Done done, uint32_t site, int64_t run_id);
 
  private:
+  struct Call {
+    Work work;
+    Done done;
+    uint32_t site;
+  };
   struct State {
     std::mutex mu;  // guards all of the below
     std::condition_variable cv;
-    std::optional<std::pair<Work, Done>> call;  // queued, not yet taken by the thread
-    bool busy = false;  // a call is queued or running (its `done` not yet called): one at most
-    int64_t run_id = 0;  // XLA's execution that the busy call belongs to
+    std::deque<Call> calls;  // queued, not yet taken by the thread
+    int pending = 0;     // calls queued or running (their `done` not yet called)
+    int64_t run_id = 0;  // XLA's execution that the pending calls belong to
     bool stop = false;
     // A thread runs loop() and will take a queued call: false before the first call and once
     // the thread decided to end (idle), which it does under `mu`, detaching itself.
     bool running = false;
     std::thread thread;  // the running thread, for ~RankWorker to join; empty once detached
   };
-  static void loop(std::shared_ptr<State> s, std::string name);
+  static void loop(std::shared_ptr<State> s, std::string name, double timeout_s);
   std::shared_ptr<State> s_;
   std::string name_;  // the thread's
+  double timeout_s_;
 };
 
 struct Comm {
@@ -256,34 +291,39 @@ std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Al
 // Several buffers of one dtype reduced as one message (message.h): `seg` holds each buffer's
 // count, in and out; this fills in their logical starts. 1 <= nseg <= kMaxSegments.
 // `call_op`: the call as recorded and reported (CallOp) where it is not `op`'s all-reduce
-// (the fused norms'); -1: op.
+// (the fused norms'); -1: op. `turn`: the call's site, and whether it may decline (null:
+// site 0, and it may not).
 std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Algorithm algo,
-                      Segment* seg, int nseg, int call_op = -1, Caller caller = Caller::kThreads);
+                      Segment* seg, int nseg, int call_op = -1, Caller caller = Caller::kThreads,
+                      Turn* turn = nullptr);
 
 // One rank's part of a reduce-scatter (call_op kOpReduceScatter, a sum) or all-gather
 // (kOpAllGather) of blocks of `block` elements (collectives.h): a reduce-scatter reads
 // nranks blocks from `in` and writes one to `out`, an all-gather the other way round.
 // block * dtype size must be a multiple of 16 bytes.
 std::string collective(Comm& comm, int group, int rank, DType dtype, int call_op, Algorithm algo,
-                       const void* in, void* out, size_t block, Caller caller = Caller::kThreads);
+                       const void* in, void* out, size_t block, Caller caller = Caller::kThreads,
+                       Turn* turn = nullptr);
 std::string collective_logical(Comm& comm, uint32_t logical_id, DType dtype, int call_op,
-                               Algorithm algo, const void* in, void* out, size_t block);
+                               Algorithm algo, const void* in, void* out, size_t block,
+                               Turn* turn);
 
 // Same, addressed by the logical device id that XLA reports as the partition id.
 std::string allreduce_logical(Comm& comm, uint32_t logical_id, DType dtype, RedOp op,
-                              Algorithm algo, Segment* seg, int nseg, int call_op = -1);
+                              Algorithm algo, Segment* seg, int nseg, int call_op, Turn* turn);
 
-// Runs `work` (a call of logical device `logical_id` in XLA's execution `run_id`:
+// Runs `work` (call `site` of logical device `logical_id` in XLA's execution `run_id`:
 // allreduce_logical or collective_logical, say) on that device's worker thread, then `done`
 // with its error (empty: success) on the same thread. Returns an error, and runs neither,
 // where the device is not in the communicator, its worker thread cannot start (a limit on
 // threads; the group then fails, so that its peers give up at once, repeating this error; a
-// thread starts at a rank's first call and after an idle second) or its previous call has not
-// finished. XLA starts a call once the call whose order token it takes is done, so the calls
-// of one chain come one after the other; calls of chains that nothing links (two programs, or
-// two independent blocks of one: the error says which) may come at once.
+// thread starts at a rank's first call and after an idle second) or calls of another
+// execution are queued or running there (two programs that run at once). XLA starts a call
+// once the call whose order token it takes is done, so the calls of one chain come one after
+// the other; those of chains that nothing links (two independent blocks of one program) may
+// come at once, and are queued (Turn).
 std::string submit(Comm& comm, uint32_t logical_id, RankWorker::Work work,
-                   RankWorker::Done done, int64_t run_id);
+                   RankWorker::Done done, uint32_t site, int64_t run_id);
 
 }  // namespace cpu
 }  // namespace jax_gin

@@ -6,7 +6,9 @@
 // ready, which can differ between devices, so a device that blocked inside a jax_gin call
 // while its peers blocked in the rendezvous of an independent lax collective (or the other
 // way round) deadlocked. XLA starts a call only once the previous one of its order chain has
-// completed (the order token), so each rank's calls still run one at a time, in order.
+// completed (the order token), so each rank's calls of one chain run one at a time, in order;
+// calls of chains that nothing links are queued, and run in the order of the group's rank 0
+// (cpu_backend.h: Turn), by the "site" attribute that tells a program's calls apart.
 // The partitioned all-reduce (a partially-manual shard_map's, whose uint32 tokens order only
 // the calls of one block) runs on the device's XLA thread instead, as the handlers did before.
 // The asynchronous pair of the GPU is synchronous here: the start reduces, the done returns
@@ -49,7 +51,7 @@ ffi::Future completed(const std::string& err) {
 // Runs `work` (this device's rank of a call: its error text, empty on success) on the rank's
 // worker thread; the future completes there, with the error as an INTERNAL one, as the
 // synchronous handlers returned it.
-ffi::Future run_on_worker(cpu::Comm& c, uint32_t logical_id, ffi::RunId run,
+ffi::Future run_on_worker(cpu::Comm& c, uint32_t logical_id, ffi::RunId run, int32_t site,
                           cpu::RankWorker::Work work) {
   ffi::Promise promise;
   ffi::Future future(promise);
@@ -58,7 +60,7 @@ ffi::Future run_on_worker(cpu::Comm& c, uint32_t logical_id, ffi::RunId run,
                                   if (e.empty()) promise.SetAvailable();
                                   else promise.SetError(ffi::Error::Internal(e));
                                 },
-                                run.run_id);
+                                uint32_t(site), run.run_id);
   if (!err.empty()) promise.SetError(ffi::Error::Internal(err));
   return future;
 }
@@ -67,7 +69,7 @@ ffi::Future run_on_worker(cpu::Comm& c, uint32_t logical_id, ffi::RunId run,
 // on the device's XLA thread, which waits for it (the partitioned target, below).
 ffi::Future AllReduce(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id,
                       ffi::RemainingArgs& xs, ffi::RemainingRets& outs, int64_t comm, int32_t op,
-                      int32_t algorithm, bool here = false) {
+                      int32_t algorithm, int32_t site, bool here = false) {
   DType dtype;
   std::array<Segment, kMaxSegments> seg;
   int nseg = 0;
@@ -77,23 +79,28 @@ ffi::Future AllReduce(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id,
   auto c = cpu::find_comm(comm_id(comm));
   if (!names_comm(c.get(), comm)) return failed(missing_comm(comm));
   const uint32_t logical_id = partition_id.typed_data()[0];
-  if (here)
+  if (here) {
+    cpu::Turn turn;
+    turn.site = uint32_t(site);
     return completed(cpu::allreduce_logical(*c, logical_id, dtype, RedOp(op),
-                                            Algorithm(algorithm), seg.data(), nseg));
+                                            Algorithm(algorithm), seg.data(), nseg, -1, &turn));
+  }
   // The call holds the communicator (cpu_backend.h: RankWorker).
-  return run_on_worker(*c, logical_id, run, [c, logical_id, dtype, op, algorithm, seg, nseg]() mutable {
+  return run_on_worker(*c, logical_id, run, site,
+                       [c, logical_id, dtype, op, algorithm, seg, nseg](cpu::Turn& turn) mutable {
     return cpu::allreduce_logical(*c, logical_id, dtype, RedOp(op), Algorithm(algorithm),
-                                  seg.data(), nseg);
+                                  seg.data(), nseg, -1, &turn);
   });
 }
 
 // The order token (an HLO token: _primitive.py's chain) orders the calls; it holds nothing.
 ffi::Future CpuAllReduceImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id, ffi::Token order_in,
                             ffi::RemainingArgs xs, ffi::Result<ffi::Token> order_out,
-                            ffi::RemainingRets outs, int64_t comm, int32_t op, int32_t algorithm) {
+                            ffi::RemainingRets outs, int64_t comm, int32_t op, int32_t algorithm,
+                            int32_t site) {
   (void)order_in;
   (void)order_out;
-  return AllReduce(run, partition_id, xs, outs, comm, op, algorithm);
+  return AllReduce(run, partition_id, xs, outs, comm, op, algorithm, site);
 }
 
 // The synchronous all-reduce with a uint32 order token: what a partially-manual shard_map
@@ -107,10 +114,10 @@ ffi::Future CpuAllReducePartitionedImpl(ffi::RunId run, ffi::Buffer<ffi::U32> pa
                                        ffi::Buffer<ffi::U32> order_in, ffi::RemainingArgs xs,
                                        ffi::Result<ffi::Buffer<ffi::U32>> order_out,
                                        ffi::RemainingRets outs, int64_t comm, int32_t op,
-                                       int32_t algorithm) {
+                                       int32_t algorithm, int32_t site) {
   (void)order_in;
   order_out->typed_data()[0] = 0;
-  return AllReduce(run, partition_id, xs, outs, comm, op, algorithm, /*here=*/true);
+  return AllReduce(run, partition_id, xs, outs, comm, op, algorithm, site, /*here=*/true);
 }
 
 ffi::Future CpuAllReduceStartImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id,
@@ -118,13 +125,13 @@ ffi::Future CpuAllReduceStartImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partitio
                                  ffi::RemainingArgs xs, ffi::Result<ffi::Token> order_out,
                                  ffi::RemainingRets outs, int64_t comm, int32_t op,
                                  int32_t algorithm, int32_t max_lanes, int32_t slot,
-                                 int32_t copy_engine) {
+                                 int32_t copy_engine, int32_t site) {
   (void)max_lanes;  // one lane per rank on the CPU
   (void)slot;
   (void)copy_engine;  // a GPU transport; the CPU runs the algorithm's schedule (same results)
   (void)order_in;
   (void)order_out;
-  return AllReduce(run, partition_id, xs, outs, comm, op, algorithm);
+  return AllReduce(run, partition_id, xs, outs, comm, op, algorithm, site);
 }
 
 ffi::Error CpuAllReduceDoneImpl(ffi::Token order_in, ffi::RemainingArgs operands,
@@ -154,7 +161,7 @@ ffi::Error CpuAllReduceDoneImpl(ffi::Token order_in, ffi::RemainingArgs operands
 ffi::Future cpu_add_norm(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x,
                          ffi::AnyBuffer residual, ffi::AnyBuffer weight, const ffi::AnyBuffer* bias,
                          ffi::Result<ffi::AnyBuffer> normed, ffi::Result<ffi::AnyBuffer> new_residual,
-                         int64_t comm, int32_t algorithm, float eps) {
+                         int64_t comm, int32_t algorithm, float eps, int32_t site) {
   size_t rows = 0, d = 0;
   DType dtype;
   // This also checks that the element type has the epilogue (NormElem).
@@ -174,10 +181,10 @@ ffi::Future cpu_add_norm(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id, ffi
   void* out = normed->untyped_data();
   Segment seg{0, x.element_count(), x.untyped_data(), nr};
   const int call_op = bias ? kOpAddLayerNorm : kOpAddRmsNorm;
-  return run_on_worker(*c, logical_id, run, [=]() mutable {
+  return run_on_worker(*c, logical_id, run, site, [=](cpu::Turn& turn) mutable {
     std::string err = cpu::allreduce_logical(*c, logical_id, dtype, RedOp::kSum,
-                                             Algorithm(algorithm), &seg, 1, call_op);
-    if (!err.empty()) return err;
+                                             Algorithm(algorithm), &seg, 1, call_op, &turn);
+    if (!err.empty() || turn.declined) return err;
     with_dtype<HostElem>(dtype, false, [&](auto tag) {
       using T = typename decltype(tag)::type;
       if constexpr (NormElem<T>::ok) {
@@ -200,9 +207,9 @@ ffi::Future CpuAddRmsNormImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id
                               ffi::AnyBuffer residual, ffi::AnyBuffer weight, ffi::Result<ffi::Token>,
                               ffi::Result<ffi::AnyBuffer> normed,
                               ffi::Result<ffi::AnyBuffer> new_residual, int64_t comm,
-                              int32_t algorithm, float eps) {
+                              int32_t algorithm, float eps, int32_t site) {
   return cpu_add_norm(run, partition_id, x, residual, weight, nullptr, normed, new_residual, comm,
-                      algorithm, eps);
+                      algorithm, eps, site);
 }
 
 ffi::Future CpuAddLayerNormImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id, ffi::Token,
@@ -210,9 +217,9 @@ ffi::Future CpuAddLayerNormImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_
                                 ffi::AnyBuffer residual, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
                                 ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> normed,
                                 ffi::Result<ffi::AnyBuffer> new_residual, int64_t comm,
-                                int32_t algorithm, float eps) {
+                                int32_t algorithm, float eps, int32_t site) {
   return cpu_add_norm(run, partition_id, x, residual, weight, &bias, normed, new_residual, comm,
-                      algorithm, eps);
+                      algorithm, eps, site);
 }
 
 // The fused norms' bindings, one list for both: this head, then LayerNorm's bias, then the tail
@@ -225,14 +232,15 @@ auto norm_binding_head() {
 }
 template <class Binding>
 auto norm_binding_tail(Binding b) {
-  return norm_results(std::move(b).template Ret<ffi::Token>());  // order token for the next call
+  return norm_results(std::move(b).template Ret<ffi::Token>())  // order token for the next call
+      .template Attr<int32_t>("site");                            // the program's call (Turn)
 }
 
 // psum_scatter and all_gather (collectives.h): one buffer in, one out.
 ffi::Future CpuCollectiveImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id, ffi::Token order_in,
                               ffi::AnyBuffer x, ffi::Result<ffi::Token> order_out,
                               ffi::Result<ffi::AnyBuffer> y, int64_t comm, int32_t op,
-                              int32_t algorithm) {
+                              int32_t algorithm, int32_t site) {
   (void)order_in;
   (void)order_out;
   auto c = cpu::find_comm(comm_id(comm));
@@ -245,9 +253,9 @@ ffi::Future CpuCollectiveImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id
   const uint32_t logical_id = partition_id.typed_data()[0];
   const void* in = x.untyped_data();
   void* out = y->untyped_data();
-  return run_on_worker(*c, logical_id, run, [=] {
+  return run_on_worker(*c, logical_id, run, site, [=](cpu::Turn& turn) {
     return cpu::collective_logical(*c, logical_id, dtype, op, Algorithm(algorithm), in, out,
-                                   block);
+                                   block, &turn);
   });
 }
 
@@ -264,7 +272,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAllReduce, jax_gin::CpuAllReduceImpl,
                                   .RemainingRets()                // their reductions, in order
                                   .Attr<int64_t>("comm")          // communicator id (runtime)
                                   .Attr<int32_t>("op")            // RedOp
-                                  .Attr<int32_t>("algorithm"));   // Algorithm
+                                  .Attr<int32_t>("algorithm")     // Algorithm
+                                  .Attr<int32_t>("site"));        // the program's call (Turn)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAllReducePartitioned, jax_gin::CpuAllReducePartitionedImpl,
                               ffi::Ffi::Bind()
@@ -276,7 +285,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAllReducePartitioned, jax_gin::CpuAllRedu
                                   .RemainingRets()                // their reductions, in order
                                   .Attr<int64_t>("comm")          // communicator id (runtime)
                                   .Attr<int32_t>("op")            // RedOp
-                                  .Attr<int32_t>("algorithm"));   // Algorithm
+                                  .Attr<int32_t>("algorithm")     // Algorithm
+                                  .Attr<int32_t>("site"));        // the program's call (Turn)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAllReduceStart, jax_gin::CpuAllReduceStartImpl,
                               ffi::Ffi::Bind()
@@ -291,7 +301,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAllReduceStart, jax_gin::CpuAllReduceStar
                                   .Attr<int32_t>("algorithm")     // Algorithm
                                   .Attr<int32_t>("max_lanes")     // GPU lane cap (unused here)
                                   .Attr<int32_t>("slot")          // GPU event slot (unused here)
-                                  .Attr<int32_t>("copy_engine")); // GPU transport (unused here)
+                                  .Attr<int32_t>("copy_engine")   // GPU transport (unused here)
+                                  .Attr<int32_t>("site"));        // the program's call (Turn)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuAllReduceDone, jax_gin::CpuAllReduceDoneImpl,
                               ffi::Ffi::Bind()
@@ -319,4 +330,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxGinCpuCollective, jax_gin::CpuCollectiveImpl,
                                   .Ret<ffi::AnyBuffer>()          // y
                                   .Attr<int64_t>("comm")          // communicator id (runtime)
                                   .Attr<int32_t>("op")            // CallOp: psum_scatter, all_gather
-                                  .Attr<int32_t>("algorithm"));   // Algorithm: one_shot or ring
+                                  .Attr<int32_t>("algorithm")     // Algorithm: one_shot or ring
+                                  .Attr<int32_t>("site"));        // the program's call (Turn)

@@ -89,10 +89,12 @@ nb::ndarray<nb::numpy> on_threads(cpu::CommConfig cfg, const nb::ndarray<nb::c_c
 // Runs one all-reduce among `inputs.shape[0]` ranks, each on its own std::thread, through a
 // fresh CPU communicator: a harness for schedules and group sizes that no JAX mesh here has.
 // `ranks_per_node` (hierarchical only; 0: one node) makes ranks node*L .. node*L+L-1 a node.
+// `sites`: each rank's call site (cpu_backend.h: Turn; empty: 0 for all).
 nb::ndarray<nb::numpy> threads_allreduce(nb::ndarray<nb::c_contig, nb::device::cpu> inputs,
                                          int op, int algorithm, size_t lane_bytes, int repeats,
                                          double timeout_s, int fault_rank, int ranks_per_node,
-                                         size_t chunk_bytes, int fault_mode) {
+                                         size_t chunk_bytes, int fault_mode,
+                                         std::vector<uint32_t> sites) {
   if (inputs.ndim() != 2) throw nb::value_error("inputs must have shape (nranks, count)");
   const int nranks = int(inputs.shape(0));
   const size_t count = inputs.shape(1);
@@ -106,6 +108,8 @@ nb::ndarray<nb::numpy> threads_allreduce(nb::ndarray<nb::c_contig, nb::device::c
   if (!schedule::hier_valid(nranks, ranks_per_node))
     throw nb::value_error(("threads_allreduce: ranks_per_node must be 0 (one node) or divide " +
                            std::to_string(nranks) + ", got " + std::to_string(ranks_per_node)).c_str());
+  if (!sites.empty() && int(sites.size()) != nranks)
+    throw nb::value_error("threads_allreduce: one site per rank");
   cpu::CommConfig cfg;
   cfg.nranks = nranks;
   cfg.lane_bytes = lane_bytes;
@@ -117,8 +121,11 @@ nb::ndarray<nb::numpy> threads_allreduce(nb::ndarray<nb::c_contig, nb::device::c
   const char* in = static_cast<const char*>(inputs.data());
   return on_threads(cfg, inputs, count, dtype_size(dt), repeats,
                     [&](cpu::Comm& comm, int r, char* out) {
-                      return cpu::allreduce(comm, 0, r, dt, RedOp(op), Algorithm(algorithm),
-                                            in + r * row, out, count);
+                      Segment seg{0, count, in + r * row, out};
+                      cpu::Turn turn;
+                      turn.site = sites.empty() ? 0 : sites[size_t(r)];
+                      return cpu::allreduce(comm, 0, r, dt, RedOp(op), Algorithm(algorithm), &seg,
+                                            1, -1, cpu::Caller::kThreads, &turn);
                     });
 }
 
@@ -347,7 +354,8 @@ NB_MODULE(_jax_gin, m) {
   m.def("threads_allreduce", &threads_allreduce, nb::arg("inputs"), nb::arg("op"),
         nb::arg("algorithm"), nb::arg("lane_bytes"), nb::arg("repeats") = 1,
         nb::arg("timeout_s") = kDefaultTimeoutS, nb::arg("fault_rank") = -1, nb::arg("ranks_per_node") = 0,
-        nb::arg("chunk_bytes") = cpu::CommConfig().chunk_bytes, nb::arg("fault_mode") = 0);
+        nb::arg("chunk_bytes") = cpu::CommConfig().chunk_bytes, nb::arg("fault_mode") = 0,
+        nb::arg("sites") = std::vector<uint32_t>());
   m.def("threads_collective", &threads_collective, nb::arg("inputs"), nb::arg("op"),
         nb::arg("algorithm"), nb::arg("lane_bytes"), nb::arg("repeats") = 1,
         nb::arg("timeout_s") = kDefaultTimeoutS, nb::arg("fault_rank") = -1,

@@ -269,11 +269,13 @@ def _lowering(kind, ctx, x, residual, *params, axes, algorithm, eps, invariant, 
     check_no_open_start(ctx, kind.api)
     target = kind.cpu_target if platform == "cpu" else kind.cuda_target
     order = order_aval(platform)
+    # the call's attributes (comm, algorithm and, on CPU, site) but its op: always a sum
+    attrs = {k: v for k, v in call.attrs.items() if k != "op"}
     with call.named(kind.api, platform, 1, False):
         tok, normed, new_res = jax.ffi.ffi_lowering(target)(
             ctx.replace(avals_in=[TOKEN, order, *ctx.avals_in], avals_out=[order, *ctx.avals_out]),
             _compat.partition_id(), _chain_token(ctx, platform), x, residual, *params,
-            comm=call.attrs["comm"], algorithm=call.attrs["algorithm"], eps=np.float32(eps))
+            eps=np.float32(eps), **attrs)
     _set_chain_token(ctx, tok, platform)
     return [normed, new_res]
 

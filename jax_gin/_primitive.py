@@ -508,8 +508,22 @@ def resolve_call(ctx, avals, axes, op, algorithm, platform, api: str | None = No
     comm = _runtime.communicator(platform, mesh, axes)
     code = _runtime.algorithm_code(platform, comm, requested, algorithm, api)
     attrs = dict(comm=_runtime.comm_attribute(platform, comm), op=np.int32(OP_CODES[op]),
-                 algorithm=np.int32(code))
+                 algorithm=np.int32(code), **site_attrs(ctx, platform))
     return Call(comm, attrs, partial, layout.nranks, nbytes, np.dtype(avals[0].dtype).name)
+
+
+def site_attrs(ctx, platform: str) -> dict:
+    """The custom call's "site" attribute on CPU devices: a number of its own in the module
+    being lowered, in lowering order, so the same in every process that lowers the program.
+    The CPU backend's ranks run a group's calls in the order its rank 0 runs them, and tell
+    the calls apart by it: XLA's CPU runtime may hand a rank the calls of two independent
+    blocks at once, in either order (csrc/cpu_backend.h: Turn). None on GPUs, which run a
+    device's calls in program order."""
+    if platform != "cpu":
+        return {}
+    sites = ctx.module_context.cached_primitive_lowerings.setdefault(
+        ("jax_gin", "sites"), itertools.count(1))
+    return {"site": np.int32(next(sites))}
 
 
 def one_device(ctx, axes) -> bool:
@@ -715,11 +729,11 @@ _async_slots = itertools.count()
 # and returns the next one, which the next call in the same block takes.
 # - On CPU devices the token is an HLO token. XLA's CPU runtime runs independent operations
 #   concurrently, ordered by their buffers and by resources; an operation that takes or returns
-#   a token uses a resource of the token's buffer, which orders the calls of different blocks
-#   and functions too (jax.checkpoint's recomputation, a nested jit: JAX lowers them as
-#   functions of their own), where uint32 tokens let them run concurrently (jax 0.11.2;
-#   tests/test_order.py). Were two calls ever to overlap, the second fails with "two
-#   collectives ran concurrently" rather than giving wrong numbers.
+#   a token uses a resource of the token's buffer, which kept the calls of jax.checkpoint's
+#   recomputation and of a nested jit (functions of their own) in order, where uint32 tokens
+#   let them run concurrently (jax 0.11.2; tests/test_order.py). Chains that nothing links (two
+#   independent blocks) may still come to a rank at once: the CPU backend runs a group's calls
+#   in its rank 0's order, by their site attribute (site_attrs).
 # - On GPUs it is a uint32 scalar: XLA runs the calls on one stream in program order, and the
 #   chain keeps a start/done pair and its neighbours in order within a block.
 # - A partially-manual shard_map's calls (_lower_partial) chain uint32 tokens on every

@@ -424,7 +424,8 @@ def _lowering(api, ctx, x, *, axes, nranks, algorithm, platform):
     _primitive.check_no_open_start(ctx, api)
     attrs = dict(comm=_runtime.comm_attribute(platform, comm),
                  op=np.int32(_native.COLLECTIVE_OPS[api]),
-                 algorithm=np.int32(ALGORITHM_CODES[algorithm]))
+                 algorithm=np.int32(ALGORITHM_CODES[algorithm]),
+                 **_primitive.site_attrs(ctx, platform))
     call = _primitive.Call(comm, attrs, False, nranks, nbytes, np.dtype(aval.dtype).name)
     order = _primitive.order_aval(platform)
     with call.named(api, platform, 1, False):

@@ -244,6 +244,21 @@ def test_laggard_threads_harness():
                      r"step 0", str(info.value)), str(info.value)
 
 
+def test_laggard_threads_harness_rank_0_absent():
+    """The others wait for rank 0, which sets the order of the group's calls, before the call
+    starts (cpu_backend.h: Turn): the report names rank 0 and that wait."""
+    x = np.ones((4, 50), np.float32)
+    with pytest.raises(RuntimeError) as info:
+        C.threads_allreduce(x, OP_CODES["sum"], ALGORITHM_CODES["ring"], 4096, timeout_s=0.3,
+                            fault_rank=0, fault_mode=1)
+    msg = str(info.value)
+    # rank 1's error: its own timeout, or that of the rank that timed out first
+    assert re.search(r"timed out after 0.3 s waiting for peer 0 to start call #1 \(it set the "
+                     r"group's order of calls up to call #0\)", msg), msg
+    assert re.search(r"diagnosis: rank 0 never entered call #1 \(psum, ring\); ranks 1-3 wait for "
+                     r"it before the call starts; it made no call on this communicator", msg), msg
+
+
 def test_laggard_signals_lost_ring(monkeypatch):
     """Rank 1 of a ring loses its signals: it goes on to later steps, while its successor
     still waits for it at step 0. Where the error JAX raises is rank 1's own (it gave up once

@@ -56,7 +56,8 @@ inline std::string call_name(uint64_t seq, int op, int algo) {
 inline std::string wait_text(const Seen& s) {
   Text os;
   os << "waiting for rank " << s.wpeer;
-  if (s.wstep < 0) os << " (credit) before round " << s.wround;
+  if (s.wstep == kTurnStep) os << " to start the call";
+  else if (s.wstep < 0) os << " (credit) before round " << s.wround;
   else os << " at step " << s.wstep << " of round " << s.wround;
   return os.str();
 }
@@ -85,7 +86,8 @@ inline std::string steps_text(const std::vector<int>& steps) {
   u.erase(std::unique(u.begin(), u.end()), u.end());
   Text os;
   if (u.size() == 1) {
-    if (u[0] < 0) os << "for its credit";
+    if (u[0] == kTurnStep) os << "before the call starts";
+    else if (u[0] < 0) os << "for its credit";
     else os << "at step " << u[0];
   } else {
     os << "at steps ";

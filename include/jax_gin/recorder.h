@@ -74,7 +74,7 @@ struct alignas(64) RecState {
   uint64_t wait_round;  // round of the current wait (valid while wait_seq == seq != done)
   uint64_t wait_seq;    // call of the current wait
   int32_t wait_peer;
-  int32_t wait_step;    // -1: credit
+  int32_t wait_step;    // -1: credit; kTurnStep: before the call starts (CPU)
   int8_t op;            // of call `seq`
   int8_t algorithm;
   int8_t dtype;
@@ -85,6 +85,11 @@ struct alignas(64) RecState {
   uint64_t bytes;       // of call `seq`
 };
 static_assert(sizeof(RecState) == 64, "RecState is one cache line");
+
+// The wait_step of a CPU rank that waits for its group's rank 0 to start the call, before the
+// call's first step: the ranks of a group run their calls in the order that rank 0 runs them
+// (cpu_backend.cc: run_call).
+constexpr int32_t kTurnStep = -2;
 
 // What a GPU rank leaves for the host (in host-mapped memory) when one of its waits times
 // out: the wait, then every rank's state block as read through the windows at that moment
