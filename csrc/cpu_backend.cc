@@ -764,6 +764,20 @@ std::string take_turn(Comm& comm, Group& g, int group, int rank, Caller caller, 
   Workspace& ws = *g.ws;
   const int nranks = ws.nranks();
   if (nranks == 1) return std::string();
+  if (turn.twin) {
+    Text what;
+    what << "had two calls of the program's jax_gin call " << turn.site << " at once";
+    Text os;
+    os << "jax_gin " << call_op_name(op) << " (" << algorithm_name(algo) << ") on CPU: rank "
+       << rank << " of group " << group << " (" << nranks << " ranks) " << what.str()
+       << ": copies of one function's call (a jitted function called twice in one program is "
+          "lowered once), which nothing orders against each other and nothing tells apart, so "
+          "ranks could pair them crosswise. Make one copy take a value of the other's results "
+          "(docs/design.md, Ordering)";
+    store_relaxed(ws.rec_state(rank).failed, uint8_t(1));  // before the peers read the states
+    fail_group(g, rank, what.str() + ".", os.str());
+    return os.str();
+  }
   if (rank == 0) {
     const uint64_t word = (seq << 32) | turn.site;
     for (int p = 1; p < nranks; ++p) {
@@ -801,6 +815,7 @@ std::string take_turn(Comm& comm, Group& g, int group, int rank, Caller caller, 
           "results, make one take a value of the other's (docs/design.md, Ordering)";
   else
     os << "Each rank's calls must come in the same order";
+  store_relaxed(ws.rec_state(rank).failed, uint8_t(1));  // before the peers read the states
   fail_group(g, rank, what.str() + ".", os.str());
   return os.str();
 }
@@ -1105,8 +1120,11 @@ void RankWorker::loop(std::shared_ptr<State> s, std::string name, double timeout
         }
         it = s->calls.begin();
       }
+      const uint32_t site = it->site;
       call = std::move(*it);
       s->calls.erase(it);
+      turn.twin = site != 0 && std::any_of(s->calls.begin(), s->calls.end(),
+                                           [&](const Call& c) { return c.site == site; });
     }
     turn.site = call.site;
     const std::string err = call.work(turn);

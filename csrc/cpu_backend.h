@@ -180,6 +180,10 @@ struct Turn {
   // The worker waited the timeout for rank 0's call, which did not come; this one runs, and
   // fails.
   bool waited = false;
+  // Another call of this site is queued on the rank's worker: copies of one function's call
+  // (a jitted function called twice is lowered once), which nothing tells apart, so ranks
+  // could pair them crosswise. This one fails.
+  bool twin = false;
   bool declined = false;
   uint32_t leader_site = 0;  // the site of rank 0's call, where declined
 };

@@ -11,6 +11,8 @@
 #include <sys/mman.h>
 
 #include <array>
+#include <condition_variable>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -163,6 +165,80 @@ nb::ndarray<nb::numpy> threads_collective(nb::ndarray<nb::c_contig, nb::device::
                       return cpu::collective(comm, 0, r, dt, call_op, Algorithm(algorithm),
                                              in + size_t(r) * in_count * esize, out, block);
                     });
+}
+
+// Queues calls on the ranks' worker threads as the FFI handlers do (cpu::submit), each rank
+// all of its calls at once, in the order `sites[r]` lists their sites (cpu_backend.h: Turn):
+// rank r's j-th call all-reduces (sums) inputs[r, j] into out[r, j]. A harness for the order
+// of a group's calls, which XLA's programs reach only where it hands a rank calls at once.
+// Throws every call's error, one line each ("rank 1 call 0: ..."), by rank and call.
+nb::ndarray<nb::numpy> worker_allreduce(nb::ndarray<nb::c_contig, nb::device::cpu> inputs,
+                                        std::vector<std::vector<uint32_t>> sites,
+                                        int algorithm, size_t lane_bytes, double timeout_s) {
+  if (inputs.ndim() != 3) throw nb::value_error("inputs must have shape (nranks, ncalls, count)");
+  const int nranks = int(inputs.shape(0));
+  const size_t ncalls = inputs.shape(1), count = inputs.shape(2);
+  const DType dt = dtype_of(inputs);
+  const size_t row = count * dtype_size(dt);
+  if (nranks < 1 || nranks > kMaxRanks)
+    throw nb::value_error(("worker_allreduce: 1 to " + std::to_string(kMaxRanks) + " ranks").c_str());
+  if (int(sites.size()) != nranks)
+    throw nb::value_error("worker_allreduce: one list of sites per rank");
+  for (const auto& list : sites)
+    if (list.size() != ncalls) throw nb::value_error("worker_allreduce: one site per call");
+  if (algorithm < 0 || algorithm >= kNumAlgorithms)
+    throw nb::value_error("worker_allreduce: unknown algorithm id");
+  cpu::CommConfig cfg;
+  cfg.nranks = nranks;
+  cfg.lane_bytes = lane_bytes;
+  cfg.timeout_s = timeout_s;
+  for (int r = 0; r < nranks; ++r) { cfg.group_of.push_back(0); cfg.rank_of.push_back(r); }
+  const int64_t id = cpu::create_comm(cfg);
+  std::shared_ptr<cpu::Comm> comm = cpu::find_comm(id);
+  const char* in = static_cast<const char*>(inputs.data());
+  const size_t total = size_t(nranks) * ncalls;
+  char* out = new char[row * total + 1];
+  std::vector<std::string> errors(total);
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t left = total;
+  {
+    nb::gil_scoped_release release;
+    for (int r = 0; r < nranks; ++r) {
+      for (size_t j = 0; j < ncalls; ++j) {
+        const size_t k = size_t(r) * ncalls + j;
+        Segment seg{0, count, in + k * row, out + k * row};
+        auto finish = [&, k](const std::string& e) {
+          std::lock_guard<std::mutex> lock(mu);
+          errors[k] = e;
+          --left;
+          cv.notify_all();
+        };
+        const std::string err = cpu::submit(
+            *comm, uint32_t(r),
+            [comm, r, dt, algorithm, seg](cpu::Turn& turn) mutable {
+              return cpu::allreduce_logical(*comm, uint32_t(r), dt, RedOp::kSum,
+                                            Algorithm(algorithm), &seg, 1, -1, &turn);
+            },
+            finish, sites[size_t(r)][j], /*run_id=*/1);
+        if (!err.empty()) finish(err);
+      }
+    }
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return left == 0; });
+  }
+  comm.reset();
+  cpu::destroy_comm(id);
+  std::string all;
+  for (size_t k = 0; k < total; ++k) {
+    if (!errors[k].empty())
+      all += "rank " + std::to_string(k / ncalls) + " call " + std::to_string(k % ncalls) + ": " +
+             errors[k] + "\n";
+  }
+  if (!all.empty()) { delete[] out; throw std::runtime_error(all); }
+  nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<char*>(p); });
+  size_t shape[3] = {size_t(nranks), ncalls, count};
+  return nb::ndarray<nb::numpy>(out, 3, shape, owner, nullptr, inputs.dtype());
 }
 
 }  // namespace
@@ -356,6 +432,8 @@ NB_MODULE(_jax_gin, m) {
         nb::arg("timeout_s") = kDefaultTimeoutS, nb::arg("fault_rank") = -1, nb::arg("ranks_per_node") = 0,
         nb::arg("chunk_bytes") = cpu::CommConfig().chunk_bytes, nb::arg("fault_mode") = 0,
         nb::arg("sites") = std::vector<uint32_t>());
+  m.def("worker_allreduce", &worker_allreduce, nb::arg("inputs"), nb::arg("sites"),
+        nb::arg("algorithm"), nb::arg("lane_bytes"), nb::arg("timeout_s") = kDefaultTimeoutS);
   m.def("threads_collective", &threads_collective, nb::arg("inputs"), nb::arg("op"),
         nb::arg("algorithm"), nb::arg("lane_bytes"), nb::arg("repeats") = 1,
         nb::arg("timeout_s") = kDefaultTimeoutS, nb::arg("fault_rank") = -1,

@@ -259,9 +259,44 @@ def test_ranks_that_start_different_calls_fail():
                      r"0 started call #1 as its call 1\.", msg), msg
 
 
-def test_same_sites_run():
-    """The harness's calls with sites that agree run, as with none."""
-    x = np.arange(4 * 64, dtype=np.float32).reshape(4, 64)
-    out = _native.cpu.threads_allreduce(x, OP_CODES["sum"], ALGORITHM_CODES["ring"], 4096,
-                                        repeats=3, sites=[7, 7, 7, 7])
-    assert_bitwise(out, np.broadcast_to(x.sum(0), x.shape))
+def _worker_calls(sites, algo="one_shot", timeout_s=20.0, count=300):
+    """Rank r queues its calls on its worker at once, in the order sites[r] lists their sites
+    (as XLA hands a rank the calls of two independent blocks); each sums rank-and-site values.
+    Returns the results and, for each rank and call, the sum that the call's site should give."""
+    n = len(sites)
+    x = np.array([[np.arange(count) % 5 + 16 * r + site for site in row]
+                  for r, row in enumerate(sites)], np.float32)
+    out = _native.cpu.worker_allreduce(x, sites, ALGORITHM_CODES[algo], 1 << 16,
+                                       timeout_s=timeout_s)
+    want = np.array([[sum(x[q][list(sites[q]).index(site)] for q in range(n)) for site in row]
+                     for row in sites])
+    return out, want
+
+
+@pytest.mark.parametrize("algo", ["one_shot", "ring"])
+def test_worker_runs_calls_in_rank_0s_order(algo):
+    """Ranks handed the same calls in different orders each run them in rank 0's: every call
+    sums its own site's values, bit for bit."""
+    sites = [[1, 2, 3], [3, 2, 1], [2, 3, 1], [1, 3, 2]]
+    for _ in range(3):
+        out, want = _worker_calls(sites, algo)
+        assert_bitwise(out, want.astype(np.float32))
+
+
+def test_worker_refuses_twin_calls():
+    """Two queued calls of one site (copies of one function's call) cannot be told apart:
+    the rank fails, naming the site, rather than risk pairing them crosswise."""
+    with pytest.raises(RuntimeError, match=r"had two calls of the program's jax_gin call 1 at "
+                                           r"once: copies of one function's call"):
+        _worker_calls([[1, 1], [1, 1]])
+
+
+def test_worker_gives_up_on_a_call_that_never_comes():
+    """Rank 0 starts a call that rank 1 never makes: after the timeout, rank 1 runs its own,
+    which fails, naming both sites."""
+    with pytest.raises(RuntimeError) as info:
+        _worker_calls([[1, 2], [1, 3]], timeout_s=0.5)
+    assert re.search(r"rank 1 call 1: .*rank 1 of group 0 \(2 ranks\) started call #2 as the "
+                     r"program's jax_gin call 3, but rank 0 started call #2 as its call 2\. .*This "
+                     r"rank waited 0.5 s for rank 0's call, and it did not come", str(info.value)), \
+        str(info.value)
