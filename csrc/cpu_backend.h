@@ -196,11 +196,11 @@ struct Turn {
 // (XLA continues the program from the future's completion there, and may hand it the rank's
 // next call). Calls of one program that XLA hands it while one runs (two independent blocks'
 // calls) are queued, and run in the order of the group's rank 0 (Turn). The thread starts at
-// the first call, and ends by itself after about a second
-// without one (cpu_backend.cc: kWorkerIdle); the next call starts a fresh one. A queued call
-// holds its communicator, so the communicator's last reference may go on this very thread,
-// which then outlives its RankWorker: the thread uses only its shared State. The thread is
-// named "jax_gin:<communicator>/<device>" (as gdb and top show it).
+// the first call, and ends by itself after about a second without one (cpu_backend.cc:
+// kWorkerIdle); the next call starts a fresh one. A queued call holds its communicator, so the
+// communicator's last reference may go on this very thread, which then outlives its
+// RankWorker: the thread uses only its shared State. The thread is named
+// "jax_gin:<communicator>/<device>" (as gdb and top show it).
 class RankWorker {
  public:
   // The call (its error, or empty), told its site and whether it may decline (Turn).
@@ -282,9 +282,10 @@ uint64_t calls_entered(const Workspace& ws, int rank);
 // Each rank's state and last recorded call, and who is behind, as text (the hang report).
 std::string laggard_report(const Workspace& ws, int group, int self);
 
-// Who makes a rank's calls, for the advice of the error of two calls of one rank that ran
-// concurrently: XLA's programs (the FFI handlers, through the *_logical functions) or the
-// caller's own threads (the threads harness of the test module).
+// Who makes a rank's calls, for the advice of the errors of two calls of one rank that ran
+// concurrently and of ranks that started different calls (Turn): XLA's programs (the FFI
+// handlers, through the *_logical functions) or the caller's own threads (the threads harness
+// of the test module).
 enum class Caller { kThreads, kXla };
 
 // One rank's part of an all-reduce of `count` elements. Blocks until the rank is done.
