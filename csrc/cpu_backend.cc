@@ -44,15 +44,22 @@ namespace jax_gin {
 namespace cpu {
 namespace {
 
-// Futex on the low 32 bits of a 64-bit flag (x86-64 and aarch64 are little-endian). Not the
-// private variant: the flag may live in memory shared between processes.
-void futex_wait(std::atomic<uint64_t>* flag, uint64_t seen, long timeout_ns) {
+// Futex on one 32-bit half of a 64-bit word (x86-64 and aarch64 are little-endian): the low
+// half of a flag, which every new value changes, or the high half of a turn word (`high`),
+// whose call number every new value changes while its low half, a site, may repeat. A wait
+// on a half that a new value leaves as it was would sleep through the wake-up. Not the
+// private variant: the word may live in memory shared between processes.
+uint32_t* futex_half(std::atomic<uint64_t>* word, bool high) {
   static_assert(sizeof(std::atomic<uint64_t>) == 8, "flags are plain 64-bit words");
-  timespec ts{0, timeout_ns};
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(flag), FUTEX_WAIT, uint32_t(seen), &ts, nullptr, 0);
+  return reinterpret_cast<uint32_t*>(word) + (high ? 1 : 0);
 }
-void futex_wake(std::atomic<uint64_t>* flag) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(flag), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+void futex_wait(std::atomic<uint64_t>* word, uint64_t seen, long timeout_ns, bool high = false) {
+  timespec ts{0, timeout_ns};
+  syscall(SYS_futex, futex_half(word, high), FUTEX_WAIT, uint32_t(high ? seen >> 32 : seen), &ts,
+          nullptr, 0);
+}
+void futex_wake(std::atomic<uint64_t>* word, bool high = false) {
+  syscall(SYS_futex, futex_half(word, high), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
 }
 
 }  // namespace
@@ -261,7 +268,8 @@ class HostTransport {
       // a failed peer are noticed.
       std::atomic<uint32_t>& sleepers = ws_.control(rank_).sleepers;
       sleepers.fetch_add(1, std::memory_order_seq_cst);
-      if ((seen = f.load(std::memory_order_seq_cst)) < value) futex_wait(&f, seen, 1000000);
+      if ((seen = f.load(std::memory_order_seq_cst)) < value)
+        futex_wait(&f, seen, 1000000, /*high=*/turn);
       sleepers.fetch_sub(1, std::memory_order_seq_cst);
       if ((seen = f.load(std::memory_order_acquire)) >= value) {
         store_release(st.wait_seq, uint64_t(0));
@@ -784,7 +792,8 @@ std::string take_turn(Comm& comm, Group& g, int group, int rank, Caller caller, 
       // as HostTransport::signal: the store, then the peer's sleeper count
       std::atomic<uint64_t>& w = ws.control(p).turn;
       w.store(word, std::memory_order_seq_cst);
-      if (ws.control(p).sleepers.load(std::memory_order_seq_cst) != 0) futex_wake(&w);
+      if (ws.control(p).sleepers.load(std::memory_order_seq_cst) != 0)
+        futex_wake(&w, /*high=*/true);
     }
     return std::string();
   }
