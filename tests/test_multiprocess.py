@@ -305,6 +305,24 @@ def _worker(scenario: str, pid: int, port: int) -> None:
         check_scatter_gather(mesh2, "x", "bfloat16", 1000, 12, same_bits)  # across processes
         check_scatter_gather(mesh2, ("y", "x"), "int32", 5, 13, same_bits)  # one group of 8
 
+        # two blocks that nothing orders (a jacfwd of a block beside the block): each rank runs
+        # their calls in its group's rank 0's order, told apart by sites that every process
+        # numbers alike (cpu_backend.h: Turn)
+        def unordered(psum):
+            sm = jax.shard_map(lambda x, r, w: ((r + psum(x, "i")) * w, r + psum(x, "i")),
+                               mesh=mesh1, in_specs=(P("i"), P("i"), P()),
+                               out_specs=(P("i"), P("i")))
+            return jax.jit(lambda x, r, w: (
+                jax.jacfwd(lambda *a: sm(*a)[0], argnums=(0, 1, 2))(x, r, w), sm(x, r, w)))
+        args = (global_input(mesh1, P("i"), 8, "float32", 14),
+                global_input(mesh1, P("i"), 8, "float32", 15),
+                global_input(mesh1, P(), 1, "float32", 16))
+        want = unordered(lax.psum)(*args)
+        ours = unordered(lambda v, a: jax_gin.psum(v, a, algorithm="one_shot"))
+        for k in range(3):
+            for a, b in zip(jax.tree.leaves(ours(*args)), jax.tree.leaves(want)):
+                same_bits(a, b, f"unordered blocks, run {k}")
+
         # repeated calls of one compiled program reuse one communicator
         f = jax.jit(jax.shard_map(lambda v: (jax_gin.psum(v, "i"), lax.psum(v, "i")),
                                   mesh=mesh1, in_specs=P("i"), out_specs=P("i")))

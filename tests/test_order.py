@@ -296,7 +296,7 @@ def test_worker_gives_up_on_a_call_that_never_comes():
     which fails, naming both sites."""
     with pytest.raises(RuntimeError) as info:
         _worker_calls([[1, 2], [1, 3]], timeout_s=0.5)
+    msg = str(info.value)
     assert re.search(r"rank 1 call 1: .*rank 1 of group 0 \(2 ranks\) started call #2 as the "
                      r"program's jax_gin call 3, but rank 0 started call #2 as its call 2\. .*This "
-                     r"rank waited 0.5 s for rank 0's call, and it did not come", str(info.value)), \
-        str(info.value)
+                     r"rank waited 0.5 s for rank 0's call, and it did not come", msg), msg
