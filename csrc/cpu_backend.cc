@@ -725,10 +725,6 @@ namespace {
 
 // What the error of a rank's call that started before its previous call finished advises.
 enum class Overlap {
-  // The workspace's busy flag (run_call) under XLA's programs: a partially-manual shard_map's
-  // call (on the device's XLA thread) and another block's (on the worker). XLA orders the
-  // rest of one program's calls by their order tokens.
-  kXlaBlocks,
   // The rank's worker (submit): calls of another execution (XLA's run id) are queued or
   // running there: two programs that ran at once. (Calls of one execution are queued, and run
   // in the group's order: Turn.)
@@ -744,11 +740,6 @@ std::string concurrent_calls(const Comm& comm, int group, int rank, Overlap over
   os << "jax_gin: two collectives ran concurrently on rank " << rank << " of group " << group
      << " of communicator " << comm.id << "; calls on one communicator must be ordered. ";
   switch (overlap) {
-    case Overlap::kXlaBlocks:
-      os << "XLA orders a partially-manual shard_map's calls only among themselves: where such "
-            "a block and another shard_map over the same mesh axes take nothing from each "
-            "other's results, make one take a value of the other's (docs/design.md, Ordering)";
-      break;
     case Overlap::kXlaPrograms:
       os << "XLA orders the calls of one program, not those of two programs that use the "
             "communicator and run at once (called from two threads, say): wait for one's "
@@ -767,8 +758,8 @@ std::string concurrent_calls(const Comm& comm, int group, int rank, Overlap over
 // first, a call that may decline is declined (turn.declined); one that may not fails, and its
 // group with it, since the ranks would pair different calls. An error, or empty. `round0`:
 // the call's first round, for the hang report.
-std::string take_turn(Comm& comm, Group& g, int group, int rank, Caller caller, Turn& turn,
-                      uint64_t seq, int op, Algorithm algo, size_t slot_bytes, uint64_t round0) {
+std::string take_turn(Comm& comm, Group& g, int group, int rank, Turn& turn, uint64_t seq,
+                      int op, Algorithm algo, size_t slot_bytes, uint64_t round0) {
   Workspace& ws = *g.ws;
   const int nranks = ws.nranks();
   if (nranks == 1) return std::string();
@@ -818,10 +809,6 @@ std::string take_turn(Comm& comm, Group& g, int group, int rank, Caller caller, 
   if (turn.waited)
     os << "This rank waited " << comm.config.timeout_s << " s for rank 0's call, and it did not "
           "come: do all devices run the same program?";
-  else if (caller == Caller::kXla)
-    os << "A partially-manual shard_map's calls run in the order they come: where such a block "
-          "and another shard_map over the same mesh axes take nothing from each other's "
-          "results, make one take a value of the other's (docs/design.md, Ordering)";
   else
     os << "Each rank's calls must come in the same order";
   store_relaxed(ws.rec_state(rank).failed, uint8_t(1));  // before the peers read the states
@@ -833,8 +820,8 @@ std::string take_turn(Comm& comm, Group& g, int group, int rank, Caller caller, 
 // which runs the schedule over a HostTransport whose slots are `slot_bytes` apart and returns
 // false on failure. `op` is the call's op (CallOp), `bytes` its message size for the recorder.
 template <class Body>
-std::string run_call(Comm& comm, int group, int rank, Caller caller, Turn* turn, DType dtype,
-                     int op, Algorithm algo, size_t slot_bytes, size_t bytes, Body&& body) {
+std::string run_call(Comm& comm, int group, int rank, Turn* turn, DType dtype, int op,
+                     Algorithm algo, size_t slot_bytes, size_t bytes, Body&& body) {
   if (group < 0 || group >= int(comm.groups.size()) || rank < 0 || rank >= comm.config.nranks ||
       !comm.groups[group]->ws) {
     Text os;
@@ -865,8 +852,7 @@ std::string run_call(Comm& comm, int group, int rank, Caller caller, Turn* turn,
   if (rank == comm.config.fault_rank && comm.config.fault_mode == 1) return std::string();
   RankControl& ctl = ws.control(rank);
   if (ctl.busy.exchange(1, std::memory_order_acquire) != 0) {
-    return concurrent_calls(comm, group, rank,
-                            caller == Caller::kXla ? Overlap::kXlaBlocks : Overlap::kThreads);
+    return concurrent_calls(comm, group, rank, Overlap::kThreads);
   }
   struct Release {
     std::atomic<uint64_t>& b;
@@ -884,8 +870,8 @@ std::string run_call(Comm& comm, int group, int rank, Caller caller, Turn* turn,
   store_relaxed(st.bytes, uint64_t(bytes));
   store_release(st.seq, seq);
   Turn unknown;
-  std::string err = take_turn(comm, g, group, rank, caller, turn ? *turn : unknown, seq, op,
-                              algo, slot_bytes, round + 1);
+  std::string err = take_turn(comm, g, group, rank, turn ? *turn : unknown, seq, op, algo,
+                              slot_bytes, round + 1);
   if (!err.empty() || (turn && turn->declined)) {
     if (err.empty()) {  // declined: the state block shows the last call again
       store_relaxed(st.op, last.op);
@@ -941,7 +927,7 @@ std::string locate(const Comm& comm, uint32_t logical_id, int* group, int* rank)
 }  // namespace
 
 std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Algorithm algo,
-                      Segment* seg, int nseg, int call_op, Caller caller, Turn* turn) {
+                      Segment* seg, int nseg, int call_op, Turn* turn) {
   if (nseg < 1 || nseg > kMaxSegments) return "jax_gin: " + std::to_string(nseg) + " buffers in one call (1.." +
                                               std::to_string(kMaxSegments) + " allowed)";
   const int nranks = comm.config.nranks;
@@ -959,7 +945,7 @@ std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Al
     return os.str();
   }
   const size_t slot_bytes = schedule::slot_elems(algo, nranks, lane_bytes, esize, rpn) * esize;
-  return run_call(comm, group, rank, caller, turn, dtype, call_op >= 0 ? call_op : int(op), algo,
+  return run_call(comm, group, rank, turn, dtype, call_op >= 0 ? call_op : int(op), algo,
                   slot_bytes, count * esize,
                   [&](HostTransport& tp, uint64_t& round) {
     return with_dtype<HostElem>(dtype, false, [&](auto elem) {
@@ -972,7 +958,7 @@ std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Al
 }
 
 std::string collective(Comm& comm, int group, int rank, DType dtype, int call_op, Algorithm algo,
-                       const void* in, void* out, size_t block, Caller caller, Turn* turn) {
+                       const void* in, void* out, size_t block, Turn* turn) {
   if (call_op != kOpReduceScatter && call_op != kOpAllGather)
     return "jax_gin: unknown collective op " + std::to_string(call_op);
   if (!schedule::coll_supported(algo)) {
@@ -991,7 +977,7 @@ std::string collective(Comm& comm, int group, int rank, DType dtype, int call_op
   const size_t slot_bytes = schedule::coll_slot_elems(algo, nranks, lane_bytes, esize) * esize;
   // the recorder's size: the larger side, as nccl-tests reports these collectives
   const size_t bytes = block * esize * size_t(nranks);
-  return run_call(comm, group, rank, caller, turn, dtype, call_op, algo, slot_bytes, bytes,
+  return run_call(comm, group, rank, turn, dtype, call_op, algo, slot_bytes, bytes,
                   [&](HostTransport& tp, uint64_t& round) {
     return with_dtype<HostElem>(dtype, false, [&](auto elem) {
       using T = typename decltype(elem)::type;
@@ -1007,7 +993,7 @@ std::string collective_logical(Comm& comm, uint32_t logical_id, DType dtype, int
   int group = 0, rank = 0;
   std::string err = locate(comm, logical_id, &group, &rank);
   if (!err.empty()) return err;
-  return collective(comm, group, rank, dtype, call_op, algo, in, out, block, Caller::kXla, turn);
+  return collective(comm, group, rank, dtype, call_op, algo, in, out, block, turn);
 }
 
 std::string allreduce_logical(Comm& comm, uint32_t logical_id, DType dtype, RedOp op,
@@ -1015,7 +1001,7 @@ std::string allreduce_logical(Comm& comm, uint32_t logical_id, DType dtype, RedO
   int group = 0, rank = 0;
   std::string err = locate(comm, logical_id, &group, &rank);
   if (!err.empty()) return err;
-  return allreduce(comm, group, rank, dtype, op, algo, seg, nseg, call_op, Caller::kXla, turn);
+  return allreduce(comm, group, rank, dtype, op, algo, seg, nseg, call_op, turn);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1030,10 +1016,6 @@ namespace {
 // communicators on 8 CPU devices kept ~500 threads. A program's back-to-back calls (a training
 // step's, the next step's) come well within it.
 constexpr std::chrono::milliseconds kWorkerIdle{1000};
-
-// How often a declined call is tried again while the call that rank 0 runs first has not come
-// to the rank's worker (RankWorker::loop).
-constexpr std::chrono::milliseconds kTurnRetry{1};
 
 }  // namespace
 
@@ -1089,30 +1071,24 @@ void RankWorker::loop(std::shared_ptr<State> s, std::string name, double timeout
     Call call;
     Turn turn;
     turn.may_decline = true;
-    bool retry = false;  // the declined call again, to see whether rank 0 has gone on
     {
       std::unique_lock<std::mutex> lock(s->mu);
       auto it = s->calls.begin();
       if (want != 0) {
-        // The declined call is queued again: wait for rank 0's call to come too. Every
-        // kTurnRetry the declined call is tried again, since rank 0's call may have run on
-        // the device's own thread (a partially-manual block's) and rank 0 gone on. Where it
-        // does not come within the timeout, the first call runs, and fails (take_turn): the
-        // ranks would pair it with another.
+        // The declined call is queued again: wait for rank 0's call to come too (rank 0
+        // cannot go on without this rank's part of it). Where it does not come within the
+        // timeout, the first call runs, and fails (take_turn): the ranks would pair it with
+        // another.
         auto wanted = [&] {
           it = std::find_if(s->calls.begin(), s->calls.end(),
                             [&](const Call& c) { return c.site == want; });
           return s->stop || it != s->calls.end();
         };
-        s->cv.wait_until(lock, std::min(until, clock::now() + kTurnRetry), wanted);
+        s->cv.wait_until(lock, until, wanted);
         if (it == s->calls.end()) {
           it = s->calls.begin();
-          if (s->stop || clock::now() >= until) {
-            turn.may_decline = false;
-            turn.waited = !s->stop;
-          } else {
-            retry = true;
-          }
+          turn.may_decline = false;
+          turn.waited = !s->stop;
         }
         want = 0;
       } else {
@@ -1142,9 +1118,8 @@ void RankWorker::loop(std::shared_ptr<State> s, std::string name, double timeout
       std::lock_guard<std::mutex> lock(s->mu);
       s->calls.push_front(std::move(call));
       want = turn.leader_site;
-      if (!retry)
-        until = clock::now() + std::chrono::duration_cast<clock::duration>(
-                                   std::chrono::duration<double>(timeout_s));
+      until = clock::now() + std::chrono::duration_cast<clock::duration>(
+                                 std::chrono::duration<double>(timeout_s));
       continue;
     }
     {

@@ -175,7 +175,7 @@ struct Turn {
   uint32_t site = 0;
   // On the rank's worker: where rank 0 runs another call first, the call returns at once
   // without running (declined), naming that call's site, which the worker runs first.
-  // Elsewhere the call fails: its rank would pair it with another call.
+  // Elsewhere (the threads harness) the call fails: its rank would pair it with another call.
   bool may_decline = false;
   // The worker waited the timeout for rank 0's call, which did not come; this one runs, and
   // fails.
@@ -282,12 +282,6 @@ uint64_t calls_entered(const Workspace& ws, int rank);
 // Each rank's state and last recorded call, and who is behind, as text (the hang report).
 std::string laggard_report(const Workspace& ws, int group, int self);
 
-// Who makes a rank's calls, for the advice of the errors of two calls of one rank that ran
-// concurrently and of ranks that started different calls (Turn): XLA's programs (the FFI
-// handlers, through the *_logical functions) or the caller's own threads (the threads harness
-// of the test module).
-enum class Caller { kThreads, kXla };
-
 // One rank's part of an all-reduce of `count` elements. Blocks until the rank is done.
 // Returns an empty string on success, else a message naming op, rank, peer and step.
 std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Algorithm algo,
@@ -299,16 +293,14 @@ std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Al
 // (the fused norms'); -1: op. `turn`: the call's site, and whether it may decline (null:
 // site 0, and it may not).
 std::string allreduce(Comm& comm, int group, int rank, DType dtype, RedOp op, Algorithm algo,
-                      Segment* seg, int nseg, int call_op = -1, Caller caller = Caller::kThreads,
-                      Turn* turn = nullptr);
+                      Segment* seg, int nseg, int call_op = -1, Turn* turn = nullptr);
 
 // One rank's part of a reduce-scatter (call_op kOpReduceScatter, a sum) or all-gather
 // (kOpAllGather) of blocks of `block` elements (collectives.h): a reduce-scatter reads
 // nranks blocks from `in` and writes one to `out`, an all-gather the other way round.
 // block * dtype size must be a multiple of 16 bytes.
 std::string collective(Comm& comm, int group, int rank, DType dtype, int call_op, Algorithm algo,
-                       const void* in, void* out, size_t block, Caller caller = Caller::kThreads,
-                       Turn* turn = nullptr);
+                       const void* in, void* out, size_t block, Turn* turn = nullptr);
 std::string collective_logical(Comm& comm, uint32_t logical_id, DType dtype, int call_op,
                                Algorithm algo, const void* in, void* out, size_t block,
                                Turn* turn);

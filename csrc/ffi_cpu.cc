@@ -9,8 +9,6 @@
 // completed (the order token), so each rank's calls of one chain run one at a time, in order;
 // calls of chains that nothing links are queued, and run in the order of the group's rank 0
 // (cpu_backend.h: Turn), by the "site" attribute that tells a program's calls apart.
-// The partitioned all-reduce (a partially-manual shard_map's, whose uint32 tokens order only
-// the calls of one block) runs on the device's XLA thread instead, as the handlers did before.
 // The asynchronous pair of the GPU is synchronous here: the start reduces, the done returns
 // its operands (aliased).
 #include "ffi_cpu.h"
@@ -38,16 +36,6 @@ ffi::Future failed(ffi::Error err) {
   return future;
 }
 
-// A call that ran on the device's XLA thread: its error text (empty on success) as a future
-// that is already complete.
-ffi::Future completed(const std::string& err) {
-  if (!err.empty()) return failed(ffi::Error::Internal(err));
-  ffi::Promise promise;
-  ffi::Future future(promise);
-  promise.SetAvailable();
-  return future;
-}
-
 // Runs `work` (this device's rank of a call: its error text, empty on success) on the rank's
 // worker thread; the future completes there, with the error as an INTERNAL one, as the
 // synchronous handlers returned it.
@@ -65,11 +53,10 @@ ffi::Future run_on_worker(cpu::Comm& c, uint32_t logical_id, ffi::RunId run, int
   return future;
 }
 
-// This device's rank of the all-reduce of xs into outs, on the rank's worker; with `here`,
-// on the device's XLA thread, which waits for it (the partitioned target, below).
+// This device's rank of the all-reduce of xs into outs, on the rank's worker.
 ffi::Future AllReduce(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id,
                       ffi::RemainingArgs& xs, ffi::RemainingRets& outs, int64_t comm, int32_t op,
-                      int32_t algorithm, int32_t site, bool here = false) {
+                      int32_t algorithm, int32_t site) {
   DType dtype;
   std::array<Segment, kMaxSegments> seg;
   int nseg = 0;
@@ -79,12 +66,6 @@ ffi::Future AllReduce(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id,
   auto c = cpu::find_comm(comm_id(comm));
   if (!names_comm(c.get(), comm)) return failed(missing_comm(comm));
   const uint32_t logical_id = partition_id.typed_data()[0];
-  if (here) {
-    cpu::Turn turn;
-    turn.site = uint32_t(site);
-    return completed(cpu::allreduce_logical(*c, logical_id, dtype, RedOp(op),
-                                            Algorithm(algorithm), seg.data(), nseg, -1, &turn));
-  }
   // The call holds the communicator (cpu_backend.h: RankWorker).
   return run_on_worker(*c, logical_id, run, site,
                        [c, logical_id, dtype, op, algorithm, seg, nseg](cpu::Turn& turn) mutable {
@@ -104,12 +85,9 @@ ffi::Future CpuAllReduceImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id,
 }
 
 // The synchronous all-reduce with a uint32 order token: what a partially-manual shard_map
-// lowers to (XLA's batch partitioner takes no HLO token operands). The token's value is unused.
-// It runs on the device's XLA thread, not on the rank's worker: a uint32 token orders only the
-// calls of one block, and nothing orders two independent blocks' calls, which XLA hands to a
-// device one after the other. Run here, the second starts when the first has returned, as
-// before the workers; handed to the worker, it came while the first still ran there and
-// failed ("two collectives ran concurrently"), in every run of such a program.
+// lowers to (XLA's batch partitioner takes no HLO token operands). The token's value is unused:
+// it orders the calls of one block, and the calls of independent blocks, which XLA may hand a
+// device at once, are queued on the rank's worker and run in the group's order (Turn).
 ffi::Future CpuAllReducePartitionedImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id,
                                        ffi::Buffer<ffi::U32> order_in, ffi::RemainingArgs xs,
                                        ffi::Result<ffi::Buffer<ffi::U32>> order_out,
@@ -117,7 +95,7 @@ ffi::Future CpuAllReducePartitionedImpl(ffi::RunId run, ffi::Buffer<ffi::U32> pa
                                        int32_t algorithm, int32_t site) {
   (void)order_in;
   order_out->typed_data()[0] = 0;
-  return AllReduce(run, partition_id, xs, outs, comm, op, algorithm, site, /*here=*/true);
+  return AllReduce(run, partition_id, xs, outs, comm, op, algorithm, site);
 }
 
 ffi::Future CpuAllReduceStartImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id,

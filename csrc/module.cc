@@ -127,7 +127,7 @@ nb::ndarray<nb::numpy> threads_allreduce(nb::ndarray<nb::c_contig, nb::device::c
                       cpu::Turn turn;
                       turn.site = sites.empty() ? 0 : sites[size_t(r)];
                       return cpu::allreduce(comm, 0, r, dt, RedOp(op), Algorithm(algorithm), &seg,
-                                            1, -1, cpu::Caller::kThreads, &turn);
+                                            1, -1, &turn);
                     });
 }
 

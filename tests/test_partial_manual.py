@@ -227,11 +227,9 @@ def test_any_device_count(op, layout):
 def test_two_independent_blocks(algo):
     # Two partially-manual shard_maps in one program that take nothing from each other, on one
     # communicator (the 'x' groups of one mesh). Their calls chain uint32 tokens within each
-    # block only, so XLA hands a device the second block's call without waiting for the
-    # first's: on the CPU the partitioned call runs on the device's own thread, which returns
-    # from it first. (Handed to the rank's worker it failed with "two collectives ran
-    # concurrently" in every run; at 16 x 12 it passed, XLA's CPU runtime running that
-    # program's operations one after the other.) Three runs, bit for bit lax's.
+    # block only, so XLA may hand a device the second block's call without waiting for the
+    # first's: on the CPU the rank's worker queues it and runs the calls in the order of the
+    # group's rank 0 (csrc/cpu_backend.h: Turn). Three runs, bit for bit lax's.
     mesh = _mesh((4, 2), ("x", "y"))
 
     def program(psum, **kw):
@@ -252,13 +250,11 @@ def test_two_independent_blocks(algo):
 
 
 def test_independent_fully_and_partially_manual_blocks():
-    # A fully-manual shard_map (HLO order tokens; on the CPU its calls run on the rank's
-    # worker) and a partially-manual one (uint32 tokens) over the same mesh axis, on one
-    # communicator. Independent, nothing orders one block's calls against the other's: on
-    # the CPU a call that comes while the other's runs, or that a rank starts where its group's
-    # rank 0 started the other block's, fails, and the error says how to order them (or the
-    # program runs, bit for bit lax's). Where the partially-manual block takes a value of the
-    # other's result, they run in order, bit for bit lax's.
+    # A fully-manual shard_map (HLO order tokens) and a partially-manual one (uint32 tokens)
+    # over the same mesh axis, on one communicator, independent or with the partially-manual
+    # block taking a value of the other's result. Nothing orders the independent blocks' calls
+    # against each other; on the CPU both kinds queue on the rank's worker, which runs them in
+    # the group's order. Bit for bit lax's either way.
     mesh = _mesh((4, 2), ("x", "y"))
 
     def program(psum, ordered, **kw):
@@ -283,14 +279,24 @@ def test_independent_fully_and_partially_manual_blocks():
     for ordered in (False, True):
         want = program(lax.psum, ordered)(a, b)
         ours = program(jax_gin.psum, ordered, algorithm="ring")
-        for _ in range(3 if ordered else 1):
-            try:
-                got = jax.block_until_ready(ours(a, b))
-            except Exception as e:  # noqa: BLE001 - XLA's runtime error
-                if ordered or jax.default_backend() != "cpu":
-                    raise
-                assert ("ran concurrently" in str(e) or "but rank 0 started call" in str(e)) \
-                    and "take a value of the other" in str(e), str(e)
-                jax_gin.runtime.reset()
-                continue
-            jax.tree.map(assert_bitwise, got, want)
+        for _ in range(3):
+            jax.tree.map(assert_bitwise, jax.block_until_ready(ours(a, b)), want)
+
+
+def test_beside_an_independent_lax_collective():
+    # A partially-manual block's jax_gin psum beside a lax psum that takes nothing from it: on
+    # the CPU the call waits for its peers on the rank's worker, so the device's XLA thread
+    # goes on to XLA's rendezvous (a call that held that thread could deadlock against it).
+    mesh = _mesh((4, 2), ("x", "y"))
+
+    def program(psum, **kw):
+        def f(v):
+            return psum(v * 2, "x", **kw) % 17 + lax.psum(v + 1, "x") % 13
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("x"),), out_specs=P("x"),
+                                     axis_names={"x"}))
+
+    a = _global((128, 128), mesh, P("x", "y"), seed=5)
+    want = program(lax.psum)(a)
+    ours = program(jax_gin.psum, algorithm="ring")
+    for _ in range(3):
+        assert_bitwise(jax.block_until_ready(ours(a)), want)
