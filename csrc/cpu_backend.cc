@@ -1065,7 +1065,8 @@ void RankWorker::loop(std::shared_ptr<State> s, std::string name, double timeout
   name.resize(std::min<size_t>(name.size(), 15));  // the kernel's limit on a thread's name
   pthread_setname_np(pthread_self(), name.c_str());
   using clock = std::chrono::steady_clock;
-  uint32_t want = 0;  // the site of rank 0's call, which a declined call waits for; 0: none
+  bool wanting = false;  // a declined call waits for rank 0's call:
+  uint32_t want = 0;     // its site
   clock::time_point until;  // how long it waits
   for (;;) {
     Call call;
@@ -1074,7 +1075,7 @@ void RankWorker::loop(std::shared_ptr<State> s, std::string name, double timeout
     {
       std::unique_lock<std::mutex> lock(s->mu);
       auto it = s->calls.begin();
-      if (want != 0) {
+      if (wanting) {
         // The declined call is queued again: wait for rank 0's call to come too (rank 0
         // cannot go on without this rank's part of it). Where it does not come within the
         // timeout, the first call runs, and fails (take_turn): the ranks would pair it with
@@ -1090,7 +1091,7 @@ void RankWorker::loop(std::shared_ptr<State> s, std::string name, double timeout
           turn.may_decline = false;
           turn.waited = !s->stop;
         }
-        want = 0;
+        wanting = false;
       } else {
         s->cv.wait_for(lock, kWorkerIdle, [&] { return s->stop || !s->calls.empty(); });
         if (s->calls.empty()) {
@@ -1117,6 +1118,7 @@ void RankWorker::loop(std::shared_ptr<State> s, std::string name, double timeout
       // Rank 0 runs call `leader_site` first: this one waits at the front of the queue.
       std::lock_guard<std::mutex> lock(s->mu);
       s->calls.push_front(std::move(call));
+      wanting = true;
       want = turn.leader_site;
       until = clock::now() + std::chrono::duration_cast<clock::duration>(
                                  std::chrono::duration<double>(timeout_s));

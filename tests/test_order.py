@@ -274,10 +274,11 @@ def _worker_calls(sites, algo="one_shot", timeout_s=20.0, count=300):
 
 
 @pytest.mark.parametrize("algo", ["one_shot", "ring"])
-def test_worker_runs_calls_in_rank_0s_order(algo):
+@pytest.mark.parametrize("sites", [[[1, 2, 3], [3, 2, 1], [2, 3, 1], [1, 3, 2]],
+                                   [[0, 5], [5, 0]]], ids=["four_ranks", "site_0"])
+def test_worker_runs_calls_in_rank_0s_order(algo, sites):
     """Ranks handed the same calls in different orders each run them in rank 0's: every call
-    sums its own site's values, bit for bit."""
-    sites = [[1, 2, 3], [3, 2, 1], [2, 3, 1], [1, 3, 2]]
+    sums its own site's values, bit for bit (site 0, no number, too)."""
     for _ in range(3):
         out, want = _worker_calls(sites, algo)
         assert_bitwise(out, want.astype(np.float32))
