@@ -517,8 +517,8 @@ def site_attrs(ctx, platform: str) -> dict:
     being lowered, in lowering order, so the same in every process that lowers the program.
     The CPU backend's ranks run a group's calls in the order its rank 0 runs them, and tell
     the calls apart by it: XLA's CPU runtime may hand a rank the calls of two independent
-    blocks at once, in either order (csrc/cpu_backend.h: Turn). None on GPUs, which run a
-    device's calls in program order."""
+    blocks at once, in either order (csrc/cpu_backend.h: Turn). No attribute on GPUs, which
+    run a device's calls in program order."""
     if platform != "cpu":
         return {}
     sites = ctx.module_context.cached_primitive_lowerings.setdefault(
