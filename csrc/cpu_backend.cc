@@ -763,19 +763,23 @@ std::string take_turn(Comm& comm, Group& g, int group, int rank, Turn& turn, uin
   Workspace& ws = *g.ws;
   const int nranks = ws.nranks();
   if (nranks == 1) return std::string();
+  // This rank fails with `what` (how, as the peers repeat it) and `advice`, and its group too.
+  auto fail = [&](const std::string& what, const std::string& advice) {
+    Text os;
+    os << "jax_gin " << call_op_name(op) << " (" << algorithm_name(algo) << ") on CPU: rank "
+       << rank << " of group " << group << " (" << nranks << " ranks) " << what << advice;
+    store_relaxed(ws.rec_state(rank).failed, uint8_t(1));  // before the peers read the states
+    fail_group(g, rank, what + ".", os.str());
+    return os.str();
+  };
   if (turn.twin) {
     Text what;
     what << "had two calls of the program's jax_gin call " << turn.site << " at once";
-    Text os;
-    os << "jax_gin " << call_op_name(op) << " (" << algorithm_name(algo) << ") on CPU: rank "
-       << rank << " of group " << group << " (" << nranks << " ranks) " << what.str()
-       << ": copies of one function's call (a jitted function called twice in one program is "
-          "lowered once), which nothing orders against each other and nothing tells apart, so "
-          "ranks could pair them crosswise. Make one copy take a value of the other's results "
-          "(docs/design.md, Ordering)";
-    store_relaxed(ws.rec_state(rank).failed, uint8_t(1));  // before the peers read the states
-    fail_group(g, rank, what.str() + ".", os.str());
-    return os.str();
+    return fail(what.str(),
+                ": copies of one function's call (a jitted function called twice in one program "
+                "is lowered once), which nothing orders against each other and nothing tells "
+                "apart, so ranks could pair them crosswise. Make one copy take a value of the "
+                "other's results (docs/design.md, Ordering)");
   }
   if (rank == 0) {
     const uint64_t word = (seq << 32) | turn.site;
@@ -798,22 +802,17 @@ std::string take_turn(Comm& comm, Group& g, int group, int rank, Turn& turn, uin
     turn.leader_site = lead;
     return std::string();
   }
-  Text what;
+  Text what, advice;
   what << "started call #" << seq << " as the program's jax_gin call " << turn.site
        << ", but rank 0 started call #" << (word >> 32) << " as its call " << lead;
-  Text os;
-  os << "jax_gin " << call_op_name(op) << " (" << algorithm_name(algo) << ") on CPU: rank " << rank
-     << " of group " << group << " (" << nranks << " ranks) " << what.str()
-     << ". The ranks of a group make the same calls on a communicator, in rank 0's order, or "
-        "they would pair different calls. ";
+  advice << ". The ranks of a group make the same calls on a communicator, in rank 0's order, "
+            "or they would pair different calls. ";
   if (turn.waited)
-    os << "This rank waited " << comm.config.timeout_s << " s for rank 0's call, and it did not "
-          "come: do all devices run the same program?";
+    advice << "This rank waited " << comm.config.timeout_s << " s for rank 0's call, and it did "
+              "not come: do all devices run the same program?";
   else
-    os << "Each rank's calls must come in the same order";
-  store_relaxed(ws.rec_state(rank).failed, uint8_t(1));  // before the peers read the states
-  fail_group(g, rank, what.str() + ".", os.str());
-  return os.str();
+    advice << "Each rank's calls must come in the same order";
+  return fail(what.str(), advice.str());
 }
 
 // One rank's call: the checks, the busy flag and the flight recorder around `body(tp, round)`,
