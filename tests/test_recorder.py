@@ -370,6 +370,21 @@ def test_laggard_text_of_a_rank_gone_on_to_its_next_call():
                            "call: its signals did not arrive."), text
 
 
+def test_laggard_text_of_a_rank_that_failed_outside_a_wait():
+    """A rank that failed in the call without waiting (a CPU rank whose turn check failed) is
+    named as failed, not as busy."""
+    psum, one_shot = OP_CODES["sum"], ALGORITHM_CODES["one_shot"]
+    # (seq, done, wait seq, wait round, wait peer, wait step, op, algorithm, failed, place, kind)
+    rank0 = [2, 1, 2, 2, 1, 0, psum, one_shot, 1, 0, 0]
+    rank1 = [2, 1, 0, 0, -1, 0, psum, one_shot, 1, 0, 0]
+    text = _native.cpu.laggard_text([rank0, rank1], 0, 0)
+    assert text.startswith("diagnosis: rank 1 failed in call #2 (psum, one_shot), not in a wait "
+                           "(its own error says how); rank 0 waits for it at step 0."), text
+    rank1[8] = 0  # the same rank, not failed: busy or stopped
+    assert "rank 1 is in call #2 (psum, one_shot) but not waiting (busy or stopped)" in \
+        _native.cpu.laggard_text([rank0, rank1], 0, 0)
+
+
 def test_laggard_text_of_a_late_signal():
     """A rank whose awaited signal is there when it reads its flag again, after the states:
     the signal came late (its peer entered about a timeout after it), and the states, which

@@ -270,8 +270,14 @@ inline std::string laggard_text(const std::vector<Seen>& s, int group, int self,
       } else if (r == self) {
         os << "rank " << behind << " is behind in " << call_name(k, me.op, me.algo);
       } else {
+        // Not waiting: busy or stopped, or failed outside a wait (a CPU rank whose turn check
+        // failed: cpu_backend.cc, take_turn), whose own error says how.
         waiters_for(r, w, steps);
-        os << "rank " << r << " is in " << call_name(k, me.op, me.algo) << " but not waiting (busy or stopped)";
+        if (s[size_t(r)].failed)
+          os << "rank " << r << " failed in " << call_name(k, me.op, me.algo)
+             << ", not in a wait (its own error says how)";
+        else
+          os << "rank " << r << " is in " << call_name(k, me.op, me.algo) << " but not waiting (busy or stopped)";
         if (!w.empty()) os << "; " << ranks_word(w) << " wait" << (w.size() == 1 ? "s" : "") << " for it "
                            << steps_text(steps);
       }
