@@ -752,6 +752,11 @@ std::string concurrent_calls(const Comm& comm, int group, int rank, Overlap over
   return os.str();
 }
 
+// How long a declined call's worker waits for the call that rank 0 started first
+// (RankWorker::loop): half the timeout, so that where that call never comes, this rank's error,
+// which names both calls, comes before rank 0's wait for this rank times out and says less.
+double turn_wait_s(const CommConfig& cfg) { return cfg.timeout_s / 2; }
+
 // The order of a group's calls (Turn): the group's rank 0 writes call `seq`'s site into the
 // others' turn words as it starts it; another rank waits for that (as for a peer's signal:
 // the timeout, a failed group, a process gone) and compares. Where rank 0 runs another call
@@ -808,8 +813,8 @@ std::string take_turn(Comm& comm, Group& g, int group, int rank, Turn& turn, uin
   advice << ". The ranks of a group make the same calls on a communicator, in rank 0's order, "
             "or they would pair different calls. ";
   if (turn.waited)
-    advice << "This rank waited " << comm.config.timeout_s << " s for rank 0's call, and it did "
-              "not come: do all devices run the same program?";
+    advice << "This rank waited " << turn_wait_s(comm.config) << " s for rank 0's call, and it "
+              "did not come: do all devices run the same program?";
   else
     advice << "Each rank's calls must come in the same order";
   return fail(what.str(), advice.str());
@@ -1018,10 +1023,10 @@ constexpr std::chrono::milliseconds kWorkerIdle{1000};
 
 }  // namespace
 
-RankWorker::RankWorker(int64_t comm_id, uint32_t logical_id, double timeout_s)
+RankWorker::RankWorker(int64_t comm_id, uint32_t logical_id, double turn_wait_s)
     : s_(std::make_shared<State>()),
       name_("jax_gin:" + std::to_string(comm_id) + "/" + std::to_string(logical_id)),
-      timeout_s_(timeout_s) {}
+      turn_wait_s_(turn_wait_s) {}
 
 RankWorker::~RankWorker() {
   std::thread t;
@@ -1046,7 +1051,7 @@ bool RankWorker::submit(Work work, Done done, uint32_t site, int64_t run_id) {
       // The first call, or the thread ended idle (it decided so under this mutex, and detached
       // itself: s_->thread is empty): a fresh one runs this call.
       try {
-        s_->thread = std::thread(&RankWorker::loop, s_, name_, timeout_s_);
+        s_->thread = std::thread(&RankWorker::loop, s_, name_, turn_wait_s_);
       } catch (const std::system_error& e) {
         throw CannotStart(e.what());
       }
@@ -1060,7 +1065,7 @@ bool RankWorker::submit(Work work, Done done, uint32_t site, int64_t run_id) {
   return true;
 }
 
-void RankWorker::loop(std::shared_ptr<State> s, std::string name, double timeout_s) {
+void RankWorker::loop(std::shared_ptr<State> s, std::string name, double turn_wait_s) {
   name.resize(std::min<size_t>(name.size(), 15));  // the kernel's limit on a thread's name
   pthread_setname_np(pthread_self(), name.c_str());
   using clock = std::chrono::steady_clock;
@@ -1076,9 +1081,9 @@ void RankWorker::loop(std::shared_ptr<State> s, std::string name, double timeout
       auto it = s->calls.begin();
       if (wanting) {
         // The declined call is queued again: wait for rank 0's call to come too (rank 0
-        // cannot go on without this rank's part of it). Where it does not come within the
-        // timeout, the first call runs, and fails (take_turn): the ranks would pair it with
-        // another.
+        // cannot go on without this rank's part of it). Where it does not come within
+        // turn_wait_s, the first call runs, and fails (take_turn): the ranks would pair it
+        // with another.
         auto wanted = [&] {
           it = std::find_if(s->calls.begin(), s->calls.end(),
                             [&](const Call& c) { return c.site == want; });
@@ -1120,7 +1125,7 @@ void RankWorker::loop(std::shared_ptr<State> s, std::string name, double timeout
       wanting = true;
       want = turn.leader_site;
       until = clock::now() + std::chrono::duration_cast<clock::duration>(
-                                 std::chrono::duration<double>(timeout_s));
+                                 std::chrono::duration<double>(turn_wait_s));
       continue;
     }
     {
@@ -1144,7 +1149,7 @@ std::string submit(Comm& comm, uint32_t logical_id, RankWorker::Work work,
       std::lock_guard<std::mutex> lock(comm.workers_mu);
       if (comm.workers.empty()) comm.workers.resize(comm.config.group_of.size());
       auto& w = comm.workers[logical_id];
-      if (!w) w.reset(new RankWorker(comm.id, logical_id, comm.config.timeout_s));
+      if (!w) w.reset(new RankWorker(comm.id, logical_id, turn_wait_s(comm.config)));
       worker = w.get();
     }
     if (worker->submit(std::move(work), std::move(done), site, run_id))

@@ -177,8 +177,8 @@ struct Turn {
   // without running (declined), naming that call's site, which the worker runs first.
   // Elsewhere (the threads harness) the call fails: its rank would pair it with another call.
   bool may_decline = false;
-  // The worker waited the timeout for rank 0's call, which did not come; this one runs, and
-  // fails.
+  // The worker waited half the timeout for rank 0's call, which did not come; this one runs,
+  // and fails.
   bool waited = false;
   // Another call of this site is queued on the rank's worker: copies of one function's call
   // (a jitted function called twice is lowered once), which nothing tells apart, so ranks
@@ -210,8 +210,8 @@ class RankWorker {
   struct CannotStart : std::runtime_error {
     using std::runtime_error::runtime_error;
   };
-  // `timeout_s`: how long a declined call's worker waits for the call that rank 0 runs first.
-  RankWorker(int64_t comm_id, uint32_t logical_id, double timeout_s);  // starts no thread
+  // `turn_wait_s`: how long a declined call waits for the call that rank 0 runs first.
+  RankWorker(int64_t comm_id, uint32_t logical_id, double turn_wait_s);  // starts no thread
   ~RankWorker();  // runs the calls already queued, then ends the thread
   RankWorker(const RankWorker&) = delete;
   RankWorker& operator=(const RankWorker&) = delete;
@@ -238,10 +238,10 @@ class RankWorker {
     bool running = false;
     std::thread thread;  // the running thread, for ~RankWorker to join; empty once detached
   };
-  static void loop(std::shared_ptr<State> s, std::string name, double timeout_s);
+  static void loop(std::shared_ptr<State> s, std::string name, double turn_wait_s);
   std::shared_ptr<State> s_;
   std::string name_;  // the thread's
-  double timeout_s_;
+  double turn_wait_s_;
 };
 
 struct Comm {
