@@ -15,7 +15,9 @@ no reduced dimension is sharded, no collective runs at all.
 Each is differentiable: custom_partitioning has no AD rules, so each op is wrapped in
 custom_vjp. The backward passes are built from the same operations, so a backward
 contraction over a sharded dimension also all-reduces with jax_gin. Examples are the weight
-gradient of a data-parallel layer and the input gradient of a column-parallel one.
+gradient of a data-parallel layer and the input gradient of a column-parallel one. vmap
+makes its batch dimension one more dimension of the same op (custom_vmap), so per-example
+gradients and jax.jacrev work too.
 
 Mesh axis types:
 - Auto axes go straight to the partitioner.
@@ -39,7 +41,6 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, get_abstract_mesh
 
-from ._compat import batching
 from ._ops import OP_API_NAMES, check_dtype
 from ._primitive import pmax, pmin, psum
 from . import _select
@@ -151,12 +152,6 @@ def _mesh_of(*xs):
 
 def _run(api, op, args, out_factors, operand_factors, sizes, out_sharding):
     """Call the custom-partitioned `op`, through auto_axes when the mesh has Explicit axes."""
-    if builtins.any(isinstance(a, batching.BatchTracer) and a.batch_dim is not None
-                    for a in args):
-        raise NotImplementedError(
-            f"jax_gin.{api} does not support vmap of a batched operand (custom_partitioning has "
-            "no batching rule; jax.jacrev and jax.jacfwd batch too); call it on the whole "
-            "batched array instead")
     explicit = _explicit_axes(*args)
     if not explicit:
         y = op(*args)
@@ -187,12 +182,31 @@ def _explicit_mode(*xs) -> bool:
 def _like(ct, x):
     """Give a cotangent x's sharding type under Explicit axes (a no-op under Auto)."""
     if _explicit_mode(x):
-        return jax.sharding.reshard(ct, jax.typeof(x).sharding)
+        sharding = jax.typeof(x).sharding
+        # x not on the mesh (a plain array) is replicated on it: P() under the context mesh
+        return jax.sharding.reshard(ct, P() if sharding.mesh.empty else sharding)
     return ct
+
+
+def _batched_sharding(out_sharding):
+    """A result sharding for the unbatched result, given to the batched one: vmap's new
+    leading dimension is left unconstrained (None)."""
+    if out_sharding is None:
+        return None
+    if isinstance(out_sharding, NamedSharding):
+        return NamedSharding(out_sharding.mesh, P(None, *out_sharding.spec))
+    return P(None, *out_sharding)
 
 
 # ---------------------------------------------------------------------------------------
 # The custom-partitioned kernels: contraction and reduction
+#
+# custom_partitioning has no batching rule, so each kernel's call is a custom_vmap whose
+# rule turns vmap's batch dimension into one more dimension of the same operation: a new
+# letter in every batched operand and in the output of a contraction, one more kept
+# dimension in a reduction. The batched call is the same custom-partitioned op, so it is
+# partitioned and all-reduced alike; vmap inside vmap nests the rule. jax.jacrev batches the
+# backward pass, so it rests on this too.
 
 
 def _parse_einsum(subscripts: str):
@@ -289,12 +303,35 @@ _reduce_op.def_partition(_reduce_partition, sharding_rule=_reduce_rule)
 # Differentiable contraction: einsum and matmul
 
 
+def _contract(subscripts, x, w, algorithm, precision, preferred, out_sharding, api):
+    """The custom-partitioned contraction, batchable (see above)."""
+
+    @jax.custom_batching.custom_vmap
+    def call(x, w):
+        xs, ws, out = _parse_einsum(subscripts)
+        sizes = {**dict(zip(xs, x.shape)), **dict(zip(ws, w.shape))}
+        op = lambda a, b: _contract_op(a, b, subscripts, algorithm, precision, preferred)  # noqa: E731
+        return _run(api, op, (x, w), out, (xs, ws), sizes, out_sharding)
+
+    @call.def_vmap
+    def _(axis_size, in_batched, x, w):
+        xs, ws, out = _parse_einsum(subscripts)
+        free = [c for c in string.ascii_letters if c not in xs + ws]
+        if not free:
+            raise ValueError(f"jax_gin.{api}: vmap needs a dimension letter, and "
+                             f"{subscripts!r} uses all 52")
+        z = free[0]
+        xb, wb = in_batched
+        batched = f"{z + xs if xb else xs},{z + ws if wb else ws}->{z + out}"
+        return _contract(batched, x, w, algorithm, precision, preferred,
+                         _batched_sharding(out_sharding), api), True
+
+    return call(x, w)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4, 5, 6, 7))
 def _einsum(subscripts, x, w, algorithm, precision, preferred, out_sharding, api):
-    xs, ws, out = _parse_einsum(subscripts)
-    sizes = {**dict(zip(xs, x.shape)), **dict(zip(ws, w.shape))}
-    op = lambda a, b: _contract_op(a, b, subscripts, algorithm, precision, preferred)  # noqa: E731
-    return _run(api, op, (x, w), out, (xs, ws), sizes, out_sharding)
+    return _contract(subscripts, x, w, algorithm, precision, preferred, out_sharding, api)
 
 
 def _einsum_fwd(subscripts, x, w, algorithm, precision, preferred, out_sharding, api):
@@ -392,10 +429,22 @@ def _normalize_axis(axis, ndim: int, api: str) -> tuple:
 
 
 def _reduce_raw(x, axes, op, algorithm, out_sharding, api):
-    names, kept = _reduce_factors(x.ndim, axes)
-    sizes = dict(zip(names, x.shape))
-    fn = lambda a: _reduce_op(a, axes, op, algorithm)  # noqa: E731
-    return _run(api, fn, (x,), kept, (names,), sizes, out_sharding)
+    """The custom-partitioned reduction, batchable (see above)."""
+
+    @jax.custom_batching.custom_vmap
+    def call(x):
+        names, kept = _reduce_factors(x.ndim, axes)
+        sizes = dict(zip(names, x.shape))
+        fn = lambda a: _reduce_op(a, axes, op, algorithm)  # noqa: E731
+        return _run(api, fn, (x,), kept, (names,), sizes, out_sharding)
+
+    @call.def_vmap
+    def _(axis_size, in_batched, x):
+        # x is batched (its only operand): the batch dimension leads and is kept.
+        return _reduce_raw(x, tuple(a + 1 for a in axes), op, algorithm,
+                           _batched_sharding(out_sharding), api), True
+
+    return call(x)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))

@@ -588,23 +588,75 @@ def test_axis_must_be_integers(axis):
             fn(x, axis=axis)
 
 
+# vmap and jacrev: each op on a (8, 12) block whose 12 (contracted or reduced) is sharded over
+# "tensor", so every call all-reduces. The references run unsharded on one device; the inputs
+# are small integers, so every sum is exact and the bits must agree.
+VMAP_OPS = {
+    "matmul": (lambda v, w: jax_gin.matmul(v, w), lambda v, w: v @ w),
+    "einsum": (lambda v, w: jax_gin.einsum("mk,kn->mn", v, w),
+               lambda v, w: jnp.einsum("mk,kn->mn", v, w)),
+    **{name: (lambda v, w, name=name: getattr(jax_gin, name)(v, 1) * w[0, 0],
+              lambda v, w, name=name: getattr(jnp, name)(v, 1) * w[0, 0])
+       for name in REDUCTIONS},
+}
+
+
 @pytest.mark.parametrize("kind", [AUTO, EXPLICIT], ids=["auto", "explicit"])
-@pytest.mark.parametrize("api", ["matmul", "einsum", "sum", "mean", "max", "min"])
-def test_vmap_is_refused_by_name(api, kind):
-    """vmap of a batched operand (which custom_partitioning cannot batch) names the op and
-    vmap, under grad too, and on Explicit axes does not blame the mesh's axis types."""
-    mesh = mesh_1d(kind)
-    x = put(ints((ndev(), 4)), mesh, P("i"))
-    w = ints((4, 3), seed=1)
-    ours, ref = {"matmul": (lambda v: jax_gin.matmul(v, w), lambda v: v @ w),
-                 "einsum": (lambda v: jax_gin.einsum("mk,kn->mn", v.reshape(-1, 4), w),
-                            lambda v: jnp.einsum("mk,kn->mn", v.reshape(-1, 4), w))}.get(
-        api, (lambda v: getattr(jax_gin, api)(v), lambda v: getattr(jnp, api)(v)))
-    for f in (jax.vmap(ours), jax.vmap(jax.grad(lambda v: jnp.sum(ours(v))))):
-        with pytest.raises(NotImplementedError,
-                           match=rf"^jax_gin.{api} does not support vmap of a batched operand"):
-            jax.jit(f)(x)
-    # vmap over another value than the op's operands works
-    t = jnp.arange(3.0)
-    assert_bitwise(jax.jit(lambda v: jax.vmap(lambda s: ours(v) * s)(t))(x),
-                   jax.jit(lambda v: jax.vmap(lambda s: ref(v) * s)(t))(x))
+@pytest.mark.parametrize("api", list(VMAP_OPS))
+def test_vmap_and_jacrev(api, kind):
+    """vmap of a batched operand (the batch becomes one more dimension of the same
+    partitioned op), vmap of vmap, per-example gradients, and jax.jacrev, which batches the
+    backward pass: jnp's bits, with jax_gin's call in place of XLA's all-reduce."""
+    ours, ref = VMAP_OPS[api]
+    mesh = mesh_dt(kind)
+    x, w = ints((3, 8, 12)), ints((12, 4), seed=1)
+    xs = put(x, mesh, P(None, "data", "tensor"))
+    wb = ints((3, 12, 4), seed=2)  # a batch of weights
+    loss = lambda f: lambda v, w: jnp.sum(f(v, w) ** 2)  # noqa: E731
+    cases = [
+        ("vmap", lambda f: jax.vmap(f, in_axes=(0, None)), x, w, None),
+        ("vmap of vmap", lambda f: jax.vmap(jax.vmap(f, in_axes=(0, None)), in_axes=(0, None)),
+         jnp.stack([x, -x]), w, P(None, None, "data", "tensor")),
+        ("vmap over dim 1", lambda f: jax.vmap(f, in_axes=(1, None), out_axes=1),
+         x.transpose(1, 0, 2), w, P("data", None, "tensor")),
+        ("per-example grad", lambda f: jax.vmap(jax.grad(loss(f), argnums=(0, 1)),
+                                                in_axes=(0, None)), x, w, None),
+        ("jacrev", lambda f: jax.jacrev(f, argnums=(0, 1)), x[0], w, P("data", "tensor")),
+        ("both batched", lambda f: jax.vmap(f), x, wb, None),
+        ("weights batched", lambda f: jax.vmap(f, in_axes=(None, 0)), x[0], wb,
+         P("data", "tensor")),
+    ]
+    with jax.set_mesh(mesh):
+        for name, transform, v, u, spec in cases:
+            vs = xs if spec is None else put(v, mesh, spec)
+            got = jax.jit(transform(ours))(vs, u)
+            want = jax.jit(transform(ref))(v, u)  # unsharded, on one device
+            assert jax.tree.structure(got) == jax.tree.structure(want), name
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                assert_bitwise(a, b)
+        if ndev() >= 2:  # "tensor" has 2 or more devices: the vmapped op all-reduces
+            assert counts(hlo(jax.vmap(ours, in_axes=(0, None)), xs, w)) == (1, 0)
+
+
+def test_vmap_with_out_sharding():
+    """An op's out_sharding names the unbatched result; under vmap the batch dimension is
+    left to the partitioner, and the named sharding holds for the others."""
+    mesh = mesh_dt()
+    x, w = ints((3, 16, 32)), ints((32, 8), seed=1)
+    out = NamedSharding(mesh, P("data", "tensor"))
+    f = jax.jit(jax.vmap(lambda v: jax_gin.matmul(v, w, out_sharding=out)))
+    y = f(put(x, mesh, P(None, "data", "tensor")))
+    assert y.sharding.spec[1:] == ("data", "tensor")
+    assert_bitwise(y, x @ w)
+
+
+def test_grad_of_a_plain_array_on_explicit_axes():
+    """Under an Explicit mesh, the gradient of an operand that is not placed on the mesh (a
+    plain array, replicated) is jnp's."""
+    mesh = mesh_dt(EXPLICIT)
+    x, w = ints((8, 12)), ints((12, 4), seed=1)
+    xs = put(x, mesh, P("data", "tensor"))
+    with jax.set_mesh(mesh):
+        got = jax.jit(jax.grad(lambda a, b: jnp.sum(jax_gin.matmul(a, b) ** 2), argnums=1))(xs, w)
+    want = jax.grad(lambda a, b: jnp.sum((a @ b) ** 2), argnums=1)(x, w)
+    assert_bitwise(got, want)
