@@ -660,3 +660,19 @@ def test_grad_of_a_plain_array_on_explicit_axes():
         got = jax.jit(jax.grad(lambda a, b: jnp.sum(jax_gin.matmul(a, b) ** 2), argnums=1))(xs, w)
     want = jax.grad(lambda a, b: jnp.sum((a @ b) ** 2), argnums=1)(x, w)
     assert_bitwise(got, want)
+
+
+def test_constant_operands():
+    """Operands that are constants of the program (closed over, so the partitioner gives them
+    a replicated sharding that names no mesh axis) are replicated operands: jax.jacrev of a
+    linear function, whose program holds nothing but constants, and a product of two
+    constants, under jax.set_mesh."""
+    mesh = mesh_dt()
+    x, w = ints((16, 32)), ints((32, 8), seed=1)
+    xs, ws = put(x, mesh, P("data", "tensor")), put(w, mesh, P("tensor", None))
+    with jax.set_mesh(mesh):
+        got = jax.jit(jax.jacrev(lambda b: jax_gin.matmul(xs, b).sum(0)))(ws)
+        both = jax.jit(lambda: jax_gin.matmul(xs, ws))()
+    want = jax.jacrev(lambda b: (x @ b).sum(0))(w)
+    assert_bitwise(got, want)
+    assert_bitwise(both, x @ w)
