@@ -48,9 +48,9 @@ def psum_overlapping(x, axis_name, fn, *args, algorithm: str = "auto",
     must not call jax_gin's collectives itself; lax's collectives are fine. The results equal
     ``jax_gin.psum(x, axis_name, algorithm=algorithm)`` and ``fn(*args)`` bit for bit.
 
-    Works under jit, grad (reverse mode: the backward all-reduce runs beside fn's backward;
-    reverse over reverse too, as in grad of a function of grad), vmap over axes other than the
-    reduced ones, and scan. Forward-mode differentiation (jvp, jacfwd, jax.hessian) is not
+    Works under jit and in a shard_map without jit, under grad (reverse mode: the backward
+    all-reduce runs beside fn's backward; reverse over reverse too, as in grad of a function
+    of grad), vmap over axes other than the reduced ones, and scan. Forward-mode differentiation (jvp, jacfwd, jax.hessian) is not
     supported, as for any custom_vjp; jax.jacrev(jax.jacrev(f)) gives the Hessian.
     """
     algorithm = _select.validate(algorithm, API)
@@ -85,7 +85,11 @@ def psum_overlapping(x, axis_name, fn, *args, algorithm: str = "auto",
     reduced = [leaves[i] for g, _ in groups for i in g]
     modes = tuple(m for _, m in groups)
     sizes = tuple(len(g) for g, _ in groups)
-    sums, ys = _overlapped(reduced, fn, args, params, modes, sizes, invariant)
+    # One jit around the pair: an eager shard_map (no jit around it) runs each primitive as
+    # a program of its own, and a start's kernel must be joined by its done in the program
+    # that started it. Inside a jit this is a nested call, which XLA inlines.
+    sums, ys = jax.jit(lambda r, a: _overlapped(r, fn, a, params, modes, sizes, invariant))(
+        reduced, args)
     k = 0
     for g, _ in groups:
         for i in g:
@@ -117,10 +121,21 @@ def _overlapped(reduced, fn, args, params, modes, sizes, invariant):
 
     def fwd(reduced, args):
         # through _overlapped, not run: a second reverse pass (jax.hessian's inner jacrev,
-        # jacrev of jacrev) differentiates fwd, which its own custom_vjp then serves
-        sums, (ys, fn_vjp) = _overlapped(reduced, lambda *a: jax.vjp(fn, *a), args, params,
-                                         modes, sizes, invariant)
-        return (sums, ys), fn_vjp
+        # jacrev of jacrev) differentiates fwd, which its own custom_vjp then serves. fn's
+        # pullback leaves that pair as its arrays, and its structure is rebuilt here: a
+        # pullback's structure holds a function that each trace of fn makes anew, so the
+        # pair's outputs, which a second pass compares between its traces, must not hold it.
+        structure = []
+
+        def fn_and_residuals(*a):
+            ys, fn_vjp = jax.vjp(fn, *a)
+            leaves, tree = tree_util.tree_flatten(fn_vjp)
+            structure.append(tree)
+            return ys, leaves
+
+        sums, (ys, leaves) = _overlapped(reduced, fn_and_residuals, args, params, modes, sizes,
+                                         invariant)
+        return (sums, ys), tree_util.tree_unflatten(structure[-1], leaves)
 
     def bwd(fn_vjp, cts):
         ct_sums, ct_ys = cts

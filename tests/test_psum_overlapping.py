@@ -164,6 +164,50 @@ def test_second_order_reverse(check_vma):
             lambda g, m, w: g, (g, m, w), check_vma, out_specs=P("i"))
 
 
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("how", ["grad of grad", "jacrev of jacrev"])
+def test_second_order_around_a_jitted_step(how, check_vma):
+    """A jitted shard_map step, differentiated twice outside the jit (each pass traces the
+    step's pair again): jax_gin.psum's bits. (Not lax's here: this Hessian sums zeros of
+    both signs, whose sum's sign differs from XLA's CPU all-reduce, see docs/api.md.)"""
+    g, m, w = inputs(8, "float32", seed=6)
+    g = g / 8
+
+    def step(body):
+        sm = jax.jit(jax.shard_map(lambda g, m: body(g, m), mesh=mesh_1d(),
+                                   in_specs=(P("i"), P("i")), out_specs=(P("i"), P("i")),
+                                   check_vma=check_vma))
+        def loss(g):
+            s, y = sm(g ** 3, m)
+            return jnp.sum(jnp.sin(s)) + jnp.sum(y)
+        if how == "grad of grad":
+            return jax.grad(lambda g: jnp.sum(jax.grad(loss)(g) ** 2))(g)
+        return jax.jacrev(jax.jacrev(loss))(g)
+
+    algo = kernel_algorithm()
+    ours = step(lambda g, m: jax_gin.psum_overlapping(g, "i", chain, m, w, algorithm=algo))
+    ref = step(lambda g, m: (jax_gin.psum(g, "i", algorithm=algo), chain(m, w)))
+    assert_bitwise(ours, ref)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_eager_shard_map(check_vma):
+    """Without jit, shard_map runs each primitive as a program of its own; the pair and fn
+    still run as one: the values and gradients are lax's."""
+    g, m, w = inputs(33, "float32", seed=7)
+
+    def step(body):
+        sm = jax.shard_map(body, mesh=mesh_1d(), in_specs=(P("i"), P("i")),
+                           out_specs=(P("i"), P("i")), check_vma=check_vma)
+        loss = lambda g, m: jnp.sum(sm(g, m)[0] * g) + jnp.sum(sm(g, m)[1])  # noqa: E731
+        return sm(g, m), jax.grad(loss, argnums=(0, 1))(g, m)
+
+    ours = step(lambda g, m: jax_gin.psum_overlapping(g, "i", chain, m, w,
+                                                      algorithm=kernel_algorithm()))
+    ref = step(lambda g, m: (lax.psum(g, "i"), chain(m, w)))
+    assert_tree_bitwise(ours, ref)
+
+
 def test_vmap_over_another_axis():
     g = exact_input((3, 40), ndev(), "float32", seed=3)
     m = jnp.ones((ndev() * 4, 8), jnp.float32)
