@@ -496,6 +496,11 @@ def resolve_call(ctx, avals, axes, op, algorithm, platform, api: str | None = No
                                    tuple(int(mesh.shape[n]) for n in mesh.axis_names), axes)
     itemsize = np.dtype(avals[0].dtype).itemsize
     nbytes = sum(int(np.prod(a.shape, dtype=np.int64)) for a in avals) * itemsize
+    if nbytes == 0:
+        # No elements: nothing to exchange, so no call (xla_allreduce returns the operands).
+        # A call would also let the group's rank 0 finish it, and start its next call, before
+        # a peer has started this one: a call with data cannot end before every rank joins.
+        return None
     requested = algorithm
     if algorithm == "auto":
         kind = _select.table_kind(mesh, platform)
@@ -534,10 +539,10 @@ def one_device(ctx, axes) -> bool:
 
 def xla_allreduce(ctx, xs, op: str, axes: tuple) -> list:
     """XLA's own all-reduce of `xs`, where `auto` chose it: over one device (a group of one
-    rank) the operands themselves, which is what it computes, and which also works inside a
-    partially-manual shard_map, where XLA's partitioner rejects an all-reduce over a manual
-    axis of size 1 (jax 0.11.2)."""
-    if one_device(ctx, axes):
+    rank) or of operands with no elements, the operands themselves, which is what it computes,
+    and which also works inside a partially-manual shard_map, where XLA's partitioner rejects
+    an all-reduce over a manual axis of size 1 (jax 0.11.2)."""
+    if one_device(ctx, axes) or all(a.size == 0 for a in ctx.avals_in[-len(xs):]):
         return list(xs)
     return _compat.xla_allreduce_lowering(ctx, xs, op, axes)
 

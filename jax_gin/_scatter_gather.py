@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import tree_util
 from jax.extend.core import Primitive
-from jax.interpreters import ad
+from jax.interpreters import ad, mlir
 
 from . import _compat, _native, _primitive, _runtime, _select
 from ._ops import ALGORITHM_CODES, SUPPORTED_DTYPE_NAMES, SUPPORTED_DTYPES, refuse_keys
@@ -397,6 +397,8 @@ def _lowering(api, ctx, x, *, axes, nranks, algorithm, platform):
     mesh, partial = _primitive.lowering_mesh(ctx, api)
     itemsize = np.dtype(aval.dtype).itemsize
     nbytes = int(max(aval.shape[0], ctx.avals_out[0].shape[0])) * itemsize
+    if nbytes == 0:  # no elements: no call (as _primitive.resolve_call says why)
+        return [mlir.ir_constant(np.zeros(ctx.avals_out[0].shape, ctx.avals_out[0].dtype))]
     requested = algorithm
     if algorithm == "auto":
         kind = _select.table_kind(mesh, platform)
