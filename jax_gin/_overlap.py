@@ -50,8 +50,9 @@ def psum_overlapping(x, axis_name, fn, *args, algorithm: str = "auto",
 
     Works under jit and in a shard_map without jit, under grad (reverse mode: the backward
     all-reduce runs beside fn's backward; reverse over reverse too, as in grad of a function
-    of grad), vmap over axes other than the reduced ones, and scan. Forward-mode differentiation (jvp, jacfwd, jax.hessian) is not
-    supported, as for any custom_vjp; jax.jacrev(jax.jacrev(f)) gives the Hessian.
+    of grad), vmap over axes other than the reduced ones, and scan. Forward-mode
+    differentiation (jvp, jacfwd, jax.hessian) is not supported, as for any custom_vjp;
+    jax.jacrev(jax.jacrev(f)) gives the Hessian.
     """
     algorithm = _select.validate(algorithm, API)
     bucket_bytes = _primitive._check_bucket_bytes(bucket_bytes, API)
