@@ -104,6 +104,28 @@ def test_errors(capsys):
     assert "--rounds must be at least 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("workload", [n for n in NAMES if workloads.WORKLOADS[n].attention])
+def test_float16_attention_is_refused_on_cpu_devices(workload, capsys):
+    # XLA's CPU dot_general cannot compile dot_product_attention's float16 x float16 -> float32
+    # einsum: a one-line usage error (status 2) instead of XLA's traceback
+    workloads.check_dtype(workload, "float16", "gpu")
+    workloads.check_dtype(workload, "bfloat16", "cpu")
+    if jax.devices()[0].platform != "cpu":
+        pytest.skip("the refusal is for CPU devices")
+    with pytest.raises(SystemExit) as info:
+        bench.main(["--workload", workload, "--dtype", "float16"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert err == (f"python -m jax_gin.bench: error: {workload}: --dtype float16 does not run "
+                   "on cpu devices (XLA's CPU dot_general has no float16 x float16 -> float32 "
+                   "precision, which its attention needs); use bfloat16 or float32 there, "
+                   "float16 on GPUs\n")
+
+
+def test_overlap_runs_float16_on_cpu_devices():
+    workloads.check_dtype("overlap", "float16", "cpu")  # no attention: no refusal
+
+
 def test_one_device_gives_no_lax_ratio():
     """On one device lax.psum is no operation: the report gives times but no ratio to lax."""
     mesh = workloads.make_mesh("tp-decode", jax.devices()[:1])
