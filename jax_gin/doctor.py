@@ -57,7 +57,7 @@ import jax_gin
 from . import _native, _runtime, _scatter_gather, _select
 from ._bench_inputs import format_size
 from ._trace import _check_writable
-from .bench import parse_size
+from .bench import add_process_arguments, check_processes, parse_size
 
 DEFAULT_SIZES = (1 << 10, 1 << 20)  # bytes per device
 RUNS = 5  # timed calls per measurement (the median is printed); --quick: 1
@@ -365,13 +365,12 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="the self-test at the first size only, one timed call each")
     p.add_argument("--json", metavar="PATH", help="also write the facts and verdict as JSON")
-    p.add_argument("--coordinator", metavar="HOST:PORT",
-                   help="one process of a multi-process job: jax.distributed.initialize with "
-                        "this coordinator, --num-processes and --process-id; the self-test then "
-                        "runs over every process's devices (run the doctor in every process)")
-    p.add_argument("--num-processes", type=int, default=1)
-    p.add_argument("--process-id", type=int, default=0)
+    add_process_arguments(p, "one process of a multi-process job: jax.distributed.initialize "
+                             "with this coordinator, --num-processes and --process-id; the "
+                             "self-test then runs over every process's devices (run the doctor "
+                             "in every process)")
     args = p.parse_args(argv)
+    check_processes(p, args)
     if args.json:
         try:  # before the run, which the report would otherwise be lost after
             _check_writable(args.json, "--json")

@@ -153,6 +153,33 @@ def test_sizes_and_flags():
     assert bench.row_sizes("all_reduce", [1, 2, 4, 8], 8, 4) == [1, 8]
 
 
+@pytest.mark.parametrize("cli", ["bench", "doctor"])
+@pytest.mark.parametrize("argv,message", [
+    (["--coordinator", "x", "--num-processes", "2", "--process-id", "0"],
+     "--coordinator x: expected HOST:PORT"),
+    (["--coordinator", "localhost:0", "--num-processes", "2", "--process-id", "0"],
+     "--coordinator localhost:0: expected HOST:PORT"),
+    (["--coordinator", "localhost:1", "--num-processes", "2", "--process-id", "5"],
+     "--process-id 5: must be from 0 to 1 (--num-processes 2)"),
+    (["--coordinator", "localhost:1", "--num-processes", "2", "--process-id", "-1"],
+     "--process-id -1: must be from 0 to 1"),
+    (["--coordinator", "localhost:1", "--num-processes", "0", "--process-id", "0"],
+     "--num-processes 0: must be at least 1"),
+    (["--num-processes", "2"], "--coordinator, --num-processes and --process-id go together"),
+    (["--coordinator", "localhost:1"], "--coordinator, --num-processes and --process-id go together"),
+])
+def test_process_flags_are_checked_before_jax_distributed(cli, argv, message, capsys):
+    # both CLIs check them alike (bench.check_processes) and refuse as argparse does (status 2),
+    # instead of jax.distributed.initialize's IndexError or ValueError, or (the doctor with
+    # --num-processes alone) a run of one process
+    from jax_gin import doctor
+    main = {"bench": bench.main, "doctor": doctor.main}[cli]
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert f"error: {message}" in capsys.readouterr().err
+
+
 def test_output_paths_are_checked_before_the_run(tmp_path, capsys):
     # a path that cannot be written is refused at once (status 2), not after the measurement
     from jax_gin import tune
