@@ -544,10 +544,7 @@ def _create_cpu_comm(mesh, devices, layout: GroupLayout, ws: int, key) -> int:
 
 def _create_cuda_comm(mesh, layout: GroupLayout, ws: int, key=None) -> int:
     if _native.cuda is None:
-        raise RuntimeError(
-            "jax_gin was not compiled with CUDA support "
-            f"({_native.CUDA_IMPORT_ERROR or 'the _jax_gin_cuda module is missing'}); "
-            "rebuild with nvcc and the nvidia-nccl-cu13 wheel installed (JAX_GIN_CUDA=ON)")
+        raise _native.no_cuda_error("jax_gin: a communicator of GPUs was requested")
     devices = list(np.asarray(mesh.devices).flat)
     if any(d.process_index != devices[0].process_index for d in devices):
         return _create_cuda_comm_processes(mesh, devices, layout, ws, key)

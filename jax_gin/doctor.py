@@ -111,8 +111,8 @@ def check_versions(r: Report, gpu_device) -> None:
     if gpu_device is None:
         return
     if _native.cuda is None:
-        r.line(f"{'CUDA extension':<16} not loaded: {_native.CUDA_IMPORT_ERROR}")
-        r.fail(f"jax_gin's CUDA extension did not load: {_native.CUDA_IMPORT_ERROR}",
+        r.line(f"{'CUDA extension':<16} not loaded: {_native.cuda_missing()}")
+        r.fail(f"jax_gin's CUDA extension is not loaded: {_native.cuda_missing()}",
                "rebuild jax_gin with nvcc and the nvidia-nccl-cu13 wheel of the NCCL JAX loads "
                "(pip install --no-build-isolation -e .)")
     else:
