@@ -99,3 +99,14 @@ def test_api_tables_name_every_public_name():
         missing = [n for n in jax_gin.__all__
                    if f"`jax_gin.{n}" not in text and f"`{n}`" not in text]
         assert not missing, f"{doc} does not name {missing}"
+
+
+def test_public_names_are_the_api_and_submodules():
+    """dir(jax_gin) shows no name without an underscore beyond __all__ and submodules (not,
+    say, `annotations` of a `from __future__ import annotations`)."""
+    import types
+
+    import jax_gin
+    extra = [n for n in dir(jax_gin) if not n.startswith("_") and n not in jax_gin.__all__
+             and not isinstance(getattr(jax_gin, n), types.ModuleType)]
+    assert not extra, extra
