@@ -70,4 +70,6 @@ def no_cuda_error(what: str) -> NotImplementedError:
 
 
 def has_cuda() -> bool:
+    """Whether jax_gin's CUDA extension is loaded, so that its collectives lower for GPUs.
+    Without it, jax_gin runs on CPU devices only: a CUDA lowering raises NotImplementedError."""
     return cuda is not None

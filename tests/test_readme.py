@@ -110,3 +110,12 @@ def test_public_names_are_the_api_and_submodules():
     extra = [n for n in dir(jax_gin) if not n.startswith("_") and n not in jax_gin.__all__
              and not isinstance(getattr(jax_gin, n), types.ModuleType)]
     assert not extra, extra
+
+
+def test_public_functions_have_docstrings():
+    import inspect
+
+    import jax_gin
+    bare = [n for n in jax_gin.__all__ if inspect.isfunction(getattr(jax_gin, n))
+            and not inspect.getdoc(getattr(jax_gin, n))]
+    assert not bare, bare
