@@ -386,8 +386,10 @@ def run_table(mesh, dtype: str, op: str, sizes: list, args, platform, progress, 
     return records
 
 
-def main(argv=None) -> int:
-    """Run the benchmark; returns 0, or 1 when any result was wrong or any run failed."""
+def main(argv=None, say_written: bool = True) -> int:
+    """Run the benchmark; returns 0, or 1 when any result was wrong or any run failed.
+    say_written: print '# wrote PATH' for --json and --plot (python -m jax_gin.tune, whose
+    --json file is a temporary one, passes False)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     # the sweep's own parser finds --workload (or its abbreviation), the workload's options
     # aside, so that both read the command line alike
@@ -449,8 +451,9 @@ def main(argv=None) -> int:
                  f"{r.wrong_chain} wrong elements at the end of the chain of {r.chain}")
     if args.json:
         write_json(args.json, meta, records)
-        say(f"# wrote {args.json}")
-    if args.plot and write_plot(args.plot, meta, records):
+        if say_written:
+            say(f"# wrote {args.json}")
+    if args.plot and write_plot(args.plot, meta, records) and say_written:
         say(f"# wrote {args.plot}")
     return 1 if any(r.failed for r in records) else 0
 

@@ -181,7 +181,7 @@ def main(argv=None) -> int:
                       "-a", ",".join(algorithms(args.collective) + (LAX_NAME,)), "--json", path]
             if args.maxbytes:
                 argv_b += ["-e", str(args.maxbytes)]
-            rc = bench.main(argv_b)
+            rc = bench.main(argv_b, say_written=False)  # `path` is gone when tune ends
             if rc != 0:
                 print("jax_gin.tune: the benchmark reported failures; no table written", file=sys.stderr)
                 return rc
