@@ -147,15 +147,15 @@ def main(argv=None) -> int:
     bench.check_size_range(ap, args.minbytes, args.maxbytes)
     if args.iters < 1:
         ap.error("-n/--iters must be at least 1")
-    # where the table goes, checked before the measurement that fills it (the default's file
-    # name needs the measurement: its directory is checked)
-    out_dir = os.path.dirname(os.path.abspath(args.out)) if args.out else \
-        (_runtime.settings.tuning_dir or TABLE_DIR)
+    # where the table goes, checked before the measurement that fills it: --out's directory
+    # must exist, as the benchmark's --json's; the default's file name needs the measurement,
+    # so its directory is made where missing and checked
+    out_dir = _runtime.settings.tuning_dir or TABLE_DIR
     try:
-        os.makedirs(out_dir, exist_ok=True)
         if args.out:
             _check_writable(args.out, "--out")
         else:
+            os.makedirs(out_dir, exist_ok=True)
             with tempfile.TemporaryFile(dir=out_dir):
                 pass
     except OSError as err:
@@ -191,10 +191,9 @@ def main(argv=None) -> int:
     if not table["entries"]:
         print(f"jax_gin.tune: no usable measurements of {args.collective}", file=sys.stderr)
         return 1
-    out = args.out or os.path.join(_runtime.settings.tuning_dir or TABLE_DIR,
-                                   table_name(table["device_kind"] or "unknown",
-                                              int(table["nranks"] or 0), args.collective))
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    out = args.out or os.path.join(out_dir, table_name(table["device_kind"] or "unknown",
+                                                       int(table["nranks"] or 0),
+                                                       args.collective))
     with open(out, "w") as f:
         json.dump(table, f, indent=1)
         f.write("\n")

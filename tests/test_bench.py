@@ -182,16 +182,18 @@ def test_process_flags_are_checked_before_jax_distributed(cli, argv, message, ca
 
 def test_output_paths_are_checked_before_the_run(tmp_path, capsys):
     # a path that cannot be written is refused at once (status 2), not after the measurement
-    from jax_gin import tune
+    from jax_gin import doctor, tune
     bad = tmp_path / "nodir" / "x.json"
     for main, argv in ((bench.main, ["--json", bad]), (bench.main, ["--plot", bad]),
                        (bench.main, ["--workload", "dp-train", "--json", bad]),
-                       (tune.main, ["--out", tmp_path])):
+                       (doctor.main, ["--json", bad]),
+                       (tune.main, ["--out", tmp_path]), (tune.main, ["--out", bad])):
         with pytest.raises(SystemExit) as info:
             main([str(a) for a in argv])
         assert info.value.code == 2
         err = capsys.readouterr().err
         assert "cannot write" in err and str(tmp_path) in err, err
+    assert not (tmp_path / "nodir").exists()  # a missing directory is refused, not made
 
 
 def test_workload_flag_abbreviated_runs_the_workload(monkeypatch):
