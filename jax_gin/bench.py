@@ -69,6 +69,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_gin
 from jax_gin import workloads
 
+from . import _runtime
 from ._bench_inputs import (COLLECTIVE_OPS, RESTORE_STEP, SIZE_UNITS, chain_step_for,
                             f16_scale_exp, make_collective_inputs, make_inputs, put_global,
                             size_steps)
@@ -128,8 +129,8 @@ def _dtype_name(text: str) -> str:
 
 def prog() -> str:
     """The command as the user typed it: the console script, or the module."""
-    return "jax-gin-bench" if os.path.basename(sys.argv[0]) == "jax-gin-bench" else \
-        "python -m jax_gin.bench"
+    script = _runtime.BENCH_SCRIPT
+    return script if os.path.basename(sys.argv[0]) == script else "python -m jax_gin.bench"
 
 
 def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
@@ -390,6 +391,7 @@ def main(argv=None, say_written: bool = True) -> int:
     """Run the benchmark; returns 0, or 1 when any result was wrong or any run failed.
     say_written: print '# wrote PATH' for --json and --plot (python -m jax_gin.tune, whose
     --json file is a temporary one, passes False)."""
+    _runtime.refuse_invalid_variables(prog())
     argv = sys.argv[1:] if argv is None else list(argv)
     # the sweep's own parser finds --workload (or its abbreviation), the workload's options
     # aside, so that both read the command line alike

@@ -122,6 +122,7 @@ def _load_results(paths: list) -> tuple[list, dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jax_gin.tune", description=__doc__.splitlines()[0])
+    _runtime.refuse_invalid_variables(ap.prog)
     ap.add_argument("--from-json", nargs="+", metavar="BENCH_JSON",
                     help="build the table from `python -m jax_gin.bench --json` files")
     ap.add_argument("-c", "--collective", choices=COLLECTIVES, default=ALL_REDUCE,

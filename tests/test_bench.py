@@ -180,6 +180,34 @@ def test_process_flags_are_checked_before_jax_distributed(cli, argv, message, ca
     assert f"error: {message}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["python -m jax_gin.bench", "python -m jax_gin.tune",
+                                     "jax-gin-bench"])
+def test_invalid_variable_is_a_usage_error(command, monkeypatch, capsys):
+    # `import jax_gin` under bench or tune takes an invalid JAX_GIN_* variable's default (as
+    # under the doctor) instead of failing with a traceback; their main() then refuses to
+    # run, naming it in one line (status 2)
+    import sys
+
+    from jax_gin import _runtime, tune
+    monkeypatch.setenv("JAX_GIN_TIMEOUT_S", "abc")
+    script = command == "jax-gin-bench"
+    argv = [sys.executable] + ([f"/venv/bin/{command}"] if script else command.split()[1:])
+    monkeypatch.setattr(sys, "orig_argv", argv)
+    monkeypatch.setattr(sys, "argv", [argv[1] if script else "-m"])
+    assert _runtime._settings_at_import().timeout_s == _runtime._DEFAULT_TIMEOUT_S
+    main = tune.main if command.endswith("tune") else bench.main
+    with pytest.raises(SystemExit) as info:
+        main([])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (
+        f"{command}: error: JAX_GIN_TIMEOUT_S='abc': must be a positive finite number of "
+        "seconds, at most 1e9 (there is no 'no timeout' value)\n")
+    monkeypatch.setattr(sys, "orig_argv", [sys.executable, "-c", "import jax_gin"])
+    monkeypatch.setattr(sys, "argv", ["-c"])
+    with pytest.raises(ValueError, match="JAX_GIN_TIMEOUT_S='abc'"):  # elsewhere, import fails
+        _runtime._settings_at_import()
+
+
 def test_output_paths_are_checked_before_the_run(tmp_path, capsys):
     # a path that cannot be written is refused at once (status 2), not after the measurement
     from jax_gin import doctor, tune
