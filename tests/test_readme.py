@@ -119,3 +119,19 @@ def test_public_functions_have_docstrings():
     bare = [n for n in jax_gin.__all__ if inspect.isfunction(getattr(jax_gin, n))
             and not inspect.getdoc(getattr(jax_gin, n))]
     assert not bare, bare
+
+
+def test_tp_mlp_help_describes_every_option(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tp_mlp", ROOT / "examples" / "tp_mlp.py")
+    tp_mlp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tp_mlp)
+    with pytest.raises(SystemExit) as info:
+        tp_mlp.main(["--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for option, default in (("--batch", 32), ("--d-model", 64), ("--hidden", 256),
+                            ("--steps", 5), ("--iters", 20)):
+        described = text.split(f"{option} {option.lstrip('-').upper().replace('-', '_')} ")[1]
+        assert described.split(" --")[0].endswith(f"(default {default})"), (option, text)
