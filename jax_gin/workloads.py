@@ -905,6 +905,12 @@ def format_report(result: dict, meta: dict | None = None) -> list:
     if result["nranks"] == 1:
         lines.append("# one device: lax.psum is no operation and jax_gin's auto returns its "
                      "input (an explicit algorithm copies it), so no lax ratio is given")
+    to_xla = [r for r, v in result["variants"].items() if v["algorithm"] == "auto"
+              and v["jax_gin_calls"] == 0 and any(v[op] for op in w.xla_ops)]
+    if to_xla:
+        ops = " and ".join(op.replace("_", "-") for op in w.xla_ops)
+        lines.append(f"# {', '.join(to_xla)}: no jax_gin call; auto chose XLA's {ops} for every "
+                     f"size in {'that program' if len(to_xla) == 1 else 'those programs'}")
     overlap = result.get("overlap")
     if overlap:
         lines.append(f"# overlap = together / max(compute alone, all-reduce alone): "

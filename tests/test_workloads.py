@@ -136,6 +136,24 @@ def test_one_device_gives_no_lax_ratio():
                for line in workloads.format_report(result))
 
 
+def test_report_notes_jax_gin_rows_that_auto_gave_to_xla():
+    """A jax_gin row whose program has no jax_gin call (auto chose XLA's all-reduce for each of
+    its sizes) says so under the table; a row with calls does not."""
+    needs_devices(2)
+    mesh = mesh_of("overlap", 2)
+    result = workloads.measure("overlap", mesh, tiny("overlap"), rounds=1, warmup=0)
+    gin = {r: v for r, v in result["variants"].items() if r.startswith("jax_gin")}
+    for calls in (0, 1):
+        for v in gin.values():
+            v["jax_gin_calls"], v["all_reduce"] = calls, 1 - calls
+        notes = [line for line in workloads.format_report(result) if "no jax_gin call" in line]
+        assert notes == ([f"# {', '.join(gin)}: no jax_gin call; auto chose XLA's all-reduce "
+                          "for every size in those programs"] if calls == 0 else []), notes
+    gin["jax_gin"]["jax_gin_calls"], gin["jax_gin"]["all_reduce"] = 0, 1
+    assert "# jax_gin: no jax_gin call; auto chose XLA's all-reduce for every size in that " \
+        "program" in workloads.format_report(result)
+
+
 def test_report_says_why_a_gpu_step_may_differ_in_the_last_bits():
     """On GPUs each variant is its own program with its own autotuned matmuls: a step whose
     results differ from lax's says so; one whose results are equal, or a CPU run of float32
