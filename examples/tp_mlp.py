@@ -120,11 +120,19 @@ def run(mesh=None, batch=32, d_model=64, hidden=256, steps=5, iters=20):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--d-model", type=int, default=64)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--iters", type=int, default=20, help="timed steps (median)")
+    ap.add_argument("--batch", type=int, default=32,
+                    help="rows of x and y, split over 'data': a multiple of its size "
+                         "(default %(default)s)")
+    ap.add_argument("--d-model", type=int, default=64,
+                    help="columns of x and y, rows of w1 (default %(default)s)")
+    ap.add_argument("--hidden", type=int, default=256,
+                    help="columns of w1 and rows of w2, split over 'tensor': a multiple of its "
+                         "size (default %(default)s)")
+    ap.add_argument("--steps", type=int, default=5,
+                    help="training steps of each version, compared (default %(default)s)")
+    ap.add_argument("--iters", type=int, default=20,
+                    help="timed steps of each version, whose median is printed (default "
+                         "%(default)s)")
     args = ap.parse_args(argv)
     mesh = make_mesh()
     if min(args.batch, args.d_model, args.hidden, args.steps, args.iters) < 1:

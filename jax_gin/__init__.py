@@ -6,8 +6,6 @@ one-shot and two-shot algorithms (one-shot and ring for psum_scatter and all_gat
 CUDA kernels over NCCL's device API on GPUs, and a host-memory implementation of the same
 schedules on CPU devices.
 """
-from __future__ import annotations
-
 from . import _native  # registers the FFI targets
 from . import _runtime as runtime
 from ._ops import ALGORITHMS, SUPPORTED_DTYPE_NAMES as SUPPORTED_DTYPES

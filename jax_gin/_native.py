@@ -2,9 +2,11 @@
 
 The CPU module (_jax_gin) is always built. The CUDA module (_jax_gin_cuda) exists only where
 the package was built with nvcc and NCCL's headers; without it, CPU use is unaffected and a
-CUDA lowering raises a clear error.
+CUDA lowering raises a NotImplementedError (no_cuda_error).
 """
 from __future__ import annotations
+
+import importlib.util
 
 import jax
 
@@ -44,11 +46,30 @@ try:  # the CUDA module may be absent
     from . import _jax_gin_cuda as cuda  # type: ignore[attr-defined]
 except ImportError as _e:  # pragma: no cover - depends on the build
     cuda = None
-    CUDA_IMPORT_ERROR = str(_e)
+    # Why it did not load, where the module is there (a library it needs is missing, say).
+    # Where it is not (a build without CUDA), None: Python's ImportError for a name missing
+    # from a package still being imported blames "most likely a circular import".
+    CUDA_IMPORT_ERROR = str(_e) if importlib.util.find_spec(
+        f"{__package__}._jax_gin_cuda") is not None else None
 else:  # pragma: no cover - needs the CUDA build
     CUDA_IMPORT_ERROR = None
     _register(cuda.registrations(), "CUDA", CUDA_TARGET, PARTITIONED_TARGETS["cuda"])
 
 
+def cuda_missing() -> str:
+    """Why the CUDA extension is not loaded (where has_cuda() is False)."""
+    if CUDA_IMPORT_ERROR is None:
+        return "jax_gin was built without CUDA support (it has no _jax_gin_cuda module)"
+    return f"jax_gin's CUDA extension (_jax_gin_cuda) failed to load: {CUDA_IMPORT_ERROR}"
+
+
+def no_cuda_error(what: str) -> NotImplementedError:
+    """The error for `what` (a CUDA lowering, a GPU communicator) where has_cuda() is False."""
+    return NotImplementedError(f"{what}, but {cuda_missing()}; rebuild jax_gin with nvcc and "
+                               "the nvidia-nccl-cu13 wheel installed (JAX_GIN_CUDA=ON)")
+
+
 def has_cuda() -> bool:
+    """Whether jax_gin's CUDA extension is loaded, so that its collectives lower for GPUs.
+    Without it, jax_gin runs on CPU devices only: a CUDA lowering raises NotImplementedError."""
     return cuda is not None

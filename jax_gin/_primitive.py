@@ -549,9 +549,7 @@ def xla_allreduce(ctx, xs, op: str, axes: tuple) -> list:
 
 def check_cuda_module(platform: str, api: str) -> None:
     if platform != "cpu" and _native.cuda is None:
-        raise RuntimeError(
-            f"jax_gin.{api}: a CUDA lowering was requested but jax_gin was not compiled with "
-            f"CUDA support ({_native.CUDA_IMPORT_ERROR or '_jax_gin_cuda is missing'})")
+        raise _native.no_cuda_error(f"jax_gin.{api}: a CUDA lowering was requested")
 
 
 # Why a program that uses jax_gin is lowered for one platform, its mesh's devices' (the end of

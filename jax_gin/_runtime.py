@@ -296,10 +296,23 @@ def _set_native_record(on: bool) -> None:
         _native.cuda.set_record(on)
 
 
-def _running_doctor() -> bool:
-    """Is this process `python -m jax_gin.doctor` (the command line as Python got it)?"""
+# The command-line tools that name an invalid JAX_GIN_* variable themselves, so that
+# `import jax_gin` under them does not fail on one: the doctor in its verdict, bench and tune
+# in a usage error (refuse_invalid_variables).
+COMMANDS = ("jax_gin.doctor", "jax_gin.bench", "jax_gin.tune")
+BENCH_SCRIPT = "jax-gin-bench"  # jax_gin.bench's console script (pyproject.toml)
+
+
+def _running_command() -> str | None:
+    """The module of COMMANDS that this process runs (`python -m jax_gin.bench`, as Python got
+    the command line, or the jax-gin-bench script), or None."""
     argv = getattr(sys, "orig_argv", [])
-    return "-m" in argv and argv[argv.index("-m") + 1:argv.index("-m") + 2] == ["jax_gin.doctor"]
+    module = argv[argv.index("-m") + 1:argv.index("-m") + 2] if "-m" in argv else []
+    if module and module[0] in COMMANDS:
+        return module[0]
+    if sys.argv and os.path.basename(sys.argv[0]) == BENCH_SCRIPT:
+        return "jax_gin.bench"
+    return None
 
 
 def invalid_variables() -> dict:
@@ -314,15 +327,26 @@ def invalid_variables() -> dict:
     return messages
 
 
+def refuse_invalid_variables(prog: str) -> None:
+    """Exit with status 2 and one line, a usage error of `prog`, naming every invalid
+    JAX_GIN_* variable (bench and tune: under them `import jax_gin` gave those settings their
+    defaults, which they do not measure with)."""
+    invalid = invalid_variables()
+    if invalid:
+        print(f"{prog}: error: {'; '.join(invalid.values())}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
 def _settings_at_import() -> Settings:
     """The settings of the environment: an invalid JAX_GIN_* variable raises, so that
-    `import jax_gin` fails naming it. Under `python -m jax_gin.doctor` the fields of invalid
+    `import jax_gin` fails naming it. Under the tools of COMMANDS the fields of invalid
     variables take their defaults instead, so that the doctor runs and names every invalid
-    variable in its verdict (it calls invalid_variables again)."""
+    variable in its verdict, and bench and tune refuse naming them (both call
+    invalid_variables again)."""
     try:
         return Settings()
     except ValueError:
-        if not _running_doctor():
+        if _running_command() is None:
             raise
     invalid = {env: os.environ.pop(env) for env in invalid_variables()}
     try:
@@ -544,10 +568,7 @@ def _create_cpu_comm(mesh, devices, layout: GroupLayout, ws: int, key) -> int:
 
 def _create_cuda_comm(mesh, layout: GroupLayout, ws: int, key=None) -> int:
     if _native.cuda is None:
-        raise RuntimeError(
-            "jax_gin was not compiled with CUDA support "
-            f"({_native.CUDA_IMPORT_ERROR or 'the _jax_gin_cuda module is missing'}); "
-            "rebuild with nvcc and the nvidia-nccl-cu13 wheel installed (JAX_GIN_CUDA=ON)")
+        raise _native.no_cuda_error("jax_gin: a communicator of GPUs was requested")
     devices = list(np.asarray(mesh.devices).flat)
     if any(d.process_index != devices[0].process_index for d in devices):
         return _create_cuda_comm_processes(mesh, devices, layout, ws, key)

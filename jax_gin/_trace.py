@@ -177,6 +177,12 @@ def _calls(n: int, what: str = "") -> str:
     return f"{n} {what}call{'s' if n != 1 else ''}"
 
 
+def _devices(ids: list) -> str:
+    """'device 3', 'devices 0-7', 'devices 0, 2'."""
+    from ._explain import _ranges
+    return f"device{'s' if len(ids) > 1 else ''} {_ranges(ids)}"
+
+
 def _block_warnings(path, events: list, lost: dict, reset: bool) -> list:
     """What a trace block's file lacks: calls that the ring no longer held (lost: {device:
     count}), calls still running at the block's end, calls destroyed by a reset() in it."""
@@ -184,9 +190,18 @@ def _block_warnings(path, events: list, lost: dict, reset: bool) -> list:
     path = os.fspath(path)
     out = []
     if lost:
-        out.append(f"jax_gin.trace: {_calls(sum(lost.values()))} that "
-                   f"device{'s' if len(lost) > 1 else ''} {', '.join(map(str, sorted(lost)))} "
-                   f"ran in the block are not in {path}: the recorder keeps the last "
+        by_count: dict = {}  # calls lost -> the devices that lost that many
+        for device in sorted(lost):
+            by_count.setdefault(lost[device], []).append(device)
+        devices = _devices(sorted(lost))
+        if len(by_count) == 1:
+            (n,) = by_count
+            what = (f"the first {_calls(n)} that {'each of ' if len(lost) > 1 else ''}{devices} "
+                    f"ran in the block are not in {path}")
+        else:
+            counts = ", ".join(f"{n} of {_devices(d)}" for n, d in by_count.items())
+            what = f"the first calls that {devices} ran in the block are not in {path} ({counts})"
+        out.append(f"jax_gin.trace: {what}: the recorder keeps the last "
                    f"JAX_GIN_RECORD_ENTRIES calls of each rank (now "
                    f"{_runtime.settings.record_entries}); raise it (a power of two, at most "
                    f"{_runtime.REC_MAX_ENTRIES}) for programs lowered after the change")

@@ -69,6 +69,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_gin
 from jax_gin import workloads
 
+from . import _runtime
 from ._bench_inputs import (COLLECTIVE_OPS, RESTORE_STEP, SIZE_UNITS, chain_step_for,
                             f16_scale_exp, make_collective_inputs, make_inputs, put_global,
                             size_steps)
@@ -128,8 +129,8 @@ def _dtype_name(text: str) -> str:
 
 def prog() -> str:
     """The command as the user typed it: the console script, or the module."""
-    return "jax-gin-bench" if os.path.basename(sys.argv[0]) == "jax-gin-bench" else \
-        "python -m jax_gin.bench"
+    script = _runtime.BENCH_SCRIPT
+    return script if os.path.basename(sys.argv[0]) == script else "python -m jax_gin.bench"
 
 
 def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
@@ -192,15 +193,42 @@ def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     g = p.add_argument_group(
         "several processes (jax.distributed; run the same command in every process, "
         "process 0 prints)")
-    g.add_argument("--coordinator", metavar="HOST:PORT",
-                   help="jax.distributed coordinator address; with --num-processes and "
-                        "--process-id")
-    g.add_argument("--num-processes", type=int, default=None)
-    g.add_argument("--process-id", type=int, default=None)
+    add_process_arguments(g, "jax.distributed coordinator address; with --num-processes and "
+                             "--process-id")
     g.add_argument("--distributed", action="store_true",
                    help="call jax.distributed.initialize() with no arguments (SLURM, Open MPI, "
                         "or JAX_COORDINATOR_ADDRESS etc. in the environment)")
     return p
+
+
+def add_process_arguments(parser, coordinator_help: str) -> None:
+    """--coordinator, --num-processes and --process-id: one process of a multi-process job
+    (this benchmark's and python -m jax_gin.doctor's); check_processes checks them."""
+    parser.add_argument("--coordinator", metavar="HOST:PORT", help=coordinator_help)
+    parser.add_argument("--num-processes", type=int, default=None, metavar="N",
+                        help="processes of the job, at least 1")
+    parser.add_argument("--process-id", type=int, default=None, metavar="I",
+                        help="this process, from 0 to N-1")
+
+
+def check_processes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """add_process_arguments' flags, before jax.distributed.initialize() sees them: all three
+    or none, --coordinator as HOST:PORT, --num-processes at least 1, --process-id from 0 to
+    --num-processes - 1."""
+    given = [a is not None for a in (args.coordinator, args.num_processes, args.process_id)]
+    if not any(given):
+        return
+    if not all(given):
+        parser.error("--coordinator, --num-processes and --process-id go together")
+    m = re.fullmatch(r"(.+):(\d+)", args.coordinator)
+    if m is None or not 1 <= int(m.group(2)) <= 65535:
+        parser.error(f"--coordinator {args.coordinator}: expected HOST:PORT, with a port from 1 "
+                     "to 65535 (e.g. 127.0.0.1:1234)")
+    if args.num_processes < 1:
+        parser.error(f"--num-processes {args.num_processes}: must be at least 1")
+    if not 0 <= args.process_id < args.num_processes:
+        parser.error(f"--process-id {args.process_id}: must be from 0 to "
+                     f"{args.num_processes - 1} (--num-processes {args.num_processes})")
 
 
 def check_size_range(parser: argparse.ArgumentParser, minbytes: int, maxbytes: int | None) -> None:
@@ -242,10 +270,8 @@ def parse_args(argv) -> argparse.Namespace:
             if bad:
                 parser.error(f"-a/--algorithm {','.join(bad)}: {c} takes only "
                              f"{', '.join(algo_choices(c))}")
-    given = [a is not None for a in (args.coordinator, args.num_processes, args.process_id)]
-    if any(given) and not all(given):
-        parser.error("--coordinator, --num-processes and --process-id go together")
-    if all(given) and args.distributed:
+    check_processes(parser, args)
+    if args.coordinator is not None and args.distributed:
         parser.error("--distributed takes its settings from the environment: drop "
                      "--coordinator, --num-processes and --process-id")
     return args
@@ -361,8 +387,11 @@ def run_table(mesh, dtype: str, op: str, sizes: list, args, platform, progress, 
     return records
 
 
-def main(argv=None) -> int:
-    """Run the benchmark; returns 0, or 1 when any result was wrong or any run failed."""
+def main(argv=None, say_written: bool = True) -> int:
+    """Run the benchmark; returns 0, or 1 when any result was wrong or any run failed.
+    say_written: print '# wrote PATH' for --json and --plot (python -m jax_gin.tune, whose
+    --json file is a temporary one, passes False)."""
+    _runtime.refuse_invalid_variables(prog())
     argv = sys.argv[1:] if argv is None else list(argv)
     # the sweep's own parser finds --workload (or its abbreviation), the workload's options
     # aside, so that both read the command line alike
@@ -424,8 +453,9 @@ def main(argv=None) -> int:
                  f"{r.wrong_chain} wrong elements at the end of the chain of {r.chain}")
     if args.json:
         write_json(args.json, meta, records)
-        say(f"# wrote {args.json}")
-    if args.plot and write_plot(args.plot, meta, records):
+        if say_written:
+            say(f"# wrote {args.json}")
+    if args.plot and write_plot(args.plot, meta, records) and say_written:
         say(f"# wrote {args.plot}")
     return 1 if any(r.failed for r in records) else 0
 

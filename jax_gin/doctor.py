@@ -31,7 +31,8 @@ built-against NCCL versions that differ, on an invalid JAX_GIN_* variable, and o
 result or error in the self-test. A call that fails stops the mesh's communicator, so the rows
 after it repeat that first error. An invalid JAX_GIN_* variable stops `import jax_gin` with a
 ValueError naming it, except under `python -m jax_gin.doctor`: there its setting keeps its
-default for the self-test, and the verdict names the variable.
+default for the self-test, and the verdict names the variable (`python -m jax_gin.bench` and
+`python -m jax_gin.tune` exit with status 2 and a line naming it).
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ import jax_gin
 from . import _native, _runtime, _scatter_gather, _select
 from ._bench_inputs import format_size
 from ._trace import _check_writable
-from .bench import parse_size
+from .bench import add_process_arguments, check_processes, parse_size
 
 DEFAULT_SIZES = (1 << 10, 1 << 20)  # bytes per device
 RUNS = 5  # timed calls per measurement (the median is printed); --quick: 1
@@ -111,8 +112,8 @@ def check_versions(r: Report, gpu_device) -> None:
     if gpu_device is None:
         return
     if _native.cuda is None:
-        r.line(f"{'CUDA extension':<16} not loaded: {_native.CUDA_IMPORT_ERROR}")
-        r.fail(f"jax_gin's CUDA extension did not load: {_native.CUDA_IMPORT_ERROR}",
+        r.line(f"{'CUDA extension':<16} not loaded: {_native.cuda_missing()}")
+        r.fail(f"jax_gin's CUDA extension is not loaded: {_native.cuda_missing()}",
                "rebuild jax_gin with nvcc and the nvidia-nccl-cu13 wheel of the NCCL JAX loads "
                "(pip install --no-build-isolation -e .)")
     else:
@@ -365,13 +366,12 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="the self-test at the first size only, one timed call each")
     p.add_argument("--json", metavar="PATH", help="also write the facts and verdict as JSON")
-    p.add_argument("--coordinator", metavar="HOST:PORT",
-                   help="one process of a multi-process job: jax.distributed.initialize with "
-                        "this coordinator, --num-processes and --process-id; the self-test then "
-                        "runs over every process's devices (run the doctor in every process)")
-    p.add_argument("--num-processes", type=int, default=1)
-    p.add_argument("--process-id", type=int, default=0)
+    add_process_arguments(p, "one process of a multi-process job: jax.distributed.initialize "
+                             "with this coordinator, --num-processes and --process-id; the "
+                             "self-test then runs over every process's devices (run the doctor "
+                             "in every process)")
     args = p.parse_args(argv)
+    check_processes(p, args)
     if args.json:
         try:  # before the run, which the report would otherwise be lost after
             _check_writable(args.json, "--json")

@@ -122,6 +122,7 @@ def _load_results(paths: list) -> tuple[list, dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jax_gin.tune", description=__doc__.splitlines()[0])
+    _runtime.refuse_invalid_variables(ap.prog)
     ap.add_argument("--from-json", nargs="+", metavar="BENCH_JSON",
                     help="build the table from `python -m jax_gin.bench --json` files")
     ap.add_argument("-c", "--collective", choices=COLLECTIVES, default=ALL_REDUCE,
@@ -147,15 +148,15 @@ def main(argv=None) -> int:
     bench.check_size_range(ap, args.minbytes, args.maxbytes)
     if args.iters < 1:
         ap.error("-n/--iters must be at least 1")
-    # where the table goes, checked before the measurement that fills it (the default's file
-    # name needs the measurement: its directory is checked)
-    out_dir = os.path.dirname(os.path.abspath(args.out)) if args.out else \
-        (_runtime.settings.tuning_dir or TABLE_DIR)
+    # where the table goes, checked before the measurement that fills it: --out's directory
+    # must exist, as the benchmark's --json's; the default's file name needs the measurement,
+    # so its directory is made where missing and checked
+    out_dir = _runtime.settings.tuning_dir or TABLE_DIR
     try:
-        os.makedirs(out_dir, exist_ok=True)
         if args.out:
             _check_writable(args.out, "--out")
         else:
+            os.makedirs(out_dir, exist_ok=True)
             with tempfile.TemporaryFile(dir=out_dir):
                 pass
     except OSError as err:
@@ -181,7 +182,7 @@ def main(argv=None) -> int:
                       "-a", ",".join(algorithms(args.collective) + (LAX_NAME,)), "--json", path]
             if args.maxbytes:
                 argv_b += ["-e", str(args.maxbytes)]
-            rc = bench.main(argv_b)
+            rc = bench.main(argv_b, say_written=False)  # `path` is gone when tune ends
             if rc != 0:
                 print("jax_gin.tune: the benchmark reported failures; no table written", file=sys.stderr)
                 return rc
@@ -191,10 +192,9 @@ def main(argv=None) -> int:
     if not table["entries"]:
         print(f"jax_gin.tune: no usable measurements of {args.collective}", file=sys.stderr)
         return 1
-    out = args.out or os.path.join(_runtime.settings.tuning_dir or TABLE_DIR,
-                                   table_name(table["device_kind"] or "unknown",
-                                              int(table["nranks"] or 0), args.collective))
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    out = args.out or os.path.join(out_dir, table_name(table["device_kind"] or "unknown",
+                                                       int(table["nranks"] or 0),
+                                                       args.collective))
     with open(out, "w") as f:
         json.dump(table, f, indent=1)
         f.write("\n")

@@ -616,6 +616,7 @@ class Workload:
     checked: Callable = lambda out: out   # the part of a step's output lax and jax_gin share
     xla_ops: tuple = ("all_reduce",)     # the XLA collectives of lax's step (count_collectives)
     algorithms: tuple = jax_gin.ALGORITHMS   # the algorithms its jax_gin collectives take
+    attention: bool = True   # its step calls jax.nn.dot_product_attention (check_dtype)
 
 
 WORKLOADS = {
@@ -645,7 +646,7 @@ WORKLOADS = {
         gpu=Config(layers=8, d_model=4096, heads=1, ffn=0, seq=0, batch=0, rows=4096, mib=256),
         cpu=Config(layers=8, d_model=128, heads=1, ffn=0, seq=0, batch=0, rows=16, mib=0.25),
         tensor_parallel=False, variants=OVERLAP_VARIANTS, baseline="compute",
-        checked=lambda out: out["sum"]),
+        checked=lambda out: out["sum"], attention=False),
 }
 NAMES = tuple(WORKLOADS)
 
@@ -687,6 +688,16 @@ def check_config(workload: str, cfg: Config, n: int) -> None:
         raise ValueError(f"{workload} needs vocab >= 1")
     if workload == "overlap" and (cfg.rows < 1 or cfg.layers < 1 or overlap_elements(cfg) < 1):
         raise ValueError("overlap needs rows >= 1, layers >= 1 and mib >= one element")
+
+
+def check_dtype(workload: str, dtype: str, platform: str) -> None:
+    """Raises ValueError for a dtype that the workload's step cannot compile in on `platform`
+    (a jax.Device.platform): XLA's CPU dot_general has no float16 x float16 -> float32
+    precision (F16_F16_F32), which jax.nn.dot_product_attention asks for."""
+    if platform == "cpu" and dtype == "float16" and WORKLOADS[workload].attention:
+        raise ValueError(f"{workload}: --dtype float16 does not run on cpu devices (XLA's CPU "
+                         "dot_general has no float16 x float16 -> float32 precision, which "
+                         "its attention needs); use bfloat16 or float32 there, float16 on GPUs")
 
 
 def make_mesh(workload: str, devices=None) -> Mesh:
@@ -894,6 +905,12 @@ def format_report(result: dict, meta: dict | None = None) -> list:
     if result["nranks"] == 1:
         lines.append("# one device: lax.psum is no operation and jax_gin's auto returns its "
                      "input (an explicit algorithm copies it), so no lax ratio is given")
+    to_xla = [r for r, v in result["variants"].items() if v["algorithm"] == "auto"
+              and v["jax_gin_calls"] == 0 and any(v[op] for op in w.xla_ops)]
+    if to_xla:
+        ops = " and ".join(op.replace("_", "-") for op in w.xla_ops)
+        lines.append(f"# {', '.join(to_xla)}: no jax_gin call; auto chose XLA's {ops} for every "
+                     f"size in {'that program' if len(to_xla) == 1 else 'those programs'}")
     overlap = result.get("overlap")
     if overlap:
         lines.append(f"# overlap = together / max(compute alone, all-reduce alone): "
@@ -1013,6 +1030,10 @@ def main(argv=None, prog: str = "python -m jax_gin.workloads") -> int:
         check_config(args.workload, cfg, len(devices))
     except ValueError as e:
         raise SystemExit(f"{args.workload}: {e}")
+    try:
+        check_dtype(args.workload, cfg.dtype, devices[0].platform)
+    except ValueError as e:  # a usage error, as argparse's (status 2), in one line
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     if args.algorithm not in ("auto",) + WORKLOADS[args.workload].algorithms:
         raise SystemExit(f"{args.workload}: --algorithm {args.algorithm}: its collectives take "
                          f"auto, {', '.join(WORKLOADS[args.workload].algorithms)}")

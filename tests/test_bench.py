@@ -153,18 +153,75 @@ def test_sizes_and_flags():
     assert bench.row_sizes("all_reduce", [1, 2, 4, 8], 8, 4) == [1, 8]
 
 
+@pytest.mark.parametrize("cli", ["bench", "doctor"])
+@pytest.mark.parametrize("argv,message", [
+    (["--coordinator", "x", "--num-processes", "2", "--process-id", "0"],
+     "--coordinator x: expected HOST:PORT"),
+    (["--coordinator", "localhost:0", "--num-processes", "2", "--process-id", "0"],
+     "--coordinator localhost:0: expected HOST:PORT"),
+    (["--coordinator", "localhost:1", "--num-processes", "2", "--process-id", "5"],
+     "--process-id 5: must be from 0 to 1 (--num-processes 2)"),
+    (["--coordinator", "localhost:1", "--num-processes", "2", "--process-id", "-1"],
+     "--process-id -1: must be from 0 to 1"),
+    (["--coordinator", "localhost:1", "--num-processes", "0", "--process-id", "0"],
+     "--num-processes 0: must be at least 1"),
+    (["--num-processes", "2"], "--coordinator, --num-processes and --process-id go together"),
+    (["--coordinator", "localhost:1"], "--coordinator, --num-processes and --process-id go together"),
+])
+def test_process_flags_are_checked_before_jax_distributed(cli, argv, message, capsys):
+    # both CLIs check them alike (bench.check_processes) and refuse as argparse does (status 2),
+    # instead of jax.distributed.initialize's IndexError or ValueError, or (the doctor with
+    # --num-processes alone) a run of one process
+    from jax_gin import doctor
+    main = {"bench": bench.main, "doctor": doctor.main}[cli]
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert f"error: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["python -m jax_gin.bench", "python -m jax_gin.tune",
+                                     "jax-gin-bench"])
+def test_invalid_variable_is_a_usage_error(command, monkeypatch, capsys):
+    # `import jax_gin` under bench or tune takes an invalid JAX_GIN_* variable's default (as
+    # under the doctor) instead of failing with a traceback; their main() then refuses to
+    # run, naming it in one line (status 2)
+    import sys
+
+    from jax_gin import _runtime, tune
+    monkeypatch.setenv("JAX_GIN_TIMEOUT_S", "abc")
+    script = command == "jax-gin-bench"
+    argv = [sys.executable] + ([f"/venv/bin/{command}"] if script else command.split()[1:])
+    monkeypatch.setattr(sys, "orig_argv", argv)
+    monkeypatch.setattr(sys, "argv", [argv[1] if script else "-m"])
+    assert _runtime._settings_at_import().timeout_s == _runtime._DEFAULT_TIMEOUT_S
+    main = tune.main if command.endswith("tune") else bench.main
+    with pytest.raises(SystemExit) as info:
+        main([])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (
+        f"{command}: error: JAX_GIN_TIMEOUT_S='abc': must be a positive finite number of "
+        "seconds, at most 1e9 (there is no 'no timeout' value)\n")
+    monkeypatch.setattr(sys, "orig_argv", [sys.executable, "-c", "import jax_gin"])
+    monkeypatch.setattr(sys, "argv", ["-c"])
+    with pytest.raises(ValueError, match="JAX_GIN_TIMEOUT_S='abc'"):  # elsewhere, import fails
+        _runtime._settings_at_import()
+
+
 def test_output_paths_are_checked_before_the_run(tmp_path, capsys):
     # a path that cannot be written is refused at once (status 2), not after the measurement
-    from jax_gin import tune
+    from jax_gin import doctor, tune
     bad = tmp_path / "nodir" / "x.json"
     for main, argv in ((bench.main, ["--json", bad]), (bench.main, ["--plot", bad]),
                        (bench.main, ["--workload", "dp-train", "--json", bad]),
-                       (tune.main, ["--out", tmp_path])):
+                       (doctor.main, ["--json", bad]),
+                       (tune.main, ["--out", tmp_path]), (tune.main, ["--out", bad])):
         with pytest.raises(SystemExit) as info:
             main([str(a) for a in argv])
         assert info.value.code == 2
         err = capsys.readouterr().err
         assert "cannot write" in err and str(tmp_path) in err, err
+    assert not (tmp_path / "nodir").exists()  # a missing directory is refused, not made
 
 
 def test_workload_flag_abbreviated_runs_the_workload(monkeypatch):

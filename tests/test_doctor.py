@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import jax
 import pytest
@@ -57,6 +58,31 @@ def test_pass(tmp_path, capsys):
     assert data["devices"]["count"] == ndev()
     assert data["settings"]["timeout_s"]["env"] == "JAX_GIN_TIMEOUT_S"
     assert all(row["ok"] for row in data["self-test"]["rows"])
+
+
+def test_the_sample_in_debugging_md_is_the_output(monkeypatch, capsys):
+    """docs/debugging.md shows `python -m jax_gin.doctor --quick` on 8 CPU devices: the same
+    lines, but for the python, jax and jaxlib versions and the timings."""
+    if ndev() != 8 or jax.devices()[0].platform != "cpu" or jax_gin.has_cuda() or \
+            any(k.startswith("JAX_GIN_") for k in os.environ):
+        pytest.skip("the sample is of 8 CPU devices, a build without CUDA, no JAX_GIN_* variable")
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)  # unset in the sample
+    doc = (Path(__file__).parents[1] / "docs" / "debugging.md").read_text()
+    sample = doc.split("On 8 CPU devices (`--quick`: one size, one run):\n\n```\n", 1)[1]
+    sample = sample.split("```", 1)[0]
+    assert doctor.main(["--quick"]) == 0
+
+    def shape(text):
+        lines = []
+        for line in text.rstrip().splitlines():
+            words = line.split()
+            if words[:1] in (["python"], ["jax"], ["jaxlib"]):
+                line = words[0]
+            elif len(words) > 3 and words[-3] == "ok":  # a self-test row: its two timings aside
+                line = " ".join(words[:-2])
+            lines.append(line)
+        return lines
+    assert shape(sample) == shape(capsys.readouterr().out)
 
 
 def test_fail_names_each_problem(monkeypatch, capsys):

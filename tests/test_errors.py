@@ -138,8 +138,26 @@ def test_cuda_lowering_without_cuda_build(monkeypatch):
     x = exact_input((4,), ndev(), "float32")
     # an explicit algorithm: over one device `auto` needs no kernel (test_group_of_one.py)
     f = smap(lambda v: jax_gin.psum(v, "i", algorithm="one_shot"), mesh_1d(), P("i"))
-    with pytest.raises(Exception, match="not compiled with CUDA support"):
+    if _native.has_cuda() or _native.CUDA_IMPORT_ERROR is not None:
+        monkeypatch.setattr(_native, "CUDA_IMPORT_ERROR", None)  # as in a build without CUDA
+    with pytest.raises(NotImplementedError) as info:
         f.trace(x).lower(lowering_platforms=("cuda",))
+    assert str(info.value) == (
+        "jax_gin.psum: a CUDA lowering was requested, but jax_gin was built without CUDA support "
+        "(it has no _jax_gin_cuda module); rebuild jax_gin with nvcc and the nvidia-nccl-cu13 "
+        "wheel installed (JAX_GIN_CUDA=ON)")
+
+
+def test_a_build_without_cuda_keeps_no_import_error():
+    # where the module is absent, Python's ImportError ("... most likely due to a circular
+    # import") says nothing true: it is not kept for the messages (_native.cuda_missing)
+    from jax_gin import _native
+    if _native.has_cuda():
+        pytest.skip("the CUDA extension is loaded")
+    import importlib.util
+    if importlib.util.find_spec("jax_gin._jax_gin_cuda") is None:
+        assert _native.CUDA_IMPORT_ERROR is None
+        assert "circular" not in _native.cuda_missing()
 
 
 _OTHER_PLATFORM_CALLS = {

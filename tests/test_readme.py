@@ -99,3 +99,39 @@ def test_api_tables_name_every_public_name():
         missing = [n for n in jax_gin.__all__
                    if f"`jax_gin.{n}" not in text and f"`{n}`" not in text]
         assert not missing, f"{doc} does not name {missing}"
+
+
+def test_public_names_are_the_api_and_submodules():
+    """dir(jax_gin) shows no name without an underscore beyond __all__ and submodules (not,
+    say, `annotations` of a `from __future__ import annotations`)."""
+    import types
+
+    import jax_gin
+    extra = [n for n in dir(jax_gin) if not n.startswith("_") and n not in jax_gin.__all__
+             and not isinstance(getattr(jax_gin, n), types.ModuleType)]
+    assert not extra, extra
+
+
+def test_public_functions_have_docstrings():
+    import inspect
+
+    import jax_gin
+    bare = [n for n in jax_gin.__all__ if inspect.isfunction(getattr(jax_gin, n))
+            and not inspect.getdoc(getattr(jax_gin, n))]
+    assert not bare, bare
+
+
+def test_tp_mlp_help_describes_every_option(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tp_mlp", ROOT / "examples" / "tp_mlp.py")
+    tp_mlp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tp_mlp)
+    with pytest.raises(SystemExit) as info:
+        tp_mlp.main(["--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for option, default in (("--batch", 32), ("--d-model", 64), ("--hidden", 256),
+                            ("--steps", 5), ("--iters", 20)):
+        described = text.split(f"{option} {option.lstrip('-').upper().replace('-', '_')} ")[1]
+        assert described.split(" --")[0].endswith(f"(default {default})"), (option, text)

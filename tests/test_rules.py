@@ -374,6 +374,20 @@ def test_tune_builds_a_table_from_benchmark_json(tmp_path):
     assert all(e["algorithm"] in jax_gin.ALGORITHMS for e in t["entries"])
 
 
+def test_tune_names_no_temporary_file(tmp_path, capsys):
+    # the benchmark's JSON that tune measures into is deleted when tune ends: not announced
+    needs_devices(2)
+    import json
+    from jax_gin import tune
+
+    out = tmp_path / "t.json"
+    assert tune.main(["-b", "4K", "-e", "4K", "-n", "1", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "# wrote" not in captured.err + captured.out
+    assert f"jax_gin.tune: wrote {out}" in captured.out
+    assert json.loads(out.read_text())["entries"]
+
+
 def test_table_reason_names_the_sizes_measured():
     """explain's reason gives the entry's measured sizes, and says when a size lies outside."""
     from jax_gin import _select

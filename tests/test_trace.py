@@ -141,9 +141,11 @@ def test_trace_counts_the_calls_not_kept(tmp_path, monkeypatch, on_before):
     for _ in range(3):  # calls before the block: numbered, not in the trace
         jax.block_until_ready(f(x))
     path = tmp_path / "t.json"
-    with pytest.warns(RuntimeWarning, match=rf"jax_gin.trace: {3 * ndev()} calls that devices "
-                      rf"0, 1.* ran in the block are not in .*t.json: the recorder keeps the last "
-                      rf"JAX_GIN_RECORD_ENTRIES calls of each rank \(now 4\)"):
+    # counted per device: each device lost 3 (not the 3 * ndev() of all devices)
+    with pytest.warns(RuntimeWarning, match=rf"jax_gin.trace: the first 3 calls that each of "
+                      rf"devices 0-{ndev() - 1} ran in the block are not in .*t.json: the "
+                      rf"recorder keeps the last JAX_GIN_RECORD_ENTRIES calls of each rank "
+                      rf"\(now 4\)"):
         with jax_gin.trace(path):
             for _ in range(7):
                 jax.block_until_ready(f(x))
@@ -157,6 +159,17 @@ def test_trace_counts_the_calls_not_kept(tmp_path, monkeypatch, on_before):
         assert gap["name"] == "3 earlier calls not kept" and gap["ph"] == "i"
         assert gap["args"]["calls"] == 3 and gap["args"]["kept"] == 4
         assert gap["ts"] == min(s["ts"] for s in mine)
+
+
+def test_calls_not_kept_are_counted_per_device():
+    from jax_gin._trace import _block_warnings
+    (one,) = _block_warnings("t.json", [], {3: 6}, False)
+    assert one.startswith("jax_gin.trace: the first 6 calls that device 3 ran in the block are "
+                          "not in t.json: the recorder keeps")
+    (differ,) = _block_warnings("t.json", [], {0: 6, 1: 5, 2: 5, 5: 1}, False)
+    assert differ.startswith("jax_gin.trace: the first calls that devices 0, 1, 2, 5 ran in the "
+                             "block are not in t.json (6 of device 0, 5 of devices 1-2, 1 of "
+                             "device 5): the recorder keeps")
 
 
 def test_trace_of_a_ring_that_did_not_wrap_warns_nothing(tmp_path, monkeypatch):

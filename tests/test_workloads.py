@@ -104,6 +104,28 @@ def test_errors(capsys):
     assert "--rounds must be at least 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("workload", [n for n in NAMES if workloads.WORKLOADS[n].attention])
+def test_float16_attention_is_refused_on_cpu_devices(workload, capsys):
+    # XLA's CPU dot_general cannot compile dot_product_attention's float16 x float16 -> float32
+    # einsum: a one-line usage error (status 2) instead of XLA's traceback
+    workloads.check_dtype(workload, "float16", "gpu")
+    workloads.check_dtype(workload, "bfloat16", "cpu")
+    if jax.devices()[0].platform != "cpu":
+        pytest.skip("the refusal is for CPU devices")
+    with pytest.raises(SystemExit) as info:
+        bench.main(["--workload", workload, "--dtype", "float16"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert err == (f"python -m jax_gin.bench: error: {workload}: --dtype float16 does not run "
+                   "on cpu devices (XLA's CPU dot_general has no float16 x float16 -> float32 "
+                   "precision, which its attention needs); use bfloat16 or float32 there, "
+                   "float16 on GPUs\n")
+
+
+def test_overlap_runs_float16_on_cpu_devices():
+    workloads.check_dtype("overlap", "float16", "cpu")  # no attention: no refusal
+
+
 def test_one_device_gives_no_lax_ratio():
     """On one device lax.psum is no operation: the report gives times but no ratio to lax."""
     mesh = workloads.make_mesh("tp-decode", jax.devices()[:1])
@@ -112,6 +134,24 @@ def test_one_device_gives_no_lax_ratio():
     assert all(v["vs_lax"] is None and v["step_ms"] > 0 for v in result["variants"].values())
     assert any(line.startswith("# one device: lax.psum is no operation")
                for line in workloads.format_report(result))
+
+
+def test_report_notes_jax_gin_rows_that_auto_gave_to_xla():
+    """A jax_gin row whose program has no jax_gin call (auto chose XLA's all-reduce for each of
+    its sizes) says so under the table; a row with calls does not."""
+    needs_devices(2)
+    mesh = mesh_of("overlap", 2)
+    result = workloads.measure("overlap", mesh, tiny("overlap"), rounds=1, warmup=0)
+    gin = {r: v for r, v in result["variants"].items() if r.startswith("jax_gin")}
+    for calls in (0, 1):
+        for v in gin.values():
+            v["jax_gin_calls"], v["all_reduce"] = calls, 1 - calls
+        notes = [line for line in workloads.format_report(result) if "no jax_gin call" in line]
+        assert notes == ([f"# {', '.join(gin)}: no jax_gin call; auto chose XLA's all-reduce "
+                          "for every size in those programs"] if calls == 0 else []), notes
+    gin["jax_gin"]["jax_gin_calls"], gin["jax_gin"]["all_reduce"] = 0, 1
+    assert "# jax_gin: no jax_gin call; auto chose XLA's all-reduce for every size in that " \
+        "program" in workloads.format_report(result)
 
 
 def test_report_says_why_a_gpu_step_may_differ_in_the_last_bits():
