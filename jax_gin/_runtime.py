@@ -297,9 +297,10 @@ def _set_native_record(on: bool) -> None:
 
 
 # The command-line tools that name an invalid JAX_GIN_* variable themselves, so that
-# `import jax_gin` under them does not fail on one: the doctor in its verdict, bench and tune
-# in a usage error (refuse_invalid_variables).
-COMMANDS = ("jax_gin.doctor", "jax_gin.bench", "jax_gin.tune")
+# `import jax_gin` under them does not fail on one: the doctor in its verdict, the others in
+# a usage error (refuse_invalid_variables).
+COMMANDS = ("jax_gin.doctor", "jax_gin.bench", "jax_gin.tune", "jax_gin.workloads",
+            "jax_gin.trace")
 BENCH_SCRIPT = "jax-gin-bench"  # jax_gin.bench's console script (pyproject.toml)
 
 
@@ -329,8 +330,8 @@ def invalid_variables() -> dict:
 
 def refuse_invalid_variables(prog: str) -> None:
     """Exit with status 2 and one line, a usage error of `prog`, naming every invalid
-    JAX_GIN_* variable (bench and tune: under them `import jax_gin` gave those settings their
-    defaults, which they do not measure with)."""
+    JAX_GIN_* variable (the tools of COMMANDS but the doctor: under them `import jax_gin` gave
+    those settings their defaults, which they do not run with)."""
     invalid = invalid_variables()
     if invalid:
         print(f"{prog}: error: {'; '.join(invalid.values())}", file=sys.stderr, flush=True)

@@ -417,6 +417,8 @@ def merge(paths: list, out) -> dict:
 
 
 def main(argv=None) -> int:
+    from . import _runtime
+    _runtime.refuse_invalid_variables("python -m jax_gin.trace")
     ap = argparse.ArgumentParser(prog="python -m jax_gin.trace",
                                  description="jax_gin trace files (Chrome/Perfetto JSON)")
     sub = ap.add_subparsers(dest="cmd", required=True)

@@ -63,6 +63,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_gin
+from . import _runtime
 from ._select import COLLECTIVE_ALGORITHMS
 from ._trace import _check_writable
 
@@ -997,6 +998,7 @@ def build_parser(prog: str = "python -m jax_gin.workloads") -> argparse.Argument
 def main(argv=None, prog: str = "python -m jax_gin.workloads") -> int:
     """Run one workload; returns 0 (the results are reported, not judged). `prog`: the
     command that runs it (python -m jax_gin.bench --workload passes its own)."""
+    _runtime.refuse_invalid_variables(prog)
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     if (args.rounds is not None and args.rounds < 1) or args.warmup < 0:

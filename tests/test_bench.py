@@ -181,21 +181,23 @@ def test_process_flags_are_checked_before_jax_distributed(cli, argv, message, ca
 
 
 @pytest.mark.parametrize("command", ["python -m jax_gin.bench", "python -m jax_gin.tune",
+                                     "python -m jax_gin.workloads", "python -m jax_gin.trace",
                                      "jax-gin-bench"])
 def test_invalid_variable_is_a_usage_error(command, monkeypatch, capsys):
-    # `import jax_gin` under bench or tune takes an invalid JAX_GIN_* variable's default (as
+    # `import jax_gin` under these tools takes an invalid JAX_GIN_* variable's default (as
     # under the doctor) instead of failing with a traceback; their main() then refuses to
     # run, naming it in one line (status 2)
     import sys
 
-    from jax_gin import _runtime, tune
+    from jax_gin import _runtime, _trace, tune, workloads
     monkeypatch.setenv("JAX_GIN_TIMEOUT_S", "abc")
     script = command == "jax-gin-bench"
     argv = [sys.executable] + ([f"/venv/bin/{command}"] if script else command.split()[1:])
     monkeypatch.setattr(sys, "orig_argv", argv)
     monkeypatch.setattr(sys, "argv", [argv[1] if script else "-m"])
     assert _runtime._settings_at_import().timeout_s == _runtime._DEFAULT_TIMEOUT_S
-    main = tune.main if command.endswith("tune") else bench.main
+    main = {"tune": tune.main, "workloads": workloads.main, "trace": _trace.main}.get(
+        command.rsplit(".", 1)[-1], bench.main)
     with pytest.raises(SystemExit) as info:
         main([])
     assert info.value.code == 2
