@@ -941,6 +941,10 @@ def format_report(result: dict, meta: dict | None = None) -> list:
         same = "yes" if cmp["bitwise_equal"] else "no"
         lines.append(f"# lax vs jax_gin_fused results: bitwise equal {same}, "
                      f"max abs diff {cmp['max_abs_diff']:.3g}")
+        if not cmp["bitwise_equal"]:
+            lines.append("#   (the fused call's rsqrt is its own, up to 2 ulp of float32 from "
+                         "XLA's, so a normed value can round to a neighbouring value of its "
+                         "dtype: docs/design.md)")
     cmp = result.get("lax_alone_vs_jax_gin_alone")
     if cmp:
         same = "yes" if cmp["bitwise_equal"] else "no"

@@ -173,6 +173,18 @@ def test_report_says_why_a_gpu_step_may_differ_in_the_last_bits():
     assert note("gpu", True) == [] and note("cpu", False) == []
 
 
+def test_report_says_why_the_fused_norm_may_differ():
+    """tp-decode's fused variant against lax: a difference is explained (the fused call's own
+    rsqrt); equal results need no note."""
+    mesh = workloads.make_mesh("tp-decode", jax.devices()[:1])
+    result = workloads.measure("tp-decode", mesh, tiny("tp-decode"), rounds=1, warmup=0)
+    for equal in (False, True):
+        result["lax_vs_jax_gin_fused"] = {"bitwise_equal": equal,
+                                          "max_abs_diff": 0.0 if equal else 0.0156}
+        notes = [line for line in workloads.format_report(result) if "own, up to 2 ulp" in line]
+        assert len(notes) == (0 if equal else 1), notes
+
+
 # Explicit tiny sizes: the CLI's defaults on GPUs are the full ones. Tensor parallelism splits
 # heads and ffn over the devices, so over a count that does not divide 8 they are multiples of it.
 _HEADS = 8 if 8 % ndev() == 0 else 2 * ndev()
