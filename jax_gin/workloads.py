@@ -800,7 +800,8 @@ def measure(workload: str, mesh: Mesh, cfg: Config, *, algorithm: str = "auto",
             with jax.profiler.trace(os.path.join(profile_dir, r), create_perfetto_trace=True):
                 for _ in range(3):
                     jax.block_until_ready(compiled[r](*args))
-    result = {"workload": workload, "axis": w.axis, "nranks": n, "config": dataclasses.asdict(cfg),
+    result = {"workload": workload, "axis": w.axis, "nranks": n,
+              "platform": mesh.devices.flat[0].platform, "config": dataclasses.asdict(cfg),
               "psums": w.psums(cfg, n), "rounds": rounds, "warmup": warmup, "seed": seed,
               "algorithm": algorithm, "variants": variants, "profile_dir": profile_dir,
               "lax_vs_jax_gin": None, "lax_alone_vs_jax_gin_alone": None,
@@ -926,12 +927,12 @@ def format_report(result: dict, meta: dict | None = None) -> list:
         same = "yes" if cmp["bitwise_equal"] else "no"
         lines.append(f"# lax vs jax_gin results: bitwise equal {same}, "
                      f"max abs diff {cmp['max_abs_diff']:.3g}")
-        if not cmp["bitwise_equal"] and meta is not None and meta.get("platform") == "cpu" \
-                and cfg.get("dtype") == "bfloat16":
+        platform = result.get("platform")
+        if not cmp["bitwise_equal"] and platform == "cpu" and cfg.get("dtype") == "bfloat16":
             lines.append("#   (XLA's CPU backend computes lax's bfloat16 all-reduce and the ops "
                          "around it in float32, dropping roundings the program asks for, "
                          "which jax_gin's keep)")
-        elif not cmp["bitwise_equal"] and meta is not None and meta.get("platform") != "cpu":
+        elif not cmp["bitwise_equal"] and platform is not None and platform != "cpu":
             lines.append("#   (each variant is its own XLA program, whose matmul fusions XLA "
                          "autotunes on its own: the configurations chosen, and so the last "
                          "bits of a step, can differ; --xla_gpu_autotune_level=0 takes the "
