@@ -31,8 +31,8 @@ built-against NCCL versions that differ, on an invalid JAX_GIN_* variable, and o
 result or error in the self-test. A call that fails stops the mesh's communicator, so the rows
 after it repeat that first error. An invalid JAX_GIN_* variable stops `import jax_gin` with a
 ValueError naming it, except under `python -m jax_gin.doctor`: there its setting keeps its
-default for the self-test, and the verdict names the variable (`python -m jax_gin.bench` and
-`python -m jax_gin.tune` exit with status 2 and a line naming it).
+default for the self-test, and the verdict names the variable (the other tools, `python -m
+jax_gin.bench`, `tune`, `workloads` and `trace`, exit with status 2 and a line naming it).
 """
 from __future__ import annotations
 
