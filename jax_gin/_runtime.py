@@ -342,8 +342,8 @@ def _settings_at_import() -> Settings:
     """The settings of the environment: an invalid JAX_GIN_* variable raises, so that
     `import jax_gin` fails naming it. Under the tools of COMMANDS the fields of invalid
     variables take their defaults instead, so that the doctor runs and names every invalid
-    variable in its verdict, and bench and tune refuse naming them (both call
-    invalid_variables again)."""
+    variable in its verdict, and the others refuse to run, naming them
+    (refuse_invalid_variables reads them again)."""
     try:
         return Settings()
     except ValueError:
