@@ -687,6 +687,10 @@ def check_config(workload: str, cfg: Config, n: int) -> None:
                          f"{cfg.head_dim}: d_model a multiple of {cfg.head_dim * n})")
     if workload in ("dp-train", "fsdp") and cfg.vocab < 1:
         raise ValueError(f"{workload} needs vocab >= 1")
+    if workload == "fsdp" and cfg.overlap:
+        raise ValueError("--overlap makes the jax_gin variants' psum asynchronous, and fsdp's "
+                         "step has no psum (its collectives are all_gather and its transpose, "
+                         "psum_scatter)")
     if workload == "overlap" and (cfg.rows < 1 or cfg.layers < 1 or overlap_elements(cfg) < 1):
         raise ValueError("overlap needs rows >= 1, layers >= 1 and mib >= one element")
 
@@ -990,7 +994,7 @@ def build_parser(prog: str = "python -m jax_gin.workloads") -> argparse.Argument
     p.add_argument("--overlap", action="store_true",
                    help="the jax_gin variants call psum(..., overlap=True): asynchronous, few "
                         "lanes; in the overlap workload, jax_gin runs psum_overlapping beside "
-                        "the matmul chain")
+                        "the matmul chain (not fsdp, whose step has no psum)")
     p.add_argument("--rounds", type=int, default=None,
                    help="timed rounds of the variants in turns (default 20 on GPU, 10 on CPU)")
     p.add_argument("--warmup", type=int, default=3, help="untimed rounds (default 3)")

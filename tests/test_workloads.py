@@ -305,6 +305,8 @@ def test_fsdp_errors():
         workloads.check_config("fsdp", tiny("fsdp", vocab=0), 2)
     with pytest.raises(SystemExit, match="auto, one_shot, ring"):
         bench.main(["--workload", "fsdp", "--algorithm", "two_shot"] + CLI_SIZES)
+    with pytest.raises(SystemExit, match="fsdp: --overlap .* fsdp's step has no psum"):
+        bench.main(["--workload", "fsdp", "--overlap"] + CLI_SIZES)
 
 
 def test_overlap_sum_is_exact():
