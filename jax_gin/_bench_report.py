@@ -155,6 +155,11 @@ def footer_lines(records: list, check: bool) -> list:
     errors = sum(r.error is not None for r in records)
     if errors:
         lines.append(f"# Errors              : {errors} FAILED")
+    unmeasured = sum(r.time_us is not None and r.time_us <= 0 for r in records)
+    if unmeasured:
+        lines.append(f"# Time <= 0           : {unmeasured} row{'s' if unmeasured > 1 else ''} "
+                     "(the chain of K calls took no longer than one call: noise larger than "
+                     "the op, on a busy machine; no bandwidth or vs_lax there)")
     for key in dict.fromkeys((r.collective, r.algorithm) for r in records):
         mine = [r for r in records if (r.collective, r.algorithm) == key]
         bus = [r.busbw for r in mine if r.busbw is not None]

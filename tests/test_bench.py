@@ -454,3 +454,19 @@ def test_collectives_two_processes(tmp_path):
     for r in recs:
         assert r["nranks"] == 8 and r["error"] is None and r["size"] == 4 << 10, r
         assert r["wrong"] == 0 and r["wrong_chain"] == 0, r
+
+
+def test_footer_flags_rows_whose_time_is_not_positive():
+    """A row whose chain of K calls took no longer than one call (noise larger than the op)
+    has no bandwidth or ratio; the footer counts such rows, and says nothing where none is."""
+    from jax_gin._bench_measure import Record
+    from jax_gin._bench_report import footer_lines
+
+    def rec(t):
+        return Record(size=4, count=1, dtype="float32", op="sum", algorithm="ring", nranks=8,
+                      chain=10, time_us=t)
+
+    for times, want in (([1.0, 2.0], None), ([1.0, -3.0, 0.0], "# Time <= 0           : 2 rows")):
+        flagged = [line for line in footer_lines([rec(t) for t in times], check=False)
+                   if line.startswith("# Time <= 0")]
+        assert (flagged[0].startswith(want) if want else flagged == []), flagged
