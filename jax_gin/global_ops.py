@@ -112,17 +112,17 @@ def _reduced_axes(reduced_factors, chosen: dict, mesh_shape: dict) -> tuple:
 def _named_specs(api: str, arg_shapes) -> list:
     specs = []
     for a in arg_shapes:
-        if not isinstance(a.sharding, NamedSharding) and a.sharding.is_fully_replicated:
+        if isinstance(a.sharding, NamedSharding):
+            specs.append(a.sharding.spec)
+        elif a.sharding.is_fully_replicated:
             # a constant or a value with no mesh (a closed-over array, say): replicated,
             # so no mesh axis shards it
             specs.append(P())
-            continue
-        if not isinstance(a.sharding, NamedSharding):
+        else:
             raise NotImplementedError(
                 f"jax_gin.{api}: the partitioner gave an operand sharding that is not a "
                 f"NamedSharding ({type(a.sharding).__name__}); shard the inputs with "
                 "NamedSharding over a jax.sharding.Mesh")
-        specs.append(a.sharding.spec)
     return specs
 
 
