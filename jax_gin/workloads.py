@@ -687,10 +687,11 @@ def check_config(workload: str, cfg: Config, n: int) -> None:
                          f"{cfg.head_dim}: d_model a multiple of {cfg.head_dim * n})")
     if workload in ("dp-train", "fsdp") and cfg.vocab < 1:
         raise ValueError(f"{workload} needs vocab >= 1")
-    if workload == "fsdp" and cfg.overlap:
-        raise ValueError("--overlap makes the jax_gin variants' psum asynchronous, and fsdp's "
-                         "step has no psum (its collectives are all_gather and its transpose, "
-                         "psum_scatter)")
+    ops = WORKLOADS[workload].xla_ops
+    if cfg.overlap and "all_reduce" not in ops:
+        raise ValueError(f"--overlap makes the jax_gin variants' psum asynchronous, and "
+                         f"{workload}'s step has no psum (its collectives: "
+                         f"{', '.join(op.replace('_', '-') for op in ops)})")
     if workload == "overlap" and (cfg.rows < 1 or cfg.layers < 1 or overlap_elements(cfg) < 1):
         raise ValueError("overlap needs rows >= 1, layers >= 1 and mib >= one element")
 
