@@ -70,6 +70,8 @@ from ._trace import _check_writable
 DATA, TENSOR = "data", "tensor"
 REDUCES = ("none", "lax", "jax_gin")   # the order of every turn
 FUSED = "jax_gin_fused"   # tp-decode's variant with jax_gin.psum_add_rmsnorm
+# The variants whose results are compared (result["<a>_vs_<b>"]), in the report's order.
+COMPARED = (("lax", "jax_gin"), ("lax", FUSED), ("lax_alone", "jax_gin_alone"))
 
 
 def reducer(reduce: str, algorithm: str = "auto", overlap: bool = False) -> Callable:
@@ -811,7 +813,7 @@ def measure(workload: str, mesh: Mesh, cfg: Config, *, algorithm: str = "auto",
               "algorithm": algorithm, "variants": variants, "profile_dir": profile_dir,
               "lax_vs_jax_gin": None, "lax_alone_vs_jax_gin_alone": None,
               "ratio_lax_over_jax_gin": None, "overlap": None}
-    for a, b in (("lax", "jax_gin"), ("lax_alone", "jax_gin_alone"), ("lax", FUSED)):
+    for a, b in COMPARED:
         if a in outputs and b in outputs:
             result[f"{a}_vs_{b}"] = compare(w.checked(outputs[a]), w.checked(outputs[b]))
     steps = {r: v["step_ms"] for r, v in variants.items()}
@@ -859,6 +861,22 @@ def columns(xla_ops=("all_reduce",)) -> tuple:
     i = [name for name, _ in COLUMNS].index("all-reduce")
     ops = tuple((op.replace("_", "-"), max(10, len(op))) for op in xla_ops)
     return COLUMNS[:i] + ops + COLUMNS[i + 1:]
+
+
+def _why_different(variant: str, platform: str | None, dtype: str | None) -> str | None:
+    """Why `variant`'s results can differ from lax's in their last bits, where that is known."""
+    if variant == FUSED:
+        return ("the fused call's rsqrt is its own, up to 2 ulp of float32 from XLA's, so a "
+                "normed value can round to a neighbouring value of its dtype: docs/design.md")
+    if variant != "jax_gin" or platform is None:
+        return None
+    if platform == "cpu":
+        return ("XLA's CPU backend computes lax's bfloat16 all-reduce and the ops around it in "
+                "float32, dropping roundings the program asks for, which jax_gin's keep"
+                if dtype == "bfloat16" else None)
+    return ("each variant is its own XLA program, whose matmul fusions XLA autotunes on its "
+            "own: the configurations chosen, and so the last bits of a step, can differ; "
+            "--xla_gpu_autotune_level=0 takes the default ones: docs/performance.md")
 
 
 def format_report(result: dict, meta: dict | None = None) -> list:
@@ -927,35 +945,17 @@ def format_report(result: dict, meta: dict | None = None) -> list:
     if ratio:
         lines.append(f"# lax / jax_gin: step {_f(ratio['step'], '.3f')}, "
                      f"exposed communication {_f(ratio['exposed'], '.3f')}")
-    cmp = result["lax_vs_jax_gin"]
-    if cmp:
+    for a, b in COMPARED:
+        cmp = result.get(f"{a}_vs_{b}")
+        if not cmp:
+            continue
         same = "yes" if cmp["bitwise_equal"] else "no"
-        lines.append(f"# lax vs jax_gin results: bitwise equal {same}, "
+        lines.append(f"# {a} vs {b} results: bitwise equal {same}, "
                      f"max abs diff {cmp['max_abs_diff']:.3g}")
-        platform = result.get("platform")
-        if not cmp["bitwise_equal"] and platform == "cpu" and cfg.get("dtype") == "bfloat16":
-            lines.append("#   (XLA's CPU backend computes lax's bfloat16 all-reduce and the ops "
-                         "around it in float32, dropping roundings the program asks for, "
-                         "which jax_gin's keep)")
-        elif not cmp["bitwise_equal"] and platform is not None and platform != "cpu":
-            lines.append("#   (each variant is its own XLA program, whose matmul fusions XLA "
-                         "autotunes on its own: the configurations chosen, and so the last "
-                         "bits of a step, can differ; --xla_gpu_autotune_level=0 takes the "
-                         "default ones: docs/performance.md)")
-    cmp = result.get("lax_vs_jax_gin_fused")
-    if cmp:
-        same = "yes" if cmp["bitwise_equal"] else "no"
-        lines.append(f"# lax vs jax_gin_fused results: bitwise equal {same}, "
-                     f"max abs diff {cmp['max_abs_diff']:.3g}")
-        if not cmp["bitwise_equal"]:
-            lines.append("#   (the fused call's rsqrt is its own, up to 2 ulp of float32 from "
-                         "XLA's, so a normed value can round to a neighbouring value of its "
-                         "dtype: docs/design.md)")
-    cmp = result.get("lax_alone_vs_jax_gin_alone")
-    if cmp:
-        same = "yes" if cmp["bitwise_equal"] else "no"
-        lines.append(f"# lax_alone vs jax_gin_alone results: bitwise equal {same}, "
-                     f"max abs diff {cmp['max_abs_diff']:.3g}")
+        why = None if cmp["bitwise_equal"] else \
+            _why_different(b, result.get("platform"), cfg.get("dtype"))
+        if why:
+            lines.append(f"#   ({why})")
     if result.get("profile_dir"):
         lines.append(f"# profiles: {result['profile_dir']}/<reduce>")
     return lines
