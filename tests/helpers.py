@@ -1,5 +1,5 @@
 """Shared helpers: the lists the tests parametrize over, exact inputs, shard_map wrappers,
-bitwise comparison and the count of jax_gin's custom calls."""
+bitwise comparison, the count of jax_gin's custom calls and the examples as modules."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,3 +59,15 @@ def jax_gin_calls(f, *args) -> int:
     """How many of jax_gin's custom calls the jitted `f` lowers to on `args` (StableHLO text;
     an asynchronous call counts twice, its start and its done)."""
     return f.lower(*args).as_text().count("stablehlo.custom_call @jax_gin_")
+
+
+def load_example(name: str):
+    """examples/<name>.py as a module (the examples are scripts, not a package)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -7,8 +7,6 @@ and int32 keep the sums small enough to be exact in those too (assert_exact). Th
 tests check that the compiled program holds jax_gin's custom call, and no XLA all-reduce,
 wherever the jnp program all-reduces.
 """
-import importlib.util
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +16,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_gin
 from conftest import ndev, needs_devices
-from helpers import assert_bitwise as _assert_bitwise
+from helpers import assert_bitwise as _assert_bitwise, load_example
 
 AUTO, EXPLICIT = AxisType.Auto, AxisType.Explicit
 
@@ -525,10 +523,7 @@ def test_example_tp_mlp():
     # examples/tp_mlp.py: a tensor-parallel MLP training step in global view, jax_gin vs jnp.
     if ndev() & (ndev() - 1):
         pytest.skip(f"the example's shapes divide by a power-of-two device count, have {ndev()}")
-    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "tp_mlp.py"
-    spec = importlib.util.spec_from_file_location("tp_mlp", path)
-    tp_mlp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tp_mlp)
+    tp_mlp = load_example("tp_mlp")
     results, loss_diff, grad_diff, bitwise = tp_mlp.run(steps=3, iters=0)
     assert loss_diff <= 1e-5 and grad_diff <= 1e-5
     if jax.default_backend() == "cpu":

@@ -122,11 +122,9 @@ def test_public_functions_have_docstrings():
 
 
 def test_tp_mlp_help_describes_every_option(capsys):
-    import importlib.util
+    from helpers import load_example
 
-    spec = importlib.util.spec_from_file_location("tp_mlp", ROOT / "examples" / "tp_mlp.py")
-    tp_mlp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tp_mlp)
+    tp_mlp = load_example("tp_mlp")
     with pytest.raises(SystemExit) as info:
         tp_mlp.main(["--help"])
     assert info.value.code == 0
