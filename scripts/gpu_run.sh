@@ -134,7 +134,10 @@ sanitizer() {
 }
 
 pytests() {
-  JAX_PLATFORMS=cuda timeout 420 $PY -m pytest -q -p no:cacheprovider tests/ > "$OUT/pytest.log" 2>&1
+  # -v and --durations: a run cut by the timeout names the test it was in, and a full run
+  # names the slowest tests
+  JAX_PLATFORMS=cuda timeout 420 $PY -m pytest -v --durations=25 -p no:cacheprovider tests/ \
+    > "$OUT/pytest.log" 2>&1
   log "pytest (JAX_PLATFORMS=cuda) rc=$? $(tail -1 "$OUT/pytest.log")"
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -10
   JAX_PLATFORMS=cpu timeout 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_gpu_multiprocess.py \
