@@ -281,8 +281,8 @@ class HostTransport {
       const bool broken = ws_.header().broken.load(std::memory_order_relaxed);
       // A peer whose process is gone will never signal either (checked every ~100 ms).
       if (broken || (++sleeps & 127u) == 0) {
-        std::string dead = ws_.gone(peer);
-        for (int r = 0; broken && dead.empty() && r < nranks(); ++r) dead = ws_.gone(r);
+        std::string dead = gone_unfailed(peer);
+        for (int r = 0; broken && dead.empty() && r < nranks(); ++r) dead = gone_unfailed(r);
         if (!dead.empty()) {
           const std::string why = "gave up because " + dead + " is gone (it exited or was killed)";
           record(f, peer, step, value, seen, why.c_str(),
@@ -300,6 +300,20 @@ class HostTransport {
         return false;
       }
     }
+  }
+
+  // The process of `rank` if it is gone and none of its ranks had failed (Workspace::gone), or
+  // empty. A process that failed and then ended (its error raised, say) is not why its peers
+  // fail: its failure is, which the header's first failure names.
+  std::string gone_unfailed(int rank) const {
+    std::string dead = ws_.gone(rank);
+    if (dead.empty()) return dead;
+    const int32_t pid = ws_.control(rank).pid.load(std::memory_order_relaxed);
+    for (int r = 0; r < nranks(); ++r)
+      if (ws_.control(r).pid.load(std::memory_order_relaxed) == pid &&
+          load_relaxed(ws_.rec_state(r).failed) != 0)
+        return std::string();
+    return dead;
   }
 
   bool waited(int peer, int kind, uint64_t value, int step) {
@@ -801,7 +815,31 @@ std::string take_turn(Comm& comm, Group& g, int group, int rank, Turn& turn, uin
   const uint64_t word = tp.wait_turn(0, seq);
   if (word == 0) return tp.error();
   const uint32_t lead = uint32_t(word);
-  if ((word >> 32) == seq && lead == turn.site) return std::string();
+  if ((word >> 32) == seq && lead == turn.site) {
+    // The same call number and site. Each program numbers its sites from 1, so processes that
+    // run different programs can agree on both while the calls differ; they would pair a psum
+    // with a pmax, or buffers of different sizes. Rank 0's state block says what it started
+    // (stored before its turn words, read after this rank saw one; rank 0 cannot leave this
+    // call before this rank takes part).
+    const RecState& mine = ws.rec_state(rank);
+    const RecState& lead_st = ws.rec_state(0);
+    auto same = [&](auto member) { return load_relaxed(lead_st.*member) == mine.*member; };
+    if (same(&RecState::op) && same(&RecState::algorithm) && same(&RecState::dtype) &&
+        same(&RecState::bytes))
+      return std::string();
+    auto call_text = [&](const RecState& x) {
+      Text t;
+      t << call_op_name(load_relaxed(x.op)) << " (" << algorithm_name(Algorithm(load_relaxed(x.algorithm)))
+        << ") of " << load_relaxed(x.bytes) << " bytes of " << dtype_name(DType(load_relaxed(x.dtype)));
+      return t.str();
+    };
+    Text what;
+    what << "started call #" << seq << " as " << call_text(mine) << ", but rank 0 started call #"
+         << seq << " as " << call_text(lead_st);
+    return fail(what.str(),
+                ". The ranks of a group make the same calls on a communicator, in the same "
+                "order: do all processes run the same programs, in the same order?");
+  }
   if ((word >> 32) == seq && turn.may_decline) {
     turn.declined = true;
     turn.leader_site = lead;
@@ -837,10 +875,18 @@ std::string run_call(Comm& comm, int group, int rank, Turn* turn, DType dtype, i
   Workspace& ws = *g.ws;
   if (ws.header().broken.load()) {
     std::lock_guard<std::mutex> lock(g.error_mu);
+    std::string earlier = g.first_error;
+    if (earlier.empty()) {
+      // The failure was in another process: the header holds what failed first, once whole
+      // (as in HostTransport::record).
+      const WorkspaceHeader& h = ws.header();
+      const int32_t first = h.first_failed.load(std::memory_order_acquire);
+      earlier = "a rank of group " + std::to_string(group) + " failed in another process";
+      if (first > 0) earlier = "rank " + std::to_string(first - 1) + " of group " +
+                               std::to_string(group) + " failed first: it " + h.first_failure;
+    }
     return "jax_gin: this communicator stopped after an earlier failure and cannot be reused: " +
-           (g.first_error.empty() ? std::string("a rank of group ") + std::to_string(group) +
-                                        " failed (in another process)"
-                                  : g.first_error) +
+           earlier +
            ". To recover, fix the cause, call jax_gin.runtime.reset() in every process and call "
            "the jitted functions again (reset() clears JAX's compiled programs, so they are "
            "lowered again, with a new communicator)";

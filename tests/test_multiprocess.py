@@ -12,7 +12,8 @@ bottom) and checks what they print; every launch is bounded by a timeout. The wo
 - that no segment is left in /dev/shm once the set-up is done, and none after the processes
   die (they kill themselves) or exit;
 - errors: a missing peer, a late peer, an unreachable key-value store, a peer that lowered a
-  program but never runs it, a peer process killed between calls;
+  program but never runs it, a peer process killed between calls, processes that run
+  different programs;
 - a retry after a set-up that one process never came to while the other timed out there;
 - that a set-up removes the segment names of dead set-ups whose deadline has long passed, and
   no other name; that both processes killed during a set-up leave a name that such a sweep
@@ -27,6 +28,7 @@ import sys
 import tempfile
 import time
 
+import pytest
 from multiproc import (assert_same_shards, check_grad, check_parity, check_scatter_gather,
                        clean_env, error_of,
                        free_port as _free_port, global_input, launch, reports as _reports,
@@ -34,6 +36,13 @@ from multiproc import (assert_same_shards, check_grad, check_parity, check_scatt
 
 WORKER_DEVICES = 4
 NPROC = 2
+
+
+# test_different_programs: (op, algorithm, float32 elements per device) of the programs that
+# processes 0 and 1 run, by what differs.
+DIFFERENT_PROGRAMS = {"op": (("psum", "ring", 64), ("pmax", "ring", 64)),
+                      "size": (("psum", "ring", 64), ("psum", "ring", 128)),
+                      "algorithm": (("psum", "ring", 64), ("psum", "one_shot", 64))}
 
 
 def _shm_names() -> set:
@@ -149,6 +158,45 @@ def test_killed_peer_process():
                      r"calls below stop where it died", err), err
     assert "never entered" not in err and "cycle" not in err, err
     assert r0["seconds"] < 10, r0
+
+
+def test_different_programs():
+    """Processes that run different programs, whose calls each process numbers alike (both are
+    "call 1"): the call fails in both, naming what each started, where it would pair a psum with
+    a pmax, or buffers of different sizes, or different algorithms."""
+    reports = _reports(_launch("different_programs", timeout=90,
+                               env_extra={"JAX_GIN_TIMEOUT_S": "20"}), "different_programs")
+    for i, (rc, rep, out) in enumerate(reports):
+        assert rc == 0 and rep["ok"], f"process {i} rc {rc}:\n{_tail(out)}"
+    for case, programs in DIFFERENT_PROGRAMS.items():
+        op, algorithm, per_device = zip(*programs)
+        said = [f"{op[i]} ({algorithm[i]}) of {4 * per_device[i]} bytes of float32"
+                for i in (0, 1)]
+        # rank 0 is process 0's: a rank of process 1 fails first, and process 0's ranks give
+        # up after it, repeating its error; long before the 20 s timeout
+        expected = f"started call #1 as {said[1]}, but rank 0 started call #1 as {said[0]}"
+        for i, (_, rep, _) in enumerate(reports):
+            err = rep["errors"][case]
+            assert expected in err and "timed out" not in err, (case, i, err)
+            assert "same programs, in the same order" in err or "failed first" in err, err
+
+
+@pytest.mark.parametrize("when", ["in_call", "before_call"])
+def test_failed_then_gone(when):
+    """Process 1 fails (it times out while process 0 is stopped) and then exits. Process 0,
+    resumed in its call or before it, reports process 1's failure, which is the cause, and not
+    that process 1 is gone, which came after."""
+    reports = _reports(_launch(f"failed_then_gone_{when}", timeout=90,
+                               env_extra={"JAX_GIN_TIMEOUT_S": "2"}), f"failed_then_gone_{when}")
+    for i, (rc, rep, out) in enumerate(reports):
+        assert rc == 0 and rep["ok"], f"process {i} rc {rc}:\n{_tail(out)}"
+    (_, r0, _), (_, r1, _) = reports
+    assert "timed out after 2 s waiting for peer" in r1["error"], r1
+    first = r"rank [4-7] (of group 0 )?failed first: it timed out after 2 s waiting for peer"
+    assert re.search(first, r0["error"]), r0
+    assert "is gone" not in r0["error"], r0
+    if when == "before_call":
+        assert "cannot be reused" in r0["error"], r0
 
 
 def _make_shm(name: str) -> None:
@@ -450,6 +498,55 @@ def _worker(scenario: str, pid: int, port: int) -> None:
         report["ok"] = True
         print("REPORT " + json.dumps(report), flush=True)
         os._exit(0)  # JAX's shutdown would wait for the killed process
+    elif scenario == "different_programs":
+        # Both processes lower the same two programs (so both set up alike); process 0 runs
+        # the first and process 1 the second. Each process numbers its programs' calls alike,
+        # so both run "call 1", which differs in op, size or algorithm.
+        client = _distributed.distributed_client()
+        report["errors"] = {}
+        for case, (a, b) in DIFFERENT_PROGRAMS.items():
+            def program(op, algorithm, per_device):
+                fn = getattr(jax_gin, op)
+                f = jax.jit(jax.shard_map(lambda v: fn(v, "i", algorithm=algorithm),
+                                          mesh=mesh1, in_specs=P("i"), out_specs=P("i")))
+                x = global_input(mesh1, P("i"), per_device, "float32", 0)
+                return f.lower(x).compile(), x
+            mine = [program(*a), program(*b)][pid]
+            client.wait_at_barrier(f"test/lowered_{case}", 60_000)
+            report["errors"][case] = error_of(lambda: jax.block_until_ready(mine[0](mine[1])))
+            client.wait_at_barrier(f"test/ran_{case}", 60_000)
+            jax_gin.runtime.reset()
+        report["ok"] = True
+        print("REPORT " + json.dumps(report), flush=True)
+    elif scenario in ("failed_then_gone_in_call", "failed_then_gone_before_call"):
+        # Process 1 stops process 0 for 5 s (in its call, or before it), times out in its own
+        # call, and exits; process 0 then resumes and fails: the cause is process 1's timeout.
+        client = _distributed.distributed_client()
+        f = jax.jit(jax.shard_map(lambda v: jax_gin.psum(v, "i", algorithm="ring"),
+                                  mesh=mesh1, in_specs=P("i"), out_specs=P("i")))
+        x = global_input(mesh1, P("i"), 64, "float32", 0)
+        jax.block_until_ready(f(x))
+        client.key_value_set(f"test/pid{pid}", str(os.getpid()))
+        client.wait_at_barrier("test/ran", 60_000)
+        in_call = scenario.endswith("in_call")
+        if pid == 0:
+            if not in_call:
+                client.blocking_key_value_get("test/go", 60_000)
+            report["error"] = error_of(lambda: jax.block_until_ready(f(x)))
+        else:
+            p0 = int(client.blocking_key_value_get("test/pid0", 60_000))
+            if in_call:
+                time.sleep(0.5)  # process 0's ranks wait in the call for process 1's
+            import subprocess
+            subprocess.Popen(["sh", "-c", f"sleep 5; kill -CONT {p0}"], start_new_session=True)
+            os.kill(p0, signal.SIGSTOP)
+            report["error"] = error_of(lambda: jax.block_until_ready(f(x)))
+            if not in_call:
+                # (the key-value store is process 0's: this waits until it is resumed)
+                client.key_value_set("test/go", "1")
+        report["ok"] = True
+        print("REPORT " + json.dumps(report), flush=True)
+        os._exit(0)  # JAX's shutdown would wait for the other process
     elif scenario == "setup":
         f = jax.jit(jax.shard_map(lambda v: jax_gin.psum(v, "i"), mesh=mesh1,
                                   in_specs=P("i"), out_specs=P("i")))
