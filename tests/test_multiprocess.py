@@ -116,6 +116,8 @@ def test_errors_two_processes():
         assert r["bucket"].startswith("ValueError"), r
         assert f"JAX_GIN_BUCKET_BYTES={mine} here but {theirs} in process {other}" in r["bucket"], r
         assert r["tables"] == "no error" and r["tables_calls"] == 1, r
+        for said, compiled in r["explain"].values():
+            assert compiled == [said], r["explain"]
     assert r0["shm_at_end"] == [] and r1["shm_at_end"] == [], (r0, r1)
     assert _shm_names() <= before
 
@@ -444,6 +446,19 @@ def _worker(scenario: str, pid: int, port: int) -> None:
         report["tables"] = error_of(lambda: report.__setitem__(
             "tables_calls", ft.lower(xt).as_text().count("jax_gin_all_reduce")))
         jax_gin.runtime.settings.tuning_dir = None
+        # explain, inside the block, names what auto compiles to over processes (the model; the
+        # table for 8 CPU devices would say XLA's all-reduce at these sizes)
+        report["explain"] = {}
+        for per_device in (1 << 14, 1 << 18):  # 64 KiB and 1 MiB of float32
+            said = []
+
+            def body(v):
+                said.append(jax_gin.explain(v, "i").split(":")[0])
+                return jax_gin.psum(v, "i")
+            text = jax.jit(jax.shard_map(body, mesh=mesh1, in_specs=P("i"), out_specs=P("i"))
+                           ).lower(global_input(mesh1, P("i"), per_device, "float32", 0)).compile().as_text()
+            compiled = sorted(set(re.findall(r"jax_gin\.psum\[(\w+)", text)))
+            report["explain"][per_device] = [said[0], compiled]
         real.wait_at_barrier("test/end_settings", 60_000)
 
         # A peer that set up the communicator but never runs the program.
