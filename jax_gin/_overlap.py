@@ -145,11 +145,24 @@ def _overlapped(reduced, fn, args, params, modes, sizes, invariant):
             # cotangent as varying (no communication), as lax.psum's does.
             ct_red = [_compat.pcast_varying(c, params["axes"]) for c in ct_sums]
             return ct_red, fn_vjp(ct_ys)
+        # An integer leaf's cotangent is float0 (no values): its bucket (one dtype) is not
+        # summed, and the float0 cotangent is its input's.
+        bounds = np.cumsum((0,) + sizes)
+        summed = [b for b in range(len(sizes))
+                  if jax.dtypes.result_type(ct_sums[bounds[b]]) != jax.dtypes.float0]
+        if not summed:
+            return list(ct_sums), fn_vjp(ct_ys)
         # fn_vjp (a pytree: its residuals) goes in as an operand, not closed over, so that a
         # second reverse pass can differentiate this pair too
-        ct_red, ct_args = _overlapped(list(ct_sums), lambda f, c: f(c), (fn_vjp, ct_ys), params,
-                                      modes, sizes, invariant)
-        return list(ct_red), ct_args
+        ct_red, ct_args = _overlapped(
+            [c for b in summed for c in ct_sums[bounds[b]:bounds[b + 1]]], lambda f, c: f(c),
+            (fn_vjp, ct_ys), params, tuple(modes[b] for b in summed),
+            tuple(sizes[b] for b in summed), invariant)
+        ct_red, out = iter(ct_red), list(ct_sums)
+        for b in summed:
+            for i in range(bounds[b], bounds[b + 1]):
+                out[i] = next(ct_red)
+        return out, ct_args
 
     overlapped.defvjp(fwd, bwd)
     return overlapped(reduced, args)

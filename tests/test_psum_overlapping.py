@@ -138,6 +138,36 @@ def test_grad(check_vma):
         assert len(re.findall(r"jax_gin_all_reduce_start", text)) == 2
 
 
+@pytest.mark.parametrize("only_integers", [False, True])
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_grad_with_integer_leaves(check_vma, only_integers):
+    """Integer leaves (a count beside the gradients) have float0 cotangents, which nothing
+    sums: the gradient is lax's, bit for bit, and the backward all-reduce sums the float
+    leaves alone, or is left out where all are integers."""
+    g, m, w = inputs(257, "float32", seed=4)
+
+    def loss(body):
+        def f(g, m, w):
+            count = (g > 0).astype(jnp.int32)
+            x = (count,) if only_integers else (g, count)
+            s, y = body(x, m, w)
+            return jnp.sum(y * y) + (0.0 if only_integers else jnp.sum(s[0] * g))
+        return f
+
+    ours = loss(lambda x, m, w: jax_gin.psum_overlapping(x, "i", chain, m, w,
+                                                         algorithm=kernel_algorithm()))
+    ref = loss(lambda x, m, w: (lax.psum(x, "i"), chain(m, w)))
+    grads = lambda f: lambda g, m, w: jax.grad(f, argnums=(0, 1, 2))(g, m, w)
+    specs = (P("i"), P("i"), P())
+    out = (P("i"), P("i"), P()) if check_vma else (P("i"), P("i"), P("i"))
+    f = lambda body: jax.jit(jax.shard_map(grads(body), mesh=mesh_1d(), in_specs=specs,
+                                           out_specs=out, check_vma=check_vma))
+    assert_tree_bitwise(f(ours)(g, m, w), f(ref)(g, m, w))
+    if not check_vma:  # a start a dtype forward, and the float32 one backward
+        text = f(ours).lower(g, m, w).as_text()
+        assert len(re.findall(r"jax_gin_all_reduce_start", text)) == (1 if only_integers else 3)
+
+
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_second_order_reverse(check_vma):
     """grad of a function of grad (reverse over reverse, as a Hessian-vector product through
