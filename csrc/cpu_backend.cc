@@ -377,6 +377,10 @@ class HostTransport {
        << (gone ? "diagnosis: " + *gone + " is gone; the last calls below stop where it died\n" +
                       last_calls_text(states, group_)
                 : laggard_text(states, group_, rank_, late ? peer : -1));
+    const uint64_t seq = load_acquire(ws_.rec_state(rank_).seq);
+    if (!gone && !after_another && !cfg_.absent_note.empty() &&
+        std::any_of(states.begin(), states.end(), [&](const Seen& x) { return x.seq < seq; }))
+      os << "\n" << cfg_.absent_note;
     error_ = os.str();
     fail_group(g_, rank_, what, error_);
   }

@@ -47,6 +47,9 @@ struct CommConfig {
   int fault_mode = 0;             // 0: its signals are dropped; 1: it never enters a call
   int ranks_per_node = 0;         // hierarchical only: ranks of a group per "node" (0: all)
   int record_entries = kRecDefaultEntries;  // flight-recorder ring per rank (private groups)
+  // Added to a timeout's report where a rank of the group never entered the call (empty:
+  // nothing): jax_gin.runtime's note on XLA's CPU threads, where they are too few.
+  std::string absent_note;
 };
 
 // The first bytes of a workspace. Attaching processes check it against what they expect.

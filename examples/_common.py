@@ -16,6 +16,8 @@ def default_to_cpu_devices(count: int = 8) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if os.environ.get("JAX_PLATFORMS", "") == "cpu" and "device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+        from jax_gin import _runtime  # XLA's CPU threads for them (docs/debugging.md)
+        _runtime.provide_xla_cpu_threads(count)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (docs/multi-node.md)
 
 

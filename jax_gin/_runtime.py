@@ -549,6 +549,51 @@ def cpu_group_settings(workspace_bytes: int) -> dict:
             **trace_settings(tables=False)}
 
 
+# XLA's CPU client runs the launch of each device's part of a program, and then the part
+# itself, on one pool of threads: PJRT_NPROC of them, else NPROC, else as many as the CPUs the
+# process may run on. A launch waits there for its device's in-flight programs to drop below a
+# limit while the peers' parts, already running, hold the other threads waiting in their
+# collective for it; with fewer than 2 threads a device, a loop that dispatches collective
+# programs ahead stopped so, lax's and jax_gin's alike (docs/debugging.md).
+XLA_CPU_THREADS_PER_DEVICE = 2
+_XLA_CPU_THREAD_VARIABLES = ("PJRT_NPROC", "NPROC")  # in the order XLA reads them
+
+
+def xla_cpu_threads() -> tuple[int, str]:
+    """The threads of XLA's CPU client pool in this process, and what sets the number."""
+    for name in _XLA_CPU_THREAD_VARIABLES:
+        try:
+            return max(0, int(os.environ[name])), f"{name}={os.environ[name]}"
+        except (KeyError, ValueError):
+            continue
+    return len(os.sched_getaffinity(0)), "the CPUs this process may run on"
+
+
+def provide_xla_cpu_threads(devices: int) -> None:
+    """For a program that forces `devices` CPU devices (the tests, the examples, the CLI
+    tools): sets PJRT_NPROC to enough threads for them, where no variable sets the number and
+    the CPUs are fewer. Must run before JAX creates its CPU client."""
+    threads, _ = xla_cpu_threads()
+    if not any(n in os.environ for n in _XLA_CPU_THREAD_VARIABLES) and \
+            threads < XLA_CPU_THREADS_PER_DEVICE * devices:
+        os.environ["PJRT_NPROC"] = str(XLA_CPU_THREADS_PER_DEVICE * devices)
+
+
+def _xla_cpu_threads_note() -> str:
+    """A hang report's note where XLA's CPU threads are too few for this process's CPU
+    devices, or empty."""
+    devices = len(jax.local_devices(backend="cpu"))
+    threads, source = xla_cpu_threads()
+    need = XLA_CPU_THREADS_PER_DEVICE * devices
+    if threads >= need:
+        return ""
+    return (f"note: XLA's CPU client runs the programs of this process's {devices} CPU devices "
+            f"on {threads} threads ({source}); with fewer than {XLA_CPU_THREADS_PER_DEVICE} a "
+            f"device it can hold one device's program back while its peers' programs wait for it "
+            f"in their collectives. Set PJRT_NPROC={need} (or more) before JAX starts "
+            f"(docs/debugging.md)")
+
+
 def _create_cpu_comm(mesh, devices, layout: GroupLayout, ws: int, key) -> int:
     procs = [int(d.process_index) for d in devices]
     workspaces = None  # every group in private memory: all devices run in this process
@@ -562,7 +607,8 @@ def _create_cpu_comm(mesh, devices, layout: GroupLayout, ws: int, key) -> int:
                 settings.record_entries, cpu_group_settings(ws))
     comm = _native.cpu.cpu_comm_create(
         layout.nranks, list(layout.group_of), list(layout.rank_of), ws, settings.timeout_s,
-        settings.fault_rank, workspaces, _FAULT_MODES[settings.fault_mode], settings.record_entries)
+        settings.fault_rank, workspaces, _FAULT_MODES[settings.fault_mode], settings.record_entries,
+        _xla_cpu_threads_note())
     comm_devices[comm] = (tuple(int(d.id) for d in devices), layout)
     return comm
 

@@ -1,7 +1,9 @@
 """Test setup: 8 CPU devices by default, another count with
 XLA_FLAGS=--xla_force_host_platform_device_count=N (tests that need more devices skip); the
-same suite runs on GPUs with JAX_PLATFORMS=cuda."""
+same suite runs on GPUs with JAX_PLATFORMS=cuda. With fewer CPUs than 2 a device, PJRT_NPROC gives
+XLA's CPU client 2 threads a device (jax_gin._runtime.provide_xla_cpu_threads)."""
 import os
+import re
 
 _platform = os.environ.get("JAX_PLATFORMS", "cpu")
 if _platform == "cpu":
@@ -9,6 +11,9 @@ if _platform == "cpu":
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+    from jax_gin import _runtime  # noqa: E402 (jax creates no backend at import)
+    _count = re.search(r"xla_force_host_platform_device_count=(\d+)", os.environ["XLA_FLAGS"])
+    _runtime.provide_xla_cpu_threads(int(_count.group(1)) if _count else 1)
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast (docs/multi-node.md)
 
 import jax  # noqa: E402

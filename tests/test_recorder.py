@@ -235,6 +235,21 @@ def test_laggard_signals_lost(monkeypatch):
     assert "rank 1: #1 psum/one_shot, done" in msg
 
 
+@pytest.mark.parametrize("threads, mode, timeout, noted", [
+    ("2", "absent", 0.44, True), ("64", "absent", 0.45, False), ("2", "drop", 0.46, False)])
+def test_note_on_xla_cpu_threads(monkeypatch, threads, mode, timeout, noted):
+    """A rank that never entered the call, where XLA's CPU threads (PJRT_NPROC, read as the
+    communicator is set up) are fewer than 2 a device: the report ends with a note naming the
+    setting. None with enough threads, or where every rank entered the call."""
+    monkeypatch.setenv("PJRT_NPROC", threads)
+    msg = _fault(monkeypatch, "one_shot", mode, timeout)
+    note = (f"note: XLA's CPU client runs the programs of this process's {ndev()} CPU devices "
+            f"on 2 threads (PJRT_NPROC=2); with fewer than 2 a device it can hold one device's "
+            f"program back while its peers' programs wait for it in their collectives. Set "
+            f"PJRT_NPROC={2 * ndev()} (or more) before JAX starts (docs/debugging.md)")
+    assert (note in msg) == noted and ("note: XLA" in msg) == noted, msg
+
+
 def test_laggard_threads_harness():
     x = np.ones((4, 50), np.float32)
     with pytest.raises(RuntimeError) as info:
