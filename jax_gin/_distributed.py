@@ -359,8 +359,10 @@ def _missing_error(what, spanning, proc_of, nranks, participants, me, timeout_s,
                 f"{'; '.join(parts)}")
     return BootstrapTimeoutError(
         f"{head}. Every process of the job must lower the same jax_gin programs in the "
-        f"same order; a peer may have failed, or may be slower: set JAX_GIN_TIMEOUT_S to "
-        f"wait longer. (communicator {tag}, job {token})")
+        f"same order, with the same settings (a setting changed in one process after a set-up "
+        f"makes it set up a communicator that the others, which keep theirs, never come to); "
+        f"a peer may have failed, or may be slower: set JAX_GIN_TIMEOUT_S to wait longer. "
+        f"(communicator {tag}, job {token})")
 
 
 def _process_map(layout, procs: list) -> tuple:
