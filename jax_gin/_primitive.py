@@ -555,8 +555,9 @@ def check_cuda_module(platform: str, api: str) -> None:
 # Why a program that uses jax_gin is lowered for one platform, its mesh's devices' (the end of
 # check_mesh_platform's and lowering_platform's refusals).
 _OWN_PLATFORM_ONLY = ("jax_gin sets up its communicators on the mesh's devices while it lowers, "
-                      "so a program that uses it is lowered (and exported) for the platform of "
-                      "its own devices only")
+                      "so a program that uses it is lowered for the platform of its own devices "
+                      "only (a jax.export of it too, which also needs jax.export's check of "
+                      "custom calls disabled: docs/debugging.md)")
 
 # The platforms of jax.Device.platform that each lowering platform runs on.
 _DEVICE_PLATFORMS = {"cpu": ("cpu",), "cuda": ("gpu", "cuda")}
