@@ -570,9 +570,9 @@ def xla_cpu_threads() -> tuple[int, str]:
 
 
 def provide_xla_cpu_threads(devices: int) -> None:
-    """For a program that forces `devices` CPU devices (the tests, the examples, the CLI
-    tools): sets PJRT_NPROC to enough threads for them, where no variable sets the number and
-    the CPUs are fewer. Must run before JAX creates its CPU client."""
+    """For a program that forces `devices` CPU devices (the tests and the examples): sets
+    PJRT_NPROC to enough threads for them, where no variable sets the number and the CPUs are
+    fewer. Must run before JAX creates its CPU client."""
     threads, _ = xla_cpu_threads()
     if not any(n in os.environ for n in _XLA_CPU_THREAD_VARIABLES) and \
             threads < XLA_CPU_THREADS_PER_DEVICE * devices:
