@@ -378,7 +378,7 @@ class HostTransport {
                       last_calls_text(states, group_)
                 : laggard_text(states, group_, rank_, late ? peer : -1));
     const uint64_t seq = load_acquire(ws_.rec_state(rank_).seq);
-    if (!gone && !after_another && !cfg_.absent_note.empty() &&
+    if (!gone && !cfg_.absent_note.empty() &&
         std::any_of(states.begin(), states.end(), [&](const Seen& x) { return x.seq < seq; }))
       os << "\n" << cfg_.absent_note;
     error_ = os.str();

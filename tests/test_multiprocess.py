@@ -553,7 +553,10 @@ def _worker(scenario: str, pid: int, port: int) -> None:
             if in_call:
                 time.sleep(0.5)  # process 0's ranks wait in the call for process 1's
             import subprocess
-            subprocess.Popen(["sh", "-c", f"sleep 5; kill -CONT {p0}"], start_new_session=True)
+            # (not under a sanitizer's preloaded runtime, which a shell need not survive)
+            env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+            subprocess.Popen(["sh", "-c", f"sleep 5; kill -CONT {p0}"], start_new_session=True,
+                             env=env)
             os.kill(p0, signal.SIGSTOP)
             report["error"] = error_of(lambda: jax.block_until_ready(f(x)))
             if not in_call:
