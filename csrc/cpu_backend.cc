@@ -381,6 +381,17 @@ class HostTransport {
     if (!gone && !cfg_.absent_note.empty() &&
         std::any_of(states.begin(), states.end(), [&](const Seen& x) { return x.seq < seq; }))
       os << "\n" << cfg_.absent_note;
+    // A process that is stopped (SIGSTOP, a debugger) takes no part until it resumes: its
+    // ranks' records read as a laggard or lost signals, so say so.
+    std::vector<std::string> stopped;
+    for (int r = 0; !gone && r < nranks(); ++r) {
+      std::string p = ws_.stopped(r);
+      if (!p.empty() && std::find(stopped.begin(), stopped.end(), p) == stopped.end())
+        stopped.push_back(std::move(p));
+    }
+    for (const std::string& p : stopped)
+      os << "\nnote: " << p << " is stopped (by a signal such as SIGSTOP, or a debugger): its "
+         << "ranks take no part in a call until it resumes";
     error_ = os.str();
     fail_group(g_, rank_, what, error_);
   }
@@ -598,6 +609,19 @@ void Workspace::join(int rank, int process) {
   control(rank).joined.store(1, std::memory_order_release);
 }
 
+namespace {
+// The state letter of process `pid` in /proc (R, S, T, Z ...; 0 where it cannot be read).
+char proc_state(int32_t pid) {
+  char path[64], state = 0;
+  std::snprintf(path, sizeof(path), "/proc/%d/stat", int(pid));
+  if (FILE* f = std::fopen(path, "r")) {
+    if (std::fscanf(f, "%*d %*s %c", &state) != 1) state = 0;
+    std::fclose(f);
+  }
+  return state;
+}
+}  // namespace
+
 std::string Workspace::gone(int rank) const {
   const int32_t pid = control(rank).pid.load(std::memory_order_relaxed);
   if (pid <= 0 || pid == int32_t(getpid())) return "";
@@ -605,15 +629,22 @@ std::string Workspace::gone(int rank) const {
   // zombie still exists until its parent reaps it, hence also /proc's state).
   bool dead = kill(pid_t(pid), 0) != 0 && errno == ESRCH;
   if (!dead) {
-    char path[64], state = 0;
-    std::snprintf(path, sizeof(path), "/proc/%d/stat", int(pid));
-    if (FILE* f = std::fopen(path, "r")) {
-      if (std::fscanf(f, "%*d %*s %c", &state) != 1) state = 0;
-      std::fclose(f);
-    }
+    const char state = proc_state(pid);
     dead = state == 'Z' || state == 'X';
   }
   if (!dead) return "";
+  return process_text(rank);
+}
+
+std::string Workspace::stopped(int rank) const {
+  const int32_t pid = control(rank).pid.load(std::memory_order_relaxed);
+  if (pid <= 0 || pid == int32_t(getpid())) return "";
+  const char state = proc_state(pid);  // T: stopped by a signal; t: by a debugger (ptrace)
+  return state == 'T' || state == 't' ? process_text(rank) : "";
+}
+
+std::string Workspace::process_text(int rank) const {
+  const int32_t pid = control(rank).pid.load(std::memory_order_relaxed);
   Text os;
   os << "process " << control(rank).process << " (pid " << pid << "; ranks ";
   bool first = true;

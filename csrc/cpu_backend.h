@@ -111,6 +111,11 @@ class Workspace {
   // "process 1 (pid 4242; ranks 4, 5, 6, 7)" if the process that runs `rank` has exited or
   // was killed, else empty. Ranks of this process are alive.
   std::string gone(int rank) const;
+  // The same text if that process is stopped (by a signal such as SIGSTOP, or a debugger),
+  // else empty.
+  std::string stopped(int rank) const;
+  // "process 1 (pid 4242; ranks 4, 5, 6, 7)": the process that runs `rank`.
+  std::string process_text(int rank) const;
   // Waits until every rank has joined; returns the ranks still missing after `timeout_s`
   // (empty: all joined).
   std::vector<int> wait_joined(double timeout_s) const;

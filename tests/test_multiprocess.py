@@ -185,15 +185,18 @@ def test_different_programs():
 
 @pytest.mark.parametrize("when", ["in_call", "before_call"])
 def test_failed_then_gone(when):
-    """Process 1 fails (it times out while process 0 is stopped) and then exits. Process 0,
-    resumed in its call or before it, reports process 1's failure, which is the cause, and not
-    that process 1 is gone, which came after."""
+    """Process 1 fails (it times out while process 0 is stopped, and says that process 0 is
+    stopped) and then exits. Process 0, resumed in its call or before it, reports process 1's
+    failure, which is the cause, and not that process 1 is gone, which came after."""
     reports = _reports(_launch(f"failed_then_gone_{when}", timeout=90,
                                env_extra={"JAX_GIN_TIMEOUT_S": "2"}), f"failed_then_gone_{when}")
     for i, (rc, rep, out) in enumerate(reports):
         assert rc == 0 and rep["ok"], f"process {i} rc {rc}:\n{_tail(out)}"
     (_, r0, _), (_, r1, _) = reports
     assert "timed out after 2 s waiting for peer" in r1["error"], r1
+    # the stopped process is named as such in the report of the process that waited for it
+    assert re.search(r"note: process 0 \(pid \d+; ranks 0, 1, 2, 3\) is stopped \(by a signal "
+                     r"such as SIGSTOP, or a debugger\)", r1["error"]), r1
     first = r"rank [4-7] (of group 0 )?failed first: it timed out after 2 s waiting for peer"
     assert re.search(first, r0["error"]), r0
     assert "is gone" not in r0["error"], r0
