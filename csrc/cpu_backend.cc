@@ -355,7 +355,13 @@ class HostTransport {
       // at the same moment may have stored `broken` while that text was still being written
       const int32_t first = h.first_failed.load(std::memory_order_acquire);
       os << "gave up " << wait.str();
+      std::string stopped_why;  // where no rank failed first: what stopped the group
+      if (first <= 0) {
+        std::lock_guard<std::mutex> lock(g_.error_mu);
+        stopped_why = g_.first_error;
+      }
       if (first > 0) os << ", because rank " << first - 1 << " failed first: it " << h.first_failure;
+      else if (!stopped_why.empty()) os << ", because " << stopped_why << ".";
       else os << ", because another rank of the group failed.";
     } else {
       Text t;
@@ -721,11 +727,18 @@ int64_t create_comm(const CommConfig& config, std::vector<std::shared_ptr<Worksp
 
 namespace {
 
-// The calls running on `comm` give up at once, and later ones fail. Only where every rank is
-// this process's: a shared workspace's header is read by the other processes too.
-void stop_private_calls(const Comm& comm) {
-  for (const auto& g : comm.groups)
-    if (g->ws && g->ws->name().empty()) g->ws->header().broken.store(1);
+// The calls running on `comm` give up at once, and later ones fail, saying `why` (the group's
+// first error, where no rank failed first). Only where every rank is this process's: a shared
+// workspace's header is read by the other processes too.
+void stop_private_calls(const Comm& comm, const char* why) {
+  for (const auto& g : comm.groups) {
+    if (!g->ws || !g->ws->name().empty()) continue;
+    {
+      std::lock_guard<std::mutex> lock(g->error_mu);
+      if (g->first_error.empty()) g->first_error = why;
+    }
+    g->ws->header().broken.store(1);
+  }
 }
 
 }  // namespace
@@ -737,13 +750,16 @@ void destroy_comm(int64_t id) {
   // A program still running on it (reset() waits only for programs whose results are alive)
   // would have ranks that no longer find it and ranks that wait for them until the timeout:
   // those give up at once instead.
-  stop_private_calls(*it->second);
+  stop_private_calls(*it->second, "jax_gin.runtime.reset() destroyed this communicator while "
+                                   "a program ran on it");
   g_registry.erase(it);
 }
 
 void shutdown() {
   std::shared_lock<std::shared_mutex> lock(g_registry_mu);
-  for (const auto& kv : g_registry) stop_private_calls(*kv.second);
+  for (const auto& kv : g_registry)
+    stop_private_calls(*kv.second, "the interpreter is exiting (jax_gin's shutdown stops the "
+                                   "calls still running)");
 }
 
 std::shared_ptr<Comm> find_comm(int64_t id) {

@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -248,6 +249,29 @@ def test_note_on_xla_cpu_threads(monkeypatch, threads, mode, timeout, noted):
             f"program back while its peers' programs wait for it in their collectives. Set "
             f"PJRT_NPROC={2 * ndev()} (or more) before JAX starts (docs/debugging.md)")
     assert (note in msg) == noted and ("note: XLA" in msg) == noted, msg
+
+
+def test_destroyed_while_running(fresh, monkeypatch):
+    """A communicator destroyed (as reset() destroys it) while a program waits in it: its
+    waiting ranks give up at once and say so, where they named another rank's failure."""
+    needs_devices(2)
+    monkeypatch.setattr(_runtime.settings, "fault_rank", 1)
+    monkeypatch.setattr(_runtime.settings, "fault_mode", "absent")
+    before = set(_runtime.comm_devices)
+    out = _fn("psum", "one_shot")(exact_input((64,), ndev(), "float32"))  # waits for rank 1
+    [comm] = _new_comms(before)
+    time.sleep(0.3)
+    t = time.monotonic()
+    C.cpu_comm_destroy(comm)
+    try:
+        with pytest.raises(Exception) as info:
+            jax.block_until_ready(out)
+    finally:
+        _runtime.reset()  # the cache still names the destroyed communicator
+    assert time.monotonic() - t < 5
+    msg = str(info.value)
+    assert "because jax_gin.runtime.reset() destroyed this communicator while a program ran on " \
+           "it" in msg, msg
 
 
 def test_laggard_threads_harness():
