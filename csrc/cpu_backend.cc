@@ -353,12 +353,18 @@ class HostTransport {
     if (after_another) {
       // first_failed > 0 once the first failure's text is whole (below); a rank that failed
       // at the same moment may have stored `broken` while that text was still being written
-      const int32_t first = h.first_failed.load(std::memory_order_acquire);
+      int32_t first = h.first_failed.load(std::memory_order_acquire);
+      // -1: the rank that failed first is writing its text (it has stored `broken` already
+      // where another rank lost the race to be first): wait a little for it
+      for (int i = 0; first < 0 && i < 100; ++i) {
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+        first = h.first_failed.load(std::memory_order_acquire);
+      }
       os << "gave up " << wait.str();
-      std::string stopped_why;  // where no rank failed first: what stopped the group
+      std::string stopped_why;  // what stopped the group where no rank failed (reset, exit)
       if (first <= 0) {
         std::lock_guard<std::mutex> lock(g_.error_mu);
-        stopped_why = g_.first_error;
+        stopped_why = g_.stop_reason;
       }
       if (first > 0) os << ", because rank " << first - 1 << " failed first: it " << h.first_failure;
       else if (!stopped_why.empty()) os << ", because " << stopped_why << ".";
@@ -616,15 +622,19 @@ void Workspace::join(int rank, int process) {
 }
 
 namespace {
-// The state letter of process `pid` in /proc (R, S, T, Z ...; 0 where it cannot be read).
+// The state letter of process `pid` in /proc (R, S, T, Z ...; 0 where it cannot be read):
+// the field after the name, which is in parentheses and may hold spaces and parentheses.
 char proc_state(int32_t pid) {
-  char path[64], state = 0;
+  char path[64], buf[512];
   std::snprintf(path, sizeof(path), "/proc/%d/stat", int(pid));
+  size_t n = 0;
   if (FILE* f = std::fopen(path, "r")) {
-    if (std::fscanf(f, "%*d %*s %c", &state) != 1) state = 0;
+    n = std::fread(buf, 1, sizeof(buf) - 1, f);
     std::fclose(f);
   }
-  return state;
+  buf[n] = '\0';
+  const char* close = std::strrchr(buf, ')');
+  return close && close[1] == ' ' && close[2] ? close[2] : 0;
 }
 }  // namespace
 
@@ -736,6 +746,7 @@ void stop_private_calls(const Comm& comm, const char* why) {
     {
       std::lock_guard<std::mutex> lock(g->error_mu);
       if (g->first_error.empty()) g->first_error = why;
+      g->stop_reason = why;
     }
     g->ws->header().broken.store(1);
   }

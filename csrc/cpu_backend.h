@@ -169,6 +169,9 @@ struct Group {
   std::shared_ptr<Workspace> ws;
   std::mutex error_mu;
   std::string first_error;  // the first failed rank's error here (fail_group), or empty
+  // What stopped the group's calls where no rank failed (stop_private_calls: reset(), the
+  // interpreter's exit), or empty; under error_mu.
+  std::string stop_reason;
 };
 
 // Which call of its program a rank's call is, and whether it may wait for another. The ranks of

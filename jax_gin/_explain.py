@@ -32,9 +32,9 @@ def explain(x, axis_name=None, *, nranks: int | None = None, platform: str | Non
     `platform`: 'cpu', or 'cuda' (also 'gpu', the name JAX gives CUDA devices); default the
     default backend's. `device_kind` defaults to that of this machine's first device of
     `platform`, where it has one (its tuning table, if any, decides); else to none (the
-    model-based rule). CPU devices of a job of several processes default to none too: a CPU
-    group that spans processes runs the model-based rule (`auto` reads no table there); pass
-    ``device_kind="cpu"`` for a group inside one process.
+    model-based rule). CPU devices of a job of several processes default to none too: over a
+    CPU mesh that spans processes `auto` reads no table; pass ``device_kind="cpu"`` for a mesh
+    whose devices are all in this process.
     `collective`: 'psum' (default; pmax and pmin choose alike), 'pmax', 'pmin',
     'psum_scatter' or 'all_gather'. The size reported is the one `auto` decides on: for
     psum/pmax/pmin the bytes of `x`; for psum_scatter and all_gather the larger side per
@@ -100,7 +100,8 @@ def explain(x, axis_name=None, *, nranks: int | None = None, platform: str | Non
 
 def _local_device_kind(platform: str) -> str | None:
     """The device kind of this machine's first device of `platform`, or None without one, or
-    for CPU devices in a job of several processes (as _select.table_kind)."""
+    for CPU devices in a job of several processes (_select.table_kind reads no table for a CPU
+    mesh that spans processes, which explain, given no mesh, takes it to be)."""
     if platform == "cpu" and jax.process_count() > 1:
         return None
     try:

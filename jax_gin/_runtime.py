@@ -533,7 +533,8 @@ def trace_settings(tables: bool) -> dict:
     """What decides each process's calls at trace time, so it must be equal in every process
     of a group too (checked at bootstrap with the backend's own): the bucket size cuts a
     pytree into calls, and one that differs gives calls of different sizes on the ranks of one
-    call (wrong sums, with no error); `tables`: the tuning tables, where they decide `auto`'s
+    call (on GPUs wrong sums, with no error; on CPU a call that fails where the sizes met
+    differ); `tables`: the tuning tables, where they decide `auto`'s
     algorithm (not for CPU groups that span processes: _select.table_kind)."""
     out = {_RULES["bucket_bytes"][0]: int(settings.bucket_bytes)}
     if tables:
@@ -579,11 +580,19 @@ def provide_xla_cpu_threads(devices: int) -> None:
         os.environ["PJRT_NPROC"] = str(XLA_CPU_THREADS_PER_DEVICE * devices)
 
 
+# xla_cpu_threads() as the first CPU communicator found it: XLA read the variables once, when
+# it created its CPU client, before any communicator (a later change does not resize its pool).
+_pool_threads: tuple[int, str] | None = None
+
+
 def _xla_cpu_threads_note() -> str:
     """A hang report's note where XLA's CPU threads are too few for this process's CPU
     devices, or empty."""
+    global _pool_threads
+    if _pool_threads is None:
+        _pool_threads = xla_cpu_threads()
     devices = len(jax.local_devices(backend="cpu"))
-    threads, source = xla_cpu_threads()
+    threads, source = _pool_threads
     need = XLA_CPU_THREADS_PER_DEVICE * devices
     if threads >= need:
         return ""

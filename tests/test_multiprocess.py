@@ -29,6 +29,7 @@ import tempfile
 import time
 
 import pytest
+from jax_gin import _runtime
 from multiproc import (assert_same_shards, check_grad, check_parity, check_scatter_gather,
                        clean_env, error_of,
                        free_port as _free_port, global_input, launch, reports as _reports,
@@ -54,9 +55,12 @@ def _shm_names() -> set:
 
 def _launch(scenario: str, timeout: float, env_extra=None):
     """Runs the worker as NPROC processes of WORKER_DEVICES CPU devices each."""
+    # XLA's CPU threads for the workers' devices (the parent's PJRT_NPROC is for its own)
+    threads = max(len(os.sched_getaffinity(0)),
+                  _runtime.XLA_CPU_THREADS_PER_DEVICE * WORKER_DEVICES)
     env = clean_env(JAX_PLATFORMS="cpu",
                     XLA_FLAGS=f"--xla_force_host_platform_device_count={WORKER_DEVICES}",
-                    **(env_extra or {}))
+                    PJRT_NPROC=str(threads), **(env_extra or {}))
     return launch(__file__, scenario, [env] * NPROC, timeout)
 
 

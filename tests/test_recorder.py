@@ -239,10 +239,10 @@ def test_laggard_signals_lost(monkeypatch):
 @pytest.mark.parametrize("threads, mode, timeout, noted", [
     ("2", "absent", 0.44, True), ("64", "absent", 0.45, False), ("2", "drop", 0.46, False)])
 def test_note_on_xla_cpu_threads(monkeypatch, threads, mode, timeout, noted):
-    """A rank that never entered the call, where XLA's CPU threads (PJRT_NPROC, read as the
-    communicator is set up) are fewer than 2 a device: the report ends with a note naming the
-    setting. None with enough threads, or where every rank entered the call."""
-    monkeypatch.setenv("PJRT_NPROC", threads)
+    """A rank that never entered the call, where XLA's CPU threads (PJRT_NPROC as the first
+    communicator found it, which the test sets) are fewer than 2 a device: the report ends
+    with a note naming the setting. None with enough threads, or where every rank entered."""
+    monkeypatch.setattr(_runtime, "_pool_threads", (int(threads), f"PJRT_NPROC={threads}"))
     msg = _fault(monkeypatch, "one_shot", mode, timeout)
     note = (f"note: XLA's CPU client runs the programs of this process's {ndev()} CPU devices "
             f"on 2 threads (PJRT_NPROC=2); with fewer than 2 a device it can hold one device's "
@@ -260,7 +260,12 @@ def test_destroyed_while_running(fresh, monkeypatch):
     before = set(_runtime.comm_devices)
     out = _fn("psum", "one_shot")(exact_input((64,), ndev(), "float32"))  # waits for rank 1
     [comm] = _new_comms(before)
-    time.sleep(0.3)
+    # until every rank but rank 1 has entered the call (its waits are in it then)
+    deadline = time.monotonic() + 10
+    while sum(n for _, rank, n in C.cpu_call_counts(comm) if rank != 1) < ndev() - 1:
+        assert time.monotonic() < deadline, C.cpu_call_counts(comm)
+        time.sleep(0.01)
+    time.sleep(0.05)
     t = time.monotonic()
     C.cpu_comm_destroy(comm)
     try:
