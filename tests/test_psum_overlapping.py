@@ -124,18 +124,26 @@ def test_grad(check_vma):
             return jnp.sum(s * g) + jnp.sum(y * y)
         return f
 
-    ours = loss(lambda g, m, w: jax_gin.psum_overlapping(g, "i", chain, m, w,
+    # the backward all-reduce is an overlapped pair too
+    _check_grad(loss, check_vma, (g, m, w), starts=2)
+
+
+def _check_grad(loss, check_vma, gmw, starts):
+    """The gradients of loss(body) with respect to (g, m, w), with body psum_overlapping(x,
+    "i", chain, m, w) or lax.psum(x) beside chain(m, w): lax's bits; without check_vma, the
+    program has `starts` overlapped starts."""
+    ours = loss(lambda x, m, w: jax_gin.psum_overlapping(x, "i", chain, m, w,
                                                          algorithm=kernel_algorithm()))
-    ref = loss(lambda g, m, w: (lax.psum(g, "i"), chain(m, w)))
+    ref = loss(lambda x, m, w: (lax.psum(x, "i"), chain(m, w)))
     grads = lambda f: lambda g, m, w: jax.grad(f, argnums=(0, 1, 2))(g, m, w)
     specs = (P("i"), P("i"), P())
     out = (P("i"), P("i"), P()) if check_vma else (P("i"), P("i"), P("i"))
     f = lambda body: jax.jit(jax.shard_map(grads(body), mesh=mesh_1d(), in_specs=specs,
                                            out_specs=out, check_vma=check_vma))
-    assert_tree_bitwise(f(ours)(g, m, w), f(ref)(g, m, w))
-    if not check_vma:  # the backward all-reduce is an overlapped pair too
-        text = f(ours).lower(g, m, w).as_text()
-        assert len(re.findall(r"jax_gin_all_reduce_start", text)) == 2
+    assert_tree_bitwise(f(ours)(*gmw), f(ref)(*gmw))
+    if not check_vma:
+        text = f(ours).lower(*gmw).as_text()
+        assert len(re.findall(r"jax_gin_all_reduce_start", text)) == starts
 
 
 @pytest.mark.parametrize("only_integers", [False, True])
@@ -154,18 +162,8 @@ def test_grad_with_integer_leaves(check_vma, only_integers):
             return jnp.sum(y * y) + (0.0 if only_integers else jnp.sum(s[0] * g))
         return f
 
-    ours = loss(lambda x, m, w: jax_gin.psum_overlapping(x, "i", chain, m, w,
-                                                         algorithm=kernel_algorithm()))
-    ref = loss(lambda x, m, w: (lax.psum(x, "i"), chain(m, w)))
-    grads = lambda f: lambda g, m, w: jax.grad(f, argnums=(0, 1, 2))(g, m, w)
-    specs = (P("i"), P("i"), P())
-    out = (P("i"), P("i"), P()) if check_vma else (P("i"), P("i"), P("i"))
-    f = lambda body: jax.jit(jax.shard_map(grads(body), mesh=mesh_1d(), in_specs=specs,
-                                           out_specs=out, check_vma=check_vma))
-    assert_tree_bitwise(f(ours)(g, m, w), f(ref)(g, m, w))
-    if not check_vma:  # a start a dtype forward, and the float32 one backward
-        text = f(ours).lower(g, m, w).as_text()
-        assert len(re.findall(r"jax_gin_all_reduce_start", text)) == (1 if only_integers else 3)
+    # a start a dtype forward, and the float32 one backward
+    _check_grad(loss, check_vma, (g, m, w), starts=1 if only_integers else 3)
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
