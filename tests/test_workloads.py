@@ -184,7 +184,8 @@ def test_report_says_why_the_fused_norm_may_differ():
     for equal in (False, True):
         result["lax_vs_jax_gin_fused"] = {"bitwise_equal": equal,
                                           "max_abs_diff": 0.0 if equal else 0.0156}
-        notes = [line for line in workloads.format_report(result) if "its sum of squares its own way" in line]
+        notes = [line for line in workloads.format_report(result)
+                 if "its sum of squares its own way" in line]
         assert len(notes) == (0 if equal else 1), notes
 
 
