@@ -180,6 +180,36 @@ def without_unreduced(aval, axes: tuple):
     return aval.update(manual_axis_type=aval.mat.update(unreduced=out_u, unreduced_kind=kind))
 
 
+def collective_type(aval, axes: tuple, *, drop_varying: bool = False, add_varying: bool = False,
+                    add_reduced: bool = False, drop_unreduced: bool = False):
+    """aval re-typed over `axes` as lax's typed collectives type their results: no longer
+    varying (all_gather to='invarying' or 'reduced'), varying (a reduce-scatter of an unreduced
+    value), reduced (all_gather to='reduced'), no longer unreduced (a reduce-scatter of an
+    unreduced value). Outside check_vma (no typing) aval as it is."""
+    mat = getattr(aval, "mat", None)
+    if mat is None or not check_vma_enabled():
+        return aval
+    varying, unreduced = frozenset(mat.varying), frozenset(mat.unreduced)
+    if drop_varying:
+        varying = frozenset(v for v in varying if v not in axes)
+    if add_varying:
+        varying |= frozenset(axes)
+    update = dict(varying=varying)
+    if add_reduced:
+        update["reduced"] = frozenset(mat.reduced) | frozenset(axes)
+    if drop_unreduced:
+        unreduced = frozenset(u for u in unreduced if u not in axes)
+        update.update(unreduced=unreduced,
+                      unreduced_kind=mat.unreduced_kind if unreduced else None)
+    return aval.update(manual_axis_type=mat.update(**update))
+
+
+def reduced_axes(aval) -> frozenset:
+    """The mesh axes over which a value is typed reduced (the cotangent type of unreduced)."""
+    mat = getattr(aval, "mat", None)
+    return frozenset(getattr(mat, "reduced", frozenset())) if mat is not None else frozenset()
+
+
 def preduced(x, axes: tuple):
     """lax's transpose of an unreduced psum: the cotangent marked reduced over `axes`."""
     from jax._src.lax import parallel as _parallel

@@ -29,6 +29,8 @@ from . import _compat, _native, _primitive, _runtime, _select
 from ._ops import ALGORITHM_CODES, SUPPORTED_DTYPE_NAMES, SUPPORTED_DTYPES, refuse_keys
 
 API_NAMES = ("psum_scatter", "all_gather")
+# lax.all_gather's `to`: the type of its result over the gathered axes under check_vma
+GATHER_TO = ("varying", "invarying", "reduced")
 psum_scatter_p = Primitive("jax_gin_psum_scatter")
 all_gather_p = Primitive("jax_gin_all_gather")
 _PRIMS = {"psum_scatter": psum_scatter_p, "all_gather": all_gather_p}
@@ -55,6 +57,10 @@ def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fals
     in leaf order, and each bucket is one call on the leaves' blocks laid side by side. A leaf
     larger than `bucket_bytes` is a bucket of its own. The result is the same, bit for bit,
     as leaf by leaf. lax's `axis_index_groups` is accepted as None only.
+
+    A value typed unreduced over the axes (JAX's pending partial sums, under check_vma) is
+    summed as lax sums it (its unreduced_psum_scatter): the result varies over the axes, and
+    its transpose is ``all_gather(..., to="reduced")``.
     """
     _primitive.check_no_groups(axis_index_groups, "psum_scatter")
     return _apply("psum_scatter", x, axis_name, scatter_dimension, tiled, algorithm,
@@ -62,7 +68,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fals
 
 
 def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, algorithm: str = "auto",
-               bucket_bytes: int | None = None, axis_index_groups=None):
+               bucket_bytes: int | None = None, axis_index_groups=None, to: str = "varying"):
     """Every device's `x`, over mesh axis `axis_name`, in axis-index order; a drop-in for
     ``jax.lax.all_gather`` inside ``shard_map``.
 
@@ -70,12 +76,21 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, algorithm: s
     along the existing dimension `axis`. `algorithm` is "auto", "one_shot" or "ring", as for
     psum_scatter. A pytree is gathered in buckets of at most `bucket_bytes` of output, as
     psum_scatter scatters one. lax's `axis_index_groups` is accepted as None only.
+
+    `to` types the result over the axes as lax's does under check_vma: "varying" (the
+    default; the transpose is a psum_scatter), "invarying" (every device holds the same
+    value, so it can leave shard_map with ``out_specs=P()``; the transpose takes this
+    device's slice of the cotangent, with no communication, as lax.all_gather_invariant's) or
+    "reduced" (the transpose is a psum_scatter of the unreduced cotangent; needs check_vma).
     """
+    if to not in GATHER_TO:
+        raise ValueError(f"jax_gin.all_gather: to must be one of {', '.join(map(repr, GATHER_TO))}"
+                         f", got {to!r}")
     _primitive.check_no_groups(axis_index_groups, "all_gather")
-    return _apply("all_gather", x, axis_name, axis, tiled, algorithm, bucket_bytes)
+    return _apply("all_gather", x, axis_name, axis, tiled, algorithm, bucket_bytes, to)
 
 
-def _apply(api, x, axis_name, dim, tiled, algorithm, bucket_bytes):
+def _apply(api, x, axis_name, dim, tiled, algorithm, bucket_bytes, to="varying"):
     algorithm = _select.validate(algorithm, api, _select.COLLECTIVE_ALGORITHMS)
     if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
         name = "scatter_dimension" if api == "psum_scatter" else "axis"
@@ -94,20 +109,22 @@ def _apply(api, x, axis_name, dim, tiled, algorithm, bucket_bytes):
             lambda leaf: _over_no_ranks(api, leaf, axes, int(dim), bool(tiled)), x)
     plan = _scatter_plan if api == "psum_scatter" else _gather_plan
     leaves, treedef = tree_util.tree_flatten(x)
+    modes = [_mode(api, leaf, axes, to) for leaf in leaves]
     # each leaf's operand: (N, mp) blocks to scatter, or an (mp,) block to gather
-    operands, finishes = zip(*[plan(leaf, axes, nranks, int(dim), bool(tiled))
-                               for leaf in leaves]) if leaves else ((), ())
-    # (dtype, weak type, the axes it varies over) -> indices of its leaves, in order. A weakly
-    # typed leaf (from a Python scalar) keeps its weak type only in a bucket of weak leaves:
-    # concatenated with a strong one it would come back strong, where lax's stays weak.
+    operands, finishes = zip(*[plan(leaf, axes, nranks, int(dim), bool(tiled), mode)
+                               for leaf, mode in zip(leaves, modes)]) if leaves else ((), ())
+    # (dtype, weak type, the axes it varies over, mode) -> indices of its leaves, in order. A
+    # weakly typed leaf (from a Python scalar) keeps its weak type only in a bucket of weak
+    # leaves: concatenated with a strong one it would come back strong, where lax's stays weak.
     groups: dict = {}
     vma = _compat.check_vma_enabled()
     for i, op in enumerate(operands):
         t = jax.typeof(op)
-        key = (np.dtype(op.dtype), t.weak_type, _compat.varying_axes(t) if vma else None)
+        key = (np.dtype(op.dtype), t.weak_type, _compat.varying_axes(t) if vma else None,
+               modes[i])
         groups.setdefault(key, []).append(i)
     out = [None] * len(leaves)
-    for (dtype, _, _), idx in groups.items():
+    for (dtype, _, _, mode), idx in groups.items():
         # a bucket's size is its larger side: N blocks of every leaf in it
         sizes = [nranks * operands[i].shape[-1] * dtype.itemsize for i in idx]
         for bucket in _primitive.buckets(sizes, bucket_bytes, max_operands=len(idx)):
@@ -118,17 +135,42 @@ def _apply(api, x, axis_name, dim, tiled, algorithm, bucket_bytes):
                 blocks = jnp.concatenate([operands[i] for i in members], axis=1) \
                     if len(members) > 1 else operands[members[0]]
                 y = psum_scatter_p.bind(blocks.reshape(-1), axes=axes, nranks=nranks,
-                                        algorithm=algorithm)
+                                        algorithm=algorithm, mode=mode)
                 parts = jnp.split(y, cuts) if cuts else [y]
             else:
                 flat = jnp.concatenate([operands[i] for i in members]) \
                     if len(members) > 1 else operands[members[0]]
-                y = all_gather_p.bind(flat, axes=axes, nranks=nranks, algorithm=algorithm)
+                y = all_gather_p.bind(flat, axes=axes, nranks=nranks, algorithm=algorithm,
+                                      mode=mode)
                 y = y.reshape(nranks, sum(widths))
                 parts = jnp.split(y, cuts, axis=1) if cuts else [y]
             for i, part in zip(members, parts):
                 out[i] = finishes[i](part)
     return tree_util.tree_unflatten(treedef, out)
+
+
+def _mode(api, leaf, axes, to) -> str:
+    """The flat primitive's `mode` for one leaf: all_gather's `to`; psum_scatter's
+    "unreduced" for a value typed unreduced over the axes, else "varying". A ValueError for
+    what lax refuses as well: gathering a pending sum, a value unreduced over some of the
+    axes only, and to="reduced" without check_vma (no types to mark)."""
+    unreduced = _compat.unreduced_axes(jax.typeof(_as_array(leaf, api))) & set(axes)
+    if api == "all_gather":
+        if unreduced:
+            raise ValueError(f"jax_gin.all_gather: the input is unreduced over "
+                             f"{sorted(unreduced)} (a pending sum); sum it first (jax_gin.psum "
+                             "or psum_scatter), as lax.all_gather requires")
+        if to == "reduced" and not _compat.check_vma_enabled():
+            raise ValueError("jax_gin.all_gather: to='reduced' types the result reduced over "
+                             "the axes, which needs shard_map's check_vma=True (as lax's does)")
+        return to
+    if not unreduced:
+        return "varying"
+    if unreduced != set(axes):
+        raise ValueError(f"jax_gin.psum_scatter: the input is unreduced over {sorted(unreduced)}"
+                         f" but not over {sorted(set(axes) - unreduced)}; as lax's, the axes "
+                         "must all be unreduced or none")
+    return "unreduced"
 
 
 def _canonical_dim(dim: int, ndim: int, api: str, name: str, shape, stacked: bool = False) -> int:
@@ -185,7 +227,7 @@ def _as_array(leaf, api):
         raise TypeError(f"jax_gin.{api}: {e}") from None
 
 
-def _prepare(leaf, axes, api):
+def _prepare(leaf, axes, api, mode):
     """The leaf (an array: _as_array) as an array of a supported dtype, or of a _PACKED one
     (packed into words by _gather_plan): (array, how to undo the dtype change)."""
     undo = None
@@ -204,7 +246,7 @@ def _prepare(leaf, axes, api):
     elif leaf.dtype == np.uint64 and api == "psum_scatter":  # as int64, the same bits
         leaf = jax.lax.bitcast_convert_type(leaf, moved)
         undo = lambda y: jax.lax.bitcast_convert_type(y, np.uint64)  # noqa: E731
-    if _compat.check_vma_enabled():
+    if _compat.check_vma_enabled() and mode != "unreduced":
         leaf = _primitive.vary_over(leaf, axes, api, reduces=api == "psum_scatter")
     return leaf, undo
 
@@ -269,13 +311,13 @@ def _pad_to(m: int, itemsize: int) -> int:
     return -(-m // al) * al
 
 
-def _scatter_plan(leaf, axes, nranks, dim, tiled):
+def _scatter_plan(leaf, axes, nranks, dim, tiled, mode):
     """A leaf to scatter as (N, mp) blocks (block q: the rows device q gets, padded to 16
     bytes), and the function that turns its block of the sum, (mp,), into the result."""
     # (a complex leaf's parts are a trailing axis: the leaf's own dimensions keep their index)
     leaf = _as_array(leaf, "psum_scatter")
     d = _canonical_dim(dim, np.ndim(leaf), "psum_scatter", "scatter_dimension", np.shape(leaf))
-    x, undo = _prepare(leaf, axes, "psum_scatter")
+    x, undo = _prepare(leaf, axes, "psum_scatter", mode)
     size = x.shape[d]
     _check_scatter_size(d, size, tiled, nranks, axes)
     moved = jnp.moveaxis(x, d, 0)  # (N * k, ...): block q is rows q*k .. q*k + k - 1
@@ -294,12 +336,12 @@ def _scatter_plan(leaf, axes, nranks, dim, tiled):
     return blocks, finish
 
 
-def _gather_plan(leaf, axes, nranks, dim, tiled):
+def _gather_plan(leaf, axes, nranks, dim, tiled, mode):
     """A leaf to gather as its (mp,) block (padded to 16 bytes), and the function that turns
     every device's block, (N, mp), into the result."""
     leaf = _as_array(leaf, "all_gather")
     d = _gather_dim(leaf, dim, tiled)
-    x, undo = _prepare(leaf, axes, "all_gather")
+    x, undo = _prepare(leaf, axes, "all_gather", mode)
     moved = jnp.moveaxis(x, d, 0) if tiled else x
     m = int(np.prod(moved.shape, dtype=np.int64))
     mp = _pad_to(m, x.dtype.itemsize)
@@ -328,41 +370,67 @@ def _axes_text(axes) -> str:
 
 
 # ---------------------------------------------------------------------------------------
-# Rules of the flat primitives (params: axes, nranks, algorithm)
+# Rules of the flat primitives (params: axes, nranks, algorithm, mode). `mode` is the typing
+# over the axes, as lax's collectives of each kind type it: "varying" in and out (both);
+# all_gather's "invarying" (out invariant) and "reduced" (out reduced); psum_scatter's
+# "unreduced" (in unreduced, out varying). It changes types and transposes, not the call.
+
+# each mode's transpose: the other primitive's mode (all_gather's "invarying" transposes to a
+# slice of the cotangent, _transpose)
+_TRANSPOSED_MODE = {"varying": "varying", "reduced": "unreduced", "unreduced": "reduced"}
 
 
-def _abstract_eval(api, x, *, axes, nranks, algorithm):
+def _abstract_eval(api, x, *, axes, nranks, algorithm, mode):
     del algorithm
     for a in axes:
         if not _compat.axis_exists(a):
             raise NameError(f"jax_gin.{api}: unknown axis name {a!r}")
-    if _compat.unreduced_axes(x) & set(axes):
-        raise NotImplementedError(f"jax_gin.{api} of an unreduced value is not supported; use "
-                                  f"jax.lax.{api}")
+    unreduced = _compat.unreduced_axes(x) & set(axes)
+    if mode == "unreduced":
+        assert unreduced == set(axes), (unreduced, axes)  # _mode, or all_gather's transpose
+    elif unreduced:
+        raise ValueError(f"jax_gin.{api}: the input is unreduced over {sorted(unreduced)} (a "
+                         "pending sum), which only psum_scatter takes")
     (n,) = x.shape
     if api == "psum_scatter":
         assert n % nranks == 0, (n, nranks)
         shape = (n // nranks,)
     else:
         shape = (n * nranks,)
-    if _compat.check_vma_enabled():
+    if _compat.check_vma_enabled() and mode != "unreduced":
         vma = _compat.varying_axes(x)
         need = set(axes) & _compat.manual_mesh_axes()
         if not need <= vma:
             raise ValueError(f"jax_gin.{api}: with check_vma=True the input must vary over "
                              f"{axes}; it varies over {sorted(vma)}")
-    return x.update(shape=shape), {_compat.NamedAxisEffect(a) for a in axes}
+    out = x.update(shape=shape)
+    if mode != "varying":
+        out = _compat.collective_type(out, axes, drop_varying=mode in ("invarying", "reduced"),
+                                      add_reduced=mode == "reduced",
+                                      add_varying=mode == "unreduced",
+                                      drop_unreduced=mode == "unreduced")
+    return out, {_compat.NamedAxisEffect(a) for a in axes}
 
 
-def _transpose(api, ct, x, *, axes, nranks, algorithm):
+def _transpose(api, ct, x, *, axes, nranks, algorithm, mode):
+    if mode == "invarying":
+        # every device holds the whole gathered value: the cotangent of this device's block is
+        # its block of the cotangent, with no communication (lax.all_gather_invariant's)
+        m = ct.shape[0] // nranks
+        start = jax.lax.axis_index(axes) * m
+        return [jax.lax.dynamic_slice_in_dim(ct, start.astype(np.int32), m)]
     # a reduce-scatter's transpose is the all-gather of its cotangent, and the other way round
     other = all_gather_p if api == "psum_scatter" else psum_scatter_p
-    return [other.bind(ct, axes=axes, nranks=nranks, algorithm=algorithm)]
+    return [other.bind(ct, axes=axes, nranks=nranks, algorithm=algorithm,
+                       mode=_TRANSPOSED_MODE[mode])]
 
 
-def _batch(api, axis_data, vals_in, dims_in, *, axes, nranks, algorithm):
+def _batch(api, axis_data, vals_in, dims_in, *, axes, nranks, algorithm, mode):
     (x,), (d,) = vals_in, dims_in
-    params = dict(axes=axes, nranks=nranks, algorithm=algorithm)
+    if mode in ("reduced", "unreduced"):
+        raise NotImplementedError(f"jax_gin.{api} of a value typed {mode} under vmap "
+                                  "(lax's does not batch either)")
+    params = dict(axes=axes, nranks=nranks, algorithm=algorithm, mode=mode)
     prim = _PRIMS[api]
     if axis_data.name not in axes:
         if d is None:
@@ -392,7 +460,8 @@ def _batch(api, axis_data, vals_in, dims_in, *, axes, nranks, algorithm):
     return jnp.moveaxis(x, d, 0).reshape(-1), None
 
 
-def _lowering(api, ctx, x, *, axes, nranks, algorithm, platform):
+def _lowering(api, ctx, x, *, axes, nranks, algorithm, mode, platform):
+    del mode  # types only
     (aval,) = ctx.avals_in
     mesh, partial = _primitive.lowering_mesh(ctx, api)
     itemsize = np.dtype(aval.dtype).itemsize

@@ -421,6 +421,52 @@ def test_grad_matches_lax(check_vma, tiled):
     jax.tree.map(lambda a, b: assert_bitwise(a + 0.0, b + 0.0), got, want)
 
 
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("tiled", [True, False])
+@pytest.mark.parametrize("to", ["varying", "invarying"])
+def test_all_gather_to(to, tiled, check_vma):
+    """all_gather's `to`, as lax's: "invarying" types the result invariant (so it can leave
+    shard_map with out_specs=P()) and transposes to this device's slice of the cotangent,
+    with no sum; the values, types and gradients are lax's."""
+    n = ndev()
+    x = exact_input((1, 6), n, "float32", 2)  # (1, 6) a device
+    w = exact_input((n, 6), 1, "float32", 3)  # a weight for each gathered element
+
+    def run(ag):
+        types = []  # (input, result) types, recorded as the body is traced
+
+        def gathered(v):
+            g = ag(v, "i", tiled=tiled, to=to)
+            return g if tiled else g.reshape(n, 6)
+
+        def body(v, wv):
+            g = gathered(v)
+            types.append((jax.typeof(v), jax.typeof(g)))
+            grad = jax.grad(lambda a: jnp.sum(gathered(a) * wv))(v)
+            return (g if to == "invarying" else g[None]), grad
+
+        out = P() if to == "invarying" else P("i")
+        f = jax.shard_map(body, mesh=mesh_1d(), in_specs=(P("i"), P()), out_specs=(out, P("i")),
+                          check_vma=check_vma)
+        return jax.jit(f)(x, w), types
+
+    (got, got_types), (want, want_types) = run(jax_gin.all_gather), run(lax.all_gather)
+    assert got_types == want_types
+    jax.tree.map(assert_bitwise, got, want)
+
+
+def test_all_gather_to_refusals():
+    """A `to` that lax does not know, and to="reduced" without check_vma (no type to mark,
+    which lax refuses too), are named at trace time."""
+    def run(to, check_vma=True):
+        smap(lambda v: jax_gin.all_gather(v, "i", tiled=True, to=to), mesh_1d(), P("i"),
+             check_vma)(jnp.ones((ndev() * 2,)))
+    with pytest.raises(ValueError, match="to must be one of 'varying', 'invarying', 'reduced'"):
+        run("invariant")
+    with pytest.raises(ValueError, match="to='reduced' .* needs shard_map's check_vma=True"):
+        run("reduced", check_vma=False)
+
+
 def test_vmap_inside_shard_map():
     n = ndev()
     x = exact_input((5, 3, 2 * n), n, "float32", 9).reshape(n, 5, 3, 2 * n)
