@@ -111,6 +111,7 @@ def _overlapped(reduced, fn, args, params, modes, sizes, invariant):
             bufs += b
             k += n
         toks, args = lax.optimization_barrier((toks, args))
+        _refuse_calls_in(f, args)
         ys = f(*args)
         y_leaves, y_tree = tree_util.tree_flatten(ys)
         res = dones_p.bind(*toks, *bufs, *y_leaves, sizes=sizes, **params)
@@ -166,6 +167,35 @@ def _overlapped(reduced, fn, args, params, modes, sizes, invariant):
 
     overlapped.defvjp(fwd, bwd)
     return overlapped(reduced, args)
+
+
+def _refuse_calls_in(f, args):
+    """A ValueError if f(*args) calls one of jax_gin's collectives: on a GPU it would run on
+    XLA's stream while the starts' kernels run on the side stream, and two calls of one
+    communicator must never run at once. Checked on f's jaxpr, nested calls included: a jitted
+    function that the program lowered before is not lowered again inside fn, so the lowering
+    check (_primitive.check_no_open_start) does not see its calls."""
+    from . import _scatter_gather
+    names = {p.name for p in (_primitive.allreduce_p, start_p, dones_p,
+                              _scatter_gather.psum_scatter_p, _scatter_gather.all_gather_p)}
+    found = _calls_in(jax.make_jaxpr(f)(*args).jaxpr, names)
+    if found:
+        raise ValueError(
+            f"jax_gin.{API}: the function it runs beside the all-reduce calls a jax_gin "
+            f"collective (primitive {found[0]}), which would run while the all-reduce is in "
+            "flight; call it before or after psum_overlapping, or use jax.lax's collectives there")
+
+
+def _calls_in(jaxpr, names) -> list:
+    """The primitives named in `names` that `jaxpr` binds, in its sub-jaxprs too."""
+    found = [e.primitive.name for e in jaxpr.eqns if e.primitive.name in names]
+    for e in jaxpr.eqns:
+        for v in e.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr, or a Jaxpr
+                if hasattr(inner, "eqns"):
+                    found += _calls_in(inner, names)
+    return found
 
 
 # ---------------------------------------------------------------------------------------

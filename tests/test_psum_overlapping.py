@@ -294,6 +294,16 @@ def test_errors():
         call(lambda g, m, w: jax_gin.psum_overlapping(
             g, "i", lambda m, w: jax_gin.psum_overlapping(m, "i", chain, m, w, algorithm=algo)[1],
             m, w, algorithm=algo))
+    # A jitted function that the program called before is not lowered again inside fn: its
+    # call is found in fn's jaxpr.
+    layer = jax.jit(lambda m, w: jax_gin.psum(chain(m, w), "i", algorithm=algo))
+
+    def layer_before_and_inside(g, m, w):
+        before = layer(m, w)
+        s, y = jax_gin.psum_overlapping(g, "i", layer, m, w, algorithm=algo)
+        return s, y + before
+    with pytest.raises(ValueError, match="calls a jax_gin collective .* in flight"):
+        call(layer_before_and_inside)
     with pytest.raises(TypeError, match="callable"):
         call(lambda g, m, w: jax_gin.psum_overlapping(g, "i", 3, m, w))
     with pytest.raises(ValueError, match="lanes"):
