@@ -22,6 +22,7 @@ import os
 import socket
 import sys
 import tempfile
+import threading
 import time
 import warnings
 
@@ -201,10 +202,14 @@ def _block_warnings(path, events: list, lost: dict, reset: bool) -> list:
         else:
             counts = ", ".join(f"{n} of {_devices(d)}" for n, d in by_count.items())
             what = f"the first calls that {devices} ran in the block are not in {path} ({counts})"
+        # what the wrapped rings held: the ring size of the communicators in use
+        held = sorted({e["args"]["kept"] for e in events if e.get("cat") == "jax_gin.lost"})
+        held = f" ({', '.join(map(str, held))} in these programs' communicators)" if held else ""
         out.append(f"jax_gin.trace: {what}: the recorder keeps the last "
-                   f"JAX_GIN_RECORD_ENTRIES calls of each rank (now "
-                   f"{_runtime.settings.record_entries}); raise it (a power of two, at most "
-                   f"{_runtime.REC_MAX_ENTRIES}) for programs lowered after the change")
+                   f"JAX_GIN_RECORD_ENTRIES calls of each rank{held}; raise it (a power of "
+                   f"two, at most {_runtime.REC_MAX_ENTRIES}) before the programs are first "
+                   f"lowered, or call jax_gin.runtime.reset() after raising it, so that they "
+                   f"are lowered again (a program lowered before keeps its communicators)")
     running = sum(1 for e in events if e.get("cat") == "jax_gin" and
                   e["args"]["status"] == "running")
     if running:
@@ -218,10 +223,35 @@ def _block_warnings(path, events: list, lost: dict, reset: bool) -> list:
     return out
 
 
+# Open trace blocks: the recorder is on while any is open (blocks may overlap without
+# nesting, as in two threads); the last to close puts back the setting the first found.
+_blocks_lock = threading.Lock()
+_blocks = {"open": 0, "record": False}
+
+
+def _open_block() -> None:
+    from . import _runtime
+    with _blocks_lock:
+        if _blocks["open"] == 0:
+            _blocks["record"] = _runtime.settings.record
+            _runtime.settings.record = True
+        _blocks["open"] += 1
+
+
+def _close_block() -> None:
+    from . import _runtime
+    with _blocks_lock:
+        _blocks["open"] -= 1
+        if _blocks["open"] == 0:
+            _runtime.settings.record = _blocks["record"]
+
+
 @contextlib.contextmanager
 def trace(path):
     """Write every jax_gin call that this process's devices run inside the block to `path`
-    as a Chrome/Perfetto trace (see the module docstring). The recorder is on for the block.
+    as a Chrome/Perfetto trace (see the module docstring). The recorder is on while any
+    block is open (blocks may nest, or overlap in threads); when the last one ends, the
+    setting (jax_gin.runtime.settings.record) goes back to what the first one found.
     A block that ends without raising first waits for the computations behind this process's
     live arrays (jax.live_arrays()), so calls still queued at its end are in the file too;
     those whose results were dropped unread are not waited for. The recorder keeps
@@ -233,8 +263,7 @@ def trace(path):
     raised, the block's exception propagates and the failure is a warning."""
     from . import _runtime
     _check_writable(path, "jax_gin.trace")
-    before = _runtime.settings.record
-    _runtime.settings.record = True  # first: every call numbered after the marks is recorded
+    _open_block()  # first: every call numbered after the marks is recorded
     since = marks()
     resets = _runtime.resets
     body_raised = False
@@ -248,7 +277,7 @@ def trace(path):
             # calls still queued (JAX dispatches asynchronously) are not yet in the recorder
             _runtime.wait_for_live_arrays()
         t1 = time.monotonic_ns()
-        _runtime.settings.record = before
+        _close_block()
         try:
             events, lost = collect(since, t1)
             gpu = bool(_runtime.gpu_comm_devices)

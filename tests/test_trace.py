@@ -129,6 +129,34 @@ def test_trace_has_psum_add_rmsnorm(monkeypatch, tmp_path, algo):
 
 
 @pytest.mark.parametrize("on_before", [False, True], ids=["recorder_off", "recorder_on"])
+def test_trace_blocks_that_overlap(tmp_path, monkeypatch, on_before):
+    """Blocks whose lifetimes overlap without nesting (two threads, or blocks closed out of
+    order): each holds every call made while it was open, and the recorder setting goes back
+    to what it was once the last one closes."""
+    needs_devices(2)  # over one device a psum launches nothing
+    _own_communicators(monkeypatch)
+    monkeypatch.setattr(_runtime.settings, "record", on_before)
+    f = _psum("one_shot")
+    x = exact_input((8,), ndev(), "float32")
+    jax.block_until_ready(f(x))
+    a, b = jax_gin.trace(tmp_path / "a.json"), jax_gin.trace(tmp_path / "b.json")
+    a.__enter__()
+    jax.block_until_ready(f(x))
+    b.__enter__()
+    jax.block_until_ready(f(x))
+    a.__exit__(None, None, None)
+    assert _runtime.settings.record  # b is still open
+    for _ in range(2):
+        jax.block_until_ready(f(x))
+    b.__exit__(None, None, None)
+    assert _runtime.settings.record == on_before
+    for name, calls in (("a.json", 2), ("b.json", 3)):
+        events = json.loads((tmp_path / name).read_text())["traceEvents"]
+        spans = [e for e in events if e.get("cat") == "jax_gin"]
+        assert len(spans) == calls * ndev(), (name, len(spans))
+
+
+@pytest.mark.parametrize("on_before", [False, True], ids=["recorder_off", "recorder_on"])
 def test_trace_counts_the_calls_not_kept(tmp_path, monkeypatch, on_before):
     """A block of more calls than the ring holds keeps the last ones, marks the others on each
     track and warns with their count, whether or not the recorder was on before the block."""
@@ -145,7 +173,8 @@ def test_trace_counts_the_calls_not_kept(tmp_path, monkeypatch, on_before):
     with pytest.warns(RuntimeWarning, match=rf"jax_gin.trace: the first 3 calls that each of "
                       rf"devices 0-{ndev() - 1} ran in the block are not in .*t.json: the "
                       rf"recorder keeps the last JAX_GIN_RECORD_ENTRIES calls of each rank "
-                      rf"\(now 4\)"):
+                      rf"\(4 in these programs' communicators\); raise it .* before the "
+                      rf"programs are first lowered, or call jax_gin.runtime.reset\(\)"):
         with jax_gin.trace(path):
             for _ in range(7):
                 jax.block_until_ready(f(x))
