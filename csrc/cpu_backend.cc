@@ -920,6 +920,11 @@ std::string take_turn(Comm& comm, Group& g, int group, int rank, Turn& turn, uin
   return fail(what.str(), advice.str());
 }
 
+// Drops a message's closing full stop (and spaces), where a sentence goes on after it.
+void strip_final_stop(std::string& text) {
+  while (!text.empty() && (text.back() == '.' || text.back() == ' ')) text.pop_back();
+}
+
 // One rank's call: the checks, the busy flag and the flight recorder around `body(tp, round)`,
 // which runs the schedule over a HostTransport whose slots are `slot_bytes` apart and returns
 // false on failure. `op` is the call's op (CallOp), `bytes` its message size for the recorder.
@@ -938,17 +943,26 @@ std::string run_call(Comm& comm, int group, int rank, Turn* turn, DType dtype, i
   if (ws.header().broken.load()) {
     std::lock_guard<std::mutex> lock(g.error_mu);
     std::string earlier = g.first_error;
+    const char* where = "an earlier failure";
     if (earlier.empty()) {
       // The failure was in another process: the header holds what failed first, once whole
-      // (as in HostTransport::record).
+      // (as in HostTransport::record). This process may have been the one behind: that
+      // process's own error has the diagnosis.
       const WorkspaceHeader& h = ws.header();
       const int32_t first = h.first_failed.load(std::memory_order_acquire);
+      where = "a failure in another process";
       earlier = "a rank of group " + std::to_string(group) + " failed in another process";
-      if (first > 0) earlier = "rank " + std::to_string(first - 1) + " of group " +
-                               std::to_string(group) + " failed first: it " + h.first_failure;
+      if (first > 0) {
+        std::string failure(h.first_failure);
+        strip_final_stop(failure);
+        earlier = "rank " + std::to_string(first - 1) + " of group " + std::to_string(group) +
+                  " failed first: it " + failure +
+                  " (that process's error names the rank that was behind)";
+      }
     }
-    return "jax_gin: this communicator stopped after an earlier failure and cannot be reused: " +
-           earlier +
+    strip_final_stop(earlier);  // the sentence goes on
+    return std::string("jax_gin: this communicator stopped after ") + where +
+           " and cannot be reused: " + earlier +
            ". To recover, fix the cause, call jax_gin.runtime.reset() in every process and call "
            "the jitted functions again (reset() clears JAX's compiled programs, so they are "
            "lowered again, with a new communicator)";

@@ -79,9 +79,17 @@ def explain(x, axis_name=None, *, nranks: int | None = None, platform: str | Non
     try:
         calls = _calls(x, collective, nranks, bucket_bytes)
     except TypeError as err:  # the collective's own refusal (a dtype it does not take)
-        raise TypeError(f"jax_gin.explain: {err}") from None
+        text = str(err)
+        raise TypeError(text if text.startswith("jax_gin.explain") else
+                        f"jax_gin.explain: {text}") from None
     lines = []
     for dtype, leaves, nbytes in calls:
+        if nbytes == 0:
+            line = (f"no call: 0 bytes per device, which need no communication (platform "
+                    f"{platform}, {nranks} ranks)")
+            lines.append(line if len(calls) == 1 else
+                         f"call {len(lines) + 1}, {dtype}, leaves {_ranges(leaves)}: {line}")
+            continue
         if collective in _scatter_gather.API_NAMES:
             algo, why = _select.choose_collective(platform, nbytes, nranks, device_kind,
                                                   api=collective)

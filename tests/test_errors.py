@@ -406,8 +406,19 @@ def test_explain_bad_values():
         jax_gin.explain(jax.ShapeDtypeStruct((8,), jnp.complex64), nranks=8, collective="pmax")
     with pytest.raises(TypeError, match=r"jax_gin.psum_scatter: unsupported dtype bool"):
         jax_gin.explain(jax.ShapeDtypeStruct((8,), jnp.bool_), nranks=8, collective="psum_scatter")
+    with pytest.raises(TypeError, match=r"^jax_gin.explain: 'abc' is not an array, a "
+                                        r"ShapeDtypeStruct or a scalar"):
+        jax_gin.explain("abc", nranks=8)  # named once
     with pytest.raises(TypeError, match=r"is not an array, a ShapeDtypeStruct or a scalar"):
         jax_gin.explain(object(), nranks=8)
+
+
+@pytest.mark.parametrize("collective", ["psum", "pmax", "psum_scatter", "all_gather"])
+def test_explain_of_no_elements(collective):
+    """An empty buffer launches nothing (the lowering makes no call), which explain says."""
+    x = jax.ShapeDtypeStruct((0, 4), jnp.float32)
+    assert jax_gin.explain(x, nranks=8, platform="cpu", collective=collective).startswith(
+        "no call: 0 bytes per device")
     with pytest.raises(ValueError, match=r"the value has no leaves"):
         jax_gin.explain({}, nranks=8)
     with pytest.raises(ValueError, match=r"bucket_bytes must be a positive integer"):

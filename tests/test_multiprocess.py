@@ -205,7 +205,11 @@ def test_failed_then_gone(when):
     assert re.search(first, r0["error"]), r0
     assert "is gone" not in r0["error"], r0
     if when == "before_call":
-        assert "cannot be reused" in r0["error"], r0
+        # its first failure: stopped by another process's, which is named so (not "earlier")
+        assert ("this communicator stopped after a failure in another process and cannot be "
+                "reused") in r0["error"], r0
+        assert "(that process's error names the rank that was behind). To recover" in \
+            r0["error"], r0
 
 
 def _make_shm(name: str) -> None:

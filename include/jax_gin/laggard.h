@@ -118,6 +118,7 @@ inline std::string last_calls_text(const std::vector<Seen>& s, int group) {
 }
 
 // "diagnosis: rank 3 never entered call #1842 (psum, one_shot); ranks 0-2 wait for it at step 0.
+// ("; ranks 4-5 never entered it either" at the end where more ranks never entered it.)
 // last calls of group 0: ..." for the ranks' states `s`, as rank `self` of `group` reports it.
 // `late_peer` >= 0: the signal that `self` waited for, from that rank, was there when `self`
 // read its flag again after reading the states. It arrived late, not never: the ranks were
@@ -216,6 +217,11 @@ inline std::string laggard_text(const std::vector<Seen>& s, int group, int self,
       via.push_back(p);
       q = p;
     }
+    // the others that never entered it (as when a whole process is behind)
+    std::vector<int> absent;
+    for (int r = 0; r < n; ++r)
+      if (r != behind && s[size_t(r)].seq < k) absent.push_back(r);
+    if (!absent.empty()) os << "; " << ranks_word(absent) << " never entered it either";
   } else {
     // Every rank entered call k. A rank waited for that has finished the call (it returned,
     // or is in a later call) did not deliver its signals; else follow the waits from this rank
