@@ -170,7 +170,8 @@ def _check_writable(path, who: str) -> None:
         with tempfile.TemporaryFile(dir=d):
             pass
     except OSError as err:
-        raise PermissionError(f"{who}: cannot write {path}: {err.strerror or err}") from None
+        raise PermissionError(f"{who}: cannot write {path}: no file can be created in {d} "
+                              f"({err.strerror or err})") from None
 
 
 def _calls(n: int, what: str = "") -> str:
@@ -246,8 +247,32 @@ def _close_block() -> None:
             _runtime.settings.record = _blocks["record"]
 
 
+class trace:
+    """Write every jax_gin call that this process's devices run inside the block to `path`
+    as a Chrome/Perfetto trace: ``with jax_gin.trace("t.json"): ...`` (_block says more).
+    One object opens one block at a time, and may open another after it ends (the file is
+    written anew)."""
+
+    def __init__(self, path):
+        self._path = path
+        self._block = None
+
+    def __enter__(self):
+        if self._block is not None:
+            raise RuntimeError("jax_gin.trace: this trace's block is already open; use another "
+                               "jax_gin.trace(path) for a block inside it")
+        block = _block(self._path)
+        out = block.__enter__()
+        self._block = block
+        return out
+
+    def __exit__(self, *exc):
+        block, self._block = self._block, None
+        return block.__exit__(*exc)
+
+
 @contextlib.contextmanager
-def trace(path):
+def _block(path):
     """Write every jax_gin call that this process's devices run inside the block to `path`
     as a Chrome/Perfetto trace (see the module docstring). The recorder is on while any
     block is open (blocks may nest, or overlap in threads); when the last one ends, the
@@ -283,13 +308,13 @@ def trace(path):
             gpu = bool(_runtime.gpu_comm_devices)
             write(path, events, **({"clock": GPU_CLOCK} if gpu else {}))
             for message in _block_warnings(path, events, lost, _runtime.resets != resets):
-                warnings.warn(message, RuntimeWarning, stacklevel=3)
+                warnings.warn(message, RuntimeWarning, stacklevel=4)
         except Exception as err:
             if not body_raised:
                 raise
             # the block's own exception is the one to see; this one must not replace it
             warnings.warn(f"jax_gin.trace: {os.fspath(path)} not written: "
-                          f"{type(err).__name__}: {err}", RuntimeWarning, stacklevel=3)
+                          f"{type(err).__name__}: {err}", RuntimeWarning, stacklevel=4)
 
 
 class MergeError(ValueError):
@@ -344,6 +369,10 @@ def _read(p) -> dict:
         raise MergeError(f"{p}: not a trace (traceEvents is not a list of events)")
     if any(not isinstance(e.get("ts", 0), (int, float)) for e in ev):
         raise MergeError(f"{p}: not a trace (an event's ts is not a number)")
+    # a pid is an integer (Chrome's trace format), which merge renumbers
+    if any(isinstance(e.get("pid", 0), bool) or not isinstance(e.get("pid", 0), int)
+           for e in ev):
+        raise MergeError(f"{p}: not a trace (an event's pid is not an integer)")
     return doc
 
 

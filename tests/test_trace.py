@@ -128,6 +128,35 @@ def test_trace_has_psum_add_rmsnorm(monkeypatch, tmp_path, algo):
         assert s["args"]["bytes"] == 4 * 8 * 64 and s["args"]["dtype"] == "float32"
 
 
+def test_trace_object_opens_a_block_at_a_time(tmp_path):
+    """A trace object opens one block at a time: used again after its block ends, it writes
+    the file anew; entered again while open, it says so."""
+    needs_devices(2)  # over one device a psum launches nothing
+    f = _psum("one_shot")
+    x = exact_input((8,), ndev(), "float32")
+    path = tmp_path / "t.json"
+    record = _runtime.settings.record
+    tr = jax_gin.trace(path)
+    for calls in (1, 2):
+        with tr:
+            for _ in range(calls):
+                jax.block_until_ready(f(x))
+        events = json.loads(path.read_text())["traceEvents"]
+        assert len([e for e in events if e.get("cat") == "jax_gin"]) == calls * ndev()
+    with tr:
+        with pytest.raises(RuntimeError, match="this trace's block is already open"):
+            with tr:
+                pass
+    assert _runtime.settings.record == record
+
+
+def test_trace_path_where_no_file_can_be_created():
+    with pytest.raises(PermissionError, match=r"cannot write /proc/x.json: no file can be "
+                                              r"created in /proc"):
+        with jax_gin.trace("/proc/x.json"):
+            pass
+
+
 @pytest.mark.parametrize("on_before", [False, True], ids=["recorder_off", "recorder_on"])
 def test_trace_blocks_that_overlap(tmp_path, monkeypatch, on_before):
     """Blocks whose lifetimes overlap without nesting (two threads, or blocks closed out of
@@ -365,6 +394,8 @@ def test_merge_refusals(tmp_path, capsys):
     (tmp_path / "copy.json").write_text((tmp_path / "a.json").read_text())
     (tmp_path / "bad.json").write_text("{bad")
     (tmp_path / "oops.json").write_text('{"traceEvents": "oops"}')
+    (tmp_path / "pid.json").write_text('{"traceEvents": [{"name": "a", "ph": "X", "ts": 1, '
+                                       '"pid": [0]}]}')
     (tmp_path / "old.json").write_text(json.dumps({"traceEvents": [], "metadata": {
         "jax_gin": {"clock": ["('CLOCK_MONOTONIC', 'h')"], "origin_us": 0, "merged": []}}}))
     out = tmp_path / "out.json"
@@ -373,6 +404,8 @@ def test_merge_refusals(tmp_path, capsys):
              ((tmp_path / "missing.json", a), "missing.json: no such file"),
              ((tmp_path / "bad.json",), "bad.json: not JSON"),
              ((tmp_path / "oops.json",), "oops.json: not a trace"),
+             ((tmp_path / "pid.json",), "pid.json: not a trace (an event's pid is not an "
+                                        "integer)"),
              ((tmp_path / "old.json",), "old.json: merged by an older jax_gin")]
     for files, msg in cases:
         rc, got = _merge(capsys, *files, "-o", out)
