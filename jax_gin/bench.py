@@ -247,6 +247,8 @@ def parse_args(argv) -> argparse.Namespace:
         parser.error("-f/--stepfactor must be at least 2")
     if args.iters < 1 or args.warmup < 0:
         parser.error("-n/--iters must be >= 1 and -w/--warmup >= 0")
+    if args.devices is not None and args.devices < 1:
+        parser.error(f"--devices {args.devices}: must be at least 1")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path is not None:
             try:  # before the run that would fill it

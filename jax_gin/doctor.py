@@ -351,9 +351,10 @@ def _collectives_test(r: Report, rows: list, mesh, count: int, shown: str, runs:
 
 def _sizes(text: str) -> list:
     sizes = [parse_size(s) for s in text.split(",") if s.strip()]
-    if not sizes or min(sizes) < 4:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of sizes of at least "
-                                         "4 bytes (one float32) per device, e.g. 1K,1M")
+    if not sizes or min(sizes) < 4 or any(s % 4 for s in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of sizes per device, "
+                                         "each a multiple of 4 bytes (whole float32 elements), "
+                                         "e.g. 1K,1M")
     return sizes
 
 

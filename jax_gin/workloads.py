@@ -98,7 +98,7 @@ class Config:
     ffn: int        # MLP hidden size
     seq: int        # sequence length; tp-decode: length of the cached context
     batch: int      # sequences; dp-train: per device; tp-decode: tokens decoded, one per sequence
-    vocab: int = 0  # dp-train only
+    vocab: int = 0  # dp-train and fsdp only
     rows: int = 0   # overlap only: rows of the matmuls' input per device
     mib: float = 0  # overlap only: MiB all-reduced per device
     dtype: str = "bfloat16"
@@ -1007,6 +1007,19 @@ def build_parser(prog: str = "python -m jax_gin.workloads") -> argparse.Argument
     return p
 
 
+# The size options of the command line, each a Config field of the same name.
+SIZE_OPTIONS = ("layers", "d_model", "heads", "ffn", "seq", "batch", "vocab", "rows", "mib",
+                "dtype")
+
+
+def reads(workload: str) -> tuple:
+    """The SIZE_OPTIONS that `workload`'s step reads (check_config checks them)."""
+    if workload == "overlap":  # a chain of `layers` d_model-wide matmuls beside an all-reduce
+        return ("layers", "d_model", "rows", "mib", "dtype")
+    model = ("layers", "d_model", "heads", "ffn", "seq", "batch")
+    return model + (("vocab",) if workload in ("dp-train", "fsdp") else ()) + ("dtype",)
+
+
 def main(argv=None, prog: str = "python -m jax_gin.workloads") -> int:
     """Run one workload; returns 0 (the results are reported, not judged). `prog`: the
     command that runs it (python -m jax_gin.bench --workload passes its own)."""
@@ -1015,6 +1028,13 @@ def main(argv=None, prog: str = "python -m jax_gin.workloads") -> int:
     args = parser.parse_args(argv)
     if (args.rounds is not None and args.rounds < 1) or args.warmup < 0:
         parser.error("--rounds must be at least 1 and --warmup at least 0")
+    if args.devices is not None and args.devices < 1:
+        parser.error(f"--devices {args.devices}: must be at least 1")
+    ignored = [f"--{name.replace('_', '-')}" for name in SIZE_OPTIONS
+               if getattr(args, name) is not None and name not in reads(args.workload)]
+    if ignored:
+        parser.error(f"{', '.join(ignored)}: not read by --workload {args.workload}, which "
+                     f"reads {', '.join('--' + n.replace('_', '-') for n in reads(args.workload))}")
     if args.json is not None:
         try:  # before the run that would fill it
             _check_writable(args.json, "--json")
@@ -1028,9 +1048,7 @@ def main(argv=None, prog: str = "python -m jax_gin.workloads") -> int:
                              "are available")
         devices = devices[:args.devices]
     platform = "cpu" if devices[0].platform == "cpu" else "gpu"
-    given = {"layers": args.layers, "d_model": args.d_model, "heads": args.heads, "ffn": args.ffn,
-             "seq": args.seq, "batch": args.batch, "vocab": args.vocab, "rows": args.rows,
-             "mib": args.mib, "dtype": args.dtype}
+    given = {name: getattr(args, name) for name in SIZE_OPTIONS}
     changed = [f"{k}={v}" for k, v in given.items() if v is not None]
     sizes = ("GPU defaults" if platform == "gpu" else "CPU defaults (tiny)") + \
         (f", changed: {' '.join(changed)}" if changed else "") + \

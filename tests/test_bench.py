@@ -470,3 +470,11 @@ def test_footer_flags_rows_whose_time_is_not_positive():
         flagged = [line for line in footer_lines([rec(t) for t in times], check=False)
                    if line.startswith("# Time <= 0")]
         assert (flagged[0].startswith(want) if want else flagged == []), flagged
+
+
+@pytest.mark.parametrize("count", ["0", "-2"])
+def test_devices_below_one_is_a_usage_error(count, capsys):
+    with pytest.raises(SystemExit) as info:
+        bench.main(["--devices", count])
+    assert info.value.code == 2
+    assert f"error: --devices {count}: must be at least 1" in capsys.readouterr().err

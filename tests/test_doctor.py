@@ -250,3 +250,13 @@ def test_json_path_checked_first(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "nodir" in captured.err and "does not exist" in captured.err
     assert "self-test" not in captured.out  # refused before the run
+
+
+@pytest.mark.parametrize("sizes", ["6,10", "2", "1K,3"])
+def test_sizes_of_whole_float32_elements(sizes, capsys):
+    """The self-test moves float32: a size that is not a multiple of 4 bytes is refused, not
+    rounded down in silence."""
+    with pytest.raises(SystemExit) as info:
+        doctor.main(["--quick", "--sizes", sizes])
+    assert info.value.code == 2
+    assert "each a multiple of 4 bytes (whole float32 elements)" in capsys.readouterr().err

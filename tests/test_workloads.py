@@ -98,10 +98,22 @@ def test_errors(capsys):
             workloads.check_config("tp-decode", tiny("tp-decode", **{name: 0}), 2)
     with pytest.raises(SystemExit, match="dp-train needs sizes of at least 1: got batch 0"):
         bench.main(["--workload", "dp-train", "--batch", "0"])
-    with pytest.raises(SystemExit) as info:  # a usage error (status 2), its text on stderr
-        bench.main(["--workload", "dp-train", "--rounds", "0"])
-    assert info.value.code == 2
-    assert "--rounds must be at least 1" in capsys.readouterr().err
+    # usage errors (status 2), their text on stderr
+    for argv, text in ((["--workload", "dp-train", "--rounds", "0"], "--rounds must be at least 1"),
+                       (["--workload", "dp-train", "--devices", "0"],
+                        "--devices 0: must be at least 1"),
+                       # an option that the step does not read is refused, not ignored
+                       (["--workload", "dp-train", "--rows", "5"],
+                        "--rows: not read by --workload dp-train, which reads --layers, "),
+                       (["--workload", "tp-decode", "--vocab", "9", "--mib", "1"],
+                        "--vocab, --mib: not read by --workload tp-decode"),
+                       (["--workload", "overlap", "--heads", "4"],
+                        "--heads: not read by --workload overlap, which reads --layers, "
+                        "--d-model, --rows, --mib, --dtype")):
+        with pytest.raises(SystemExit) as info:
+            bench.main(argv)
+        assert info.value.code == 2
+        assert text in capsys.readouterr().err, argv
 
 
 @pytest.mark.parametrize("workload", [n for n in NAMES if workloads.WORKLOADS[n].attention])
