@@ -73,6 +73,9 @@ class Report:
     def __init__(self):
         self.facts: dict = {}
         self.problems: list = []  # {"problem", "fix"}
+        # a self-test error's text -> its entry in problems, that entry's first problem text,
+        # and how many more calls raised it
+        self.errors: dict = {}
 
     def section(self, name: str, title: str | None = None) -> dict:
         print(("\n" if self.facts else "") + (title or name), flush=True)
@@ -238,6 +241,9 @@ TIMEOUT_FIX = ("read the error: a timed-out wait names the op, rank, peer and st
 def _fix(e: Exception) -> str:
     """The fix line for a self-test call that raised `e`: what its kind of error calls for."""
     text = str(e)
+    if "Set them alike in every process" in text:  # _distributed.check_same_settings
+        names = sorted(set(re.findall(r"\b(JAX_GIN_[A-Z_]+)=", text)))
+        return f"set {', '.join(names) or 'the settings it names'} alike in every process"
     if "cannot be reused" in text:  # the communicator stopped at an earlier row's failure
         return "fix the first failure above: a failed call stops the mesh's communicator"
     if "timed out" in text:
@@ -279,7 +285,16 @@ def _case(r: Report, row: dict, label: str, shown: str, fn, x, runs: int, want, 
     except Exception as e:
         row["ok"], row["error"] = False, _error(e)
         r.line(f"{label:<24} {shown:>5}  ERROR  {row['error']}")
-        r.fail(f"{what} at {shown} per device raised an error (self-test above)", _fix(e))
+        problem = f"{what} at {shown} per device raised an error (self-test above)"
+        same = r.errors.get(row["error"])
+        if same is None:
+            r.fail(problem, _fix(e))
+            r.errors[row["error"]] = {"entry": r.problems[-1], "problem": problem, "more": 0}
+        else:  # one problem for the calls that raised the same error
+            same["more"] += 1
+            k = same["more"]
+            same["entry"]["problem"] = (f"{same['problem']}, and so did {k} more self-test "
+                                        f"call{'s' if k > 1 else ''} with the same error")
         return
     row["ok"] = bool(np.array_equal(got.view(np.uint32), want.view(np.uint32)))
     r.line(f"{label:<24} {shown:>5}  {'ok' if row['ok'] else 'WRONG':<6} "

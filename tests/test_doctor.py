@@ -233,6 +233,11 @@ def test_fix_fits_the_error(monkeypatch, capsys):
     assert rc == 1
     assert "fix: as the error says: raise JAX_GIN_WORKSPACE_BYTES or jax_gin.runtime.settings" \
         in verdict
+    # the psum rows raised the same error: one problem that counts them
+    n = len(jax_gin.ALGORITHMS) + 2  # each algorithm, auto, and auto with overlap=True
+    assert verdict.count("FAIL: psum") == 1 and verdict.count("fix: as the error says") == 1
+    assert (f"FAIL: psum with algorithm ring at 4K per device raised an error (self-test above), "
+            f"and so did {n - 1} more self-test calls with the same error") in verdict
     assert "timed-out" not in verdict
     assert doctor._fix(RuntimeError("jax_gin psum (ring) on CPU: rank 1 timed out after 1 s "
                                     "waiting for peer 0")) == doctor.TIMEOUT_FIX
@@ -241,6 +246,12 @@ def test_fix_fits_the_error(monkeypatch, capsys):
         "... timed out ..."))
     assert "setting or argument" in doctor._fix(ValueError("jax_gin.psum: bad axis"))
     assert "report it" in doctor._fix(TypeError("something else"))
+    assert doctor._fix(ValueError(  # _distributed.check_same_settings's
+        "jax_gin: the CPU communicator ...: the processes of a group must use the same "
+        "settings, and JAX_GIN_WORKSPACE_BYTES=1048576 here but 8388608 in process 0; "
+        "JAX_GIN_RECORD_ENTRIES=64 here but 128 in process 0. Set them alike in every process "
+        "(they decide ...).")) == ("set JAX_GIN_RECORD_ENTRIES, JAX_GIN_WORKSPACE_BYTES alike "
+                                   "in every process")
 
 
 def test_json_path_checked_first(tmp_path, capsys):
