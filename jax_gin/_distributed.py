@@ -48,6 +48,7 @@ import os
 import re
 import secrets
 import socket
+import sys
 import time
 
 from . import _compat, _native
@@ -156,6 +157,45 @@ def _kv(doing: str, fn, *args):
         if err is None:
             raise _Deadline(str(e)) from e
         raise err from e
+
+
+_cli_checks = [0]  # check_same_command calls in this process: the same count in every process
+
+
+def check_same_command(prog: str, options: dict, timeout_s: float = 60.0) -> None:
+    """In a job of several processes, exit (status 2) naming the options of a command line
+    tool (`prog`) that differ between this process and another: processes that run different
+    commands run different programs, and lax's collectives across processes then abort
+    without a word of why. A process that does not answer within timeout_s is not waited for
+    longer (it fails in its own way). A job of one process checks nothing."""
+    client = distributed_client()
+    if client is None:
+        return
+    import jax
+    n, me = jax.process_count(), jax.process_index()
+    if n == 1:
+        return
+    key = f"jax_gin/cli/{_cli_checks[0]}"
+    _cli_checks[0] += 1
+    doing = f"comparing {prog}'s options between processes"
+    mine = json.loads(json.dumps(options, sort_keys=True, default=str))
+    _kv(doing, client.key_value_set, f"{key}/p{me}", json.dumps(mine))
+    deadline = time.monotonic() + timeout_s
+    for q in range(n):
+        if q == me:
+            continue
+        try:
+            theirs = json.loads(_kv(doing, client.blocking_key_value_get, f"{key}/p{q}",
+                                    _ms(deadline)))
+        except _Deadline:
+            continue
+        diff = [f"{k}={mine.get(k)!r} here but {theirs.get(k)!r} in process {q}"
+                for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+        if diff:  # a usage error, as argparse's: status 2, the text on stderr
+            sys.stderr.write(f"{prog}: error: the processes of the job run different commands: "
+                             f"{'; '.join(diff)}. Run the same command in every process (they "
+                             f"run one program together)\n")
+            raise SystemExit(2)
 
 
 def _ms(deadline: float) -> int:

@@ -69,7 +69,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_gin
 from jax_gin import workloads
 
-from . import _runtime
+from . import _distributed, _runtime
 from ._bench_inputs import (COLLECTIVE_OPS, RESTORE_STEP, SIZE_UNITS, chain_step_for,
                             f16_scale_exp, make_collective_inputs, make_inputs, put_global,
                             size_steps)
@@ -402,6 +402,9 @@ def main(argv=None, say_written: bool = True) -> int:
     args = parse_args(argv)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (docs/multi-node.md)
     init_distributed(args)
+    # every process runs the same programs: the options that make them must agree
+    _distributed.check_same_command(prog(), {k: v for k, v in vars(args).items() if k not in (
+        "coordinator", "num_processes", "process_id", "distributed", "json", "plot", "quiet")})
     main_process = jax.process_index() == 0  # prints and writes; every process measures
     if not main_process:
         args.quiet, args.json, args.plot = True, None, None

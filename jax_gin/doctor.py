@@ -55,7 +55,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_gin
 
-from . import _native, _runtime, _scatter_gather, _select
+from . import _distributed, _native, _runtime, _scatter_gather, _select
 from ._bench_inputs import format_size
 from ._trace import _check_writable
 from .bench import add_process_arguments, check_processes, parse_size
@@ -400,6 +400,8 @@ def main(argv=None) -> int:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")  # lax.psum across processes
         jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
                                    process_id=args.process_id)
+        # the self-test's programs are run by every process together: they must agree
+        _distributed.check_same_command(p.prog, {"sizes": args.sizes, "quick": args.quick})
     try:
         devices = jax.devices() if args.coordinator else jax.local_devices()
     except RuntimeError as e:

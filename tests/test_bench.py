@@ -233,6 +233,42 @@ def test_workload_flag_abbreviated_runs_the_workload(monkeypatch):
         ("workload", ["--worklo", "dp-train"], "python -m jax_gin.bench")
 
 
+@pytest.mark.parametrize("tool,common,differ,named", [
+    ("bench", ["-n", "2", "-w", "1", "-b", "4K"], (["-e", "4K"], ["-e", "8K"]),
+     ("maxbytes", "4096", "8192")),
+    ("doctor", ["--quick"], (["--sizes", "4K"], ["--sizes", "8K"]),
+     ("sizes", "[4096]", "[8192]")),
+])
+def test_processes_that_run_different_commands(tool, common, differ, named):
+    """Processes of one job that run the benchmark or the doctor with different options would
+    run different programs, and lax's collectives across processes abort without a word:
+    each process names the difference, as a usage error (status 2), before any is run."""
+    import subprocess
+    import sys
+
+    from multiproc import clean_env, free_port, tail
+
+    port = free_port()
+    env = clean_env(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    cmd = [sys.executable, "-m", f"jax_gin.{tool}", "--coordinator", f"127.0.0.1:{port}",
+           "--num-processes", "2"] + common
+    procs = [subprocess.Popen(cmd + ["--process-id", str(i)] + differ[i], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    key, values = named[0], named[1:]
+    for i, (p, o) in enumerate(zip(procs, outs)):
+        assert p.returncode == 2, f"process {i}:\n{tail(o)}"
+        mine, theirs = values if i == 0 else values[::-1]
+        assert (f"python -m jax_gin.{tool}: error: the processes of the job run different "
+                f"commands: {key}={mine} here but {theirs} in process {1 - i}. Run the same "
+                f"command in every process") in o, tail(o)
+
+
 def _two_processes(tmp_path, args):
     """Runs the benchmark with `args` over jax.distributed: 2 processes x 4 CPU devices on
     127.0.0.1, one mesh of 8; returns both outputs and process 0's JSON records."""
