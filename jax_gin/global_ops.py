@@ -347,8 +347,9 @@ def _einsum_bwd(subscripts, algorithm, precision, preferred, out_sharding, api, 
     x, w = res
     xs, ws, out = _parse_einsum(subscripts)
     # dx contracts g with w over the letters of w missing from x; dw likewise. Each is a
-    # jax_gin contraction, so a sharded contracted dimension all-reduces with jax_gin.
-    g = g.astype(x.dtype)
+    # jax_gin contraction, so a sharded contracted dimension all-reduces with jax_gin. g keeps
+    # its dtype (a preferred_element_type's), and each result is rounded to its operand's
+    # dtype after the contraction, as lax.dot_general's transpose does.
     dx = _einsum(f"{out},{ws}->{xs}", g, w, algorithm, precision, preferred, None, api)
     dw = _einsum(f"{xs},{out}->{ws}", x, g, algorithm, precision, preferred, None, api)
     return _like(dx.astype(x.dtype), x), _like(dw.astype(w.dtype), w)
@@ -458,7 +459,8 @@ def _reduce(x, axes, op, algorithm, out_sharding, api):
 
 
 def _reduce_fwd(x, axes, op, algorithm, out_sharding, api):
-    y = _reduce_raw(x, axes, op, algorithm, out_sharding, api)
+    # through _reduce itself, so that a second reverse pass (grad of grad) differentiates it
+    y = _reduce(x, axes, op, algorithm, out_sharding, api)
     return y, (x, y)
 
 
@@ -508,9 +510,10 @@ def _reduction(x, axis, keepdims, op, algorithm, out_sharding, api):
         y = y.astype(out_dtype)
     if keepdims:
         y = jnp.expand_dims(y, axes)
-        if out_sharding is not None:
-            y = jax.sharding.reshard(y, out_sharding) if _explicit_mode(y) else \
-                jax.lax.with_sharding_constraint(y, out_sharding)
+    # (a reduction over no axis makes no call, which would have placed y)
+    if out_sharding is not None and (keepdims or not axes):
+        y = jax.sharding.reshard(y, out_sharding) if _explicit_mode(y) else \
+            jax.lax.with_sharding_constraint(y, out_sharding)
     return y
 
 

@@ -257,8 +257,12 @@ def test_matmul_preferred_element_type_and_precision():
     kw = dict(preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
     xs, ws = put(x, mesh, P(None, "i")), put(w, mesh, P("i", None))
 
+    # a float32 cotangent that bfloat16 cannot hold (a multiple of 2**-9 near 1): the backward
+    # contractions take it as it is, and round their results to bfloat16, as lax's transpose
+    c = 1 + ints((8, 8), seed=2).astype(jnp.float32) * 2.0 ** -9
+
     def f(mm):
-        loss = lambda a, b: jnp.sum(mm(a, b, **kw) ** 2)  # noqa: E731
+        loss = lambda a, b: jnp.sum(mm(a, b, **kw) * c)  # noqa: E731
         return jax.jit(lambda a, b: (mm(a, b, **kw), jax.grad(loss, argnums=(0, 1))(a, b)))
 
     got, want = f(jax_gin.matmul)(xs, ws), f(jnp.matmul)(xs, ws)
@@ -314,6 +318,36 @@ def test_reduction_2d_other_shardings(name, spec):
 @pytest.mark.parametrize("name", REDUCTIONS)
 def test_reduction_1d(name):
     _reduce_case(mesh_1d(), P("i"), name, 0, False, ints((16, 5), seed=2))
+
+
+@pytest.mark.parametrize("name", REDUCTIONS)
+def test_reduction_grad_of_grad(name):
+    """Reverse over reverse (grad of grad, jacrev of jacrev) through a sharded reduction, as
+    jnp's; the second pass differentiates the first's reduction too."""
+    mesh = mesh_1d()
+    x = ints((16,), seed=4) + jnp.arange(16.0) / 8  # distinct values: no ties for max and min
+    xs = put(x, mesh, P("i"))
+
+    def second(f):
+        first = jax.grad(lambda v: f(v ** 3, 0))
+        g = jax.grad(lambda v: jnp.sum(first(v) ** 2))
+        h = jax.jacrev(jax.jacrev(lambda v: f(v ** 3, 0)))
+        return jax.jit(lambda v: (g(v), h(v)))
+
+    assert_all_bitwise(second(getattr(jax_gin, name))(xs), second(getattr(jnp, name))(xs))
+
+
+@pytest.mark.parametrize("name", REDUCTIONS)
+@pytest.mark.parametrize("keepdims", [False, True])
+def test_reduction_over_no_axis_takes_out_sharding(name, keepdims):
+    """axis=() reduces nothing and makes no call; out_sharding still places the result."""
+    mesh = mesh_dt()
+    xs = put(ints((8, 12)), mesh, P("data", "tensor"))
+    with jax.set_mesh(mesh):
+        y = jax.jit(lambda v: getattr(jax_gin, name)(v, (), keepdims,
+                                                     out_sharding=P("tensor", "data")))(xs)
+    assert y.sharding.spec == P("tensor", "data")
+    assert_bitwise(y, getattr(jnp, name)(np.asarray(xs), ()))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int32", "bool"])
