@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-step set-up on a fresh machine: a Python >= 3.12 virtual environment in .venv with
 # jax 0.11.2 and the build tools, then jax_gin built and installed (editable) into it.
-# The CUDA extension is built too where nvcc exists (against the nvidia-nccl-cu13 wheel).
+# The CUDA extension is built too where nvcc exists (against the nvidia-nccl-cu13 wheel), unless
+# JAX_GIN_CUDA=OFF (kept in the venv for later runs).
 # Idempotent: a second run only rebuilds what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +30,12 @@ if [ ! -x "$VENV/bin/python" ]; then
   $PY -m venv "$VENV"
 fi
 P="$VENV/bin/python"
+# JAX_GIN_CUDA (AUTO, ON or OFF) is kept in the venv: a later run without it (`make test` after
+# `JAX_GIN_CUDA=OFF make demo`) builds as the last one did, not the CUDA kernels anew.
+if [ -z "${JAX_GIN_CUDA:-}" ] && [ -f "$VENV/jax_gin_cuda" ]; then
+  JAX_GIN_CUDA=$(cat "$VENV/jax_gin_cuda")
+fi
+export JAX_GIN_CUDA=${JAX_GIN_CUDA:-AUTO}
 # With an NVIDIA GPU, JAX's CUDA 13 plugin too, so that the demo and the benchmark run on the GPUs.
 JAX_REQ="jax==0.11.2"
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
@@ -52,9 +59,10 @@ if [ -z "$ONLINE" ] || ! { "$P" -m pip install -q --upgrade pip &&
     > "$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/_jax_gin_system_site.pth"
   OFFLINE=1
 fi
+echo "$JAX_GIN_CUDA" > "$VENV/jax_gin_cuda"  # (after the venv above is final)
 if [ -z "${OFFLINE:-}" ]; then
   command -v cmake >/dev/null 2>&1 || "$P" -m pip install -q "cmake>=3.24"
-  if command -v nvcc >/dev/null 2>&1; then
+  if [ "$JAX_GIN_CUDA" != OFF ] && command -v nvcc >/dev/null 2>&1; then
     # The headers (and library) of the NCCL that JAX's CUDA plugin loads on the GPU machine.
     "$P" -m pip install -q "nvidia-nccl-cu13==2.28.9"
   fi
@@ -65,7 +73,7 @@ fi
 # (docs/debugging.md, Sanitizers).
 BUILD_DIR=()
 [ -n "${JAX_GIN_SANITIZE:-}" ] && BUILD_DIR=(-C "build-dir=build/sanitize-$JAX_GIN_SANITIZE" -C install.strip=false -C cmake.build-type=RelWithDebInfo)
-echo "== building jax_gin (JAX_GIN_CUDA=${JAX_GIN_CUDA:-AUTO}${JAX_GIN_SANITIZE:+, JAX_GIN_SANITIZE=$JAX_GIN_SANITIZE}; the CUDA kernels take minutes on few cores)"
+echo "== building jax_gin (JAX_GIN_CUDA=$JAX_GIN_CUDA${JAX_GIN_SANITIZE:+, JAX_GIN_SANITIZE=$JAX_GIN_SANITIZE}; the CUDA kernels take minutes on few cores: JAX_GIN_CUDA=OFF skips them)"
 "$P" -m pip install -v ${OFFLINE:+--no-index} --no-build-isolation --no-deps "${BUILD_DIR[@]}" -e . \
   2>&1 | grep -E --line-buffered '^ *\[[0-9]+/[0-9]+\]|rror' || true
 # A sanitizer's runtime must be loaded first into the (uninstrumented) Python that imports it.
