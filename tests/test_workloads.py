@@ -158,12 +158,50 @@ def test_report_notes_jax_gin_rows_that_auto_gave_to_xla():
     for calls in (0, 1):
         for v in gin.values():
             v["jax_gin_calls"], v["all_reduce"] = calls, 1 - calls
-        notes = [line for line in workloads.format_report(result) if "no jax_gin call" in line]
+        report = workloads.format_report(result)
+        notes = [line for line in report if "no jax_gin call; auto chose" in line]
         assert notes == ([f"# {', '.join(gin)}: no jax_gin call; auto chose XLA's all-reduce "
                           "for every size in those programs"] if calls == 0 else []), notes
+        # the step ratio then is between two XLA programs, and says so
+        assert any("made no jax_gin call, so both are XLA's" in line
+                   for line in report) == (calls == 0), report
     gin["jax_gin"]["jax_gin_calls"], gin["jax_gin"]["all_reduce"] = 0, 1
     assert "# jax_gin: no jax_gin call; auto chose XLA's all-reduce for every size in that " \
         "program" in workloads.format_report(result)
+
+
+def test_why_different_names_the_cause():
+    """The note on a difference from lax names its cause: ring's and tree's roundings at each
+    hop in 16-bit floats, whatever the platform, else on CPU XLA's float32 for lax's
+    collectives (named as the step has them), and none for float32 on CPU."""
+    why = workloads._why_different
+    for platform in ("cpu", "gpu"):
+        assert why("jax_gin", platform, "bfloat16", "ring", ("all_gather", "reduce_scatter")) \
+            .startswith("ring passes bfloat16 partial sums between ranks, each hop rounding once")
+        assert why("jax_gin", platform, "float16", "tree").startswith("tree passes float16")
+    assert "lax's bfloat16 all-gather and reduce-scatter" in why(
+        "jax_gin", "cpu", "bfloat16", "one_shot", ("all_gather", "reduce_scatter"))
+    assert "lax's bfloat16 all-reduce" in why("jax_gin", "cpu", "bfloat16", "auto")
+    assert why("jax_gin", "cpu", "float32", "ring") is None
+
+
+def test_report_ratios_that_mean_nothing():
+    """No ratio of exposed times where one is within the steps' spread, and a step ratio
+    between two XLA programs (auto chose XLA's collective) says so."""
+    ratios = workloads.lax_over_jax_gin
+    assert ratios({"step_ms": 10.0, "exposed_ms": 2.0}, {"step_ms": 8.0, "exposed_ms": 1.0}) == \
+        {"step": 1.25, "exposed": 2.0}
+    # lax's exposed time is 1% of the step (EXPOSED_FLOOR: 2%), within the spread
+    assert ratios({"step_ms": 10.0, "exposed_ms": 0.1}, {"step_ms": 10.0, "exposed_ms": 1.0}) == \
+        {"step": 1.0, "exposed": None}
+    mesh = workloads.make_mesh("dp-train", jax.devices()[:1])
+    result = workloads.measure("dp-train", mesh, tiny("dp-train"), rounds=1, warmup=0)
+    result["variants"]["jax_gin"].update(jax_gin_calls=0, all_reduce=1)
+    result["ratio_lax_over_jax_gin"] = {"step": 1.0, "exposed": None}
+    line = [x for x in workloads.format_report(result) if x.startswith("# lax / jax_gin")]
+    assert line == ["# lax / jax_gin: step 1.000, exposed communication -; the jax_gin program "
+                    "made no jax_gin call, so both are XLA's and the ratio is their run-to-run "
+                    "spread"], line
 
 
 def test_report_says_why_a_gpu_step_may_differ_in_the_last_bits():
