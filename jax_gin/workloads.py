@@ -566,7 +566,8 @@ def overlap_step(mesh: Mesh, cfg: Config, reduce: str = "jax_gin", algorithm: st
     if reduce not in OVERLAP_VARIANTS:
         raise ValueError(f"overlap's variants are {', '.join(OVERLAP_VARIANTS)}, got {reduce!r}")
     matmuls = reduce in ("compute", "lax", "jax_gin")
-    psum = None if reduce == "compute" else reducer(reduce.removesuffix("_alone"), algorithm, cfg.overlap)
+    psum = None if reduce == "compute" else \
+        reducer(reduce.removesuffix("_alone"), algorithm, cfg.overlap)
 
     def chain(x, w):
         for _ in range(cfg.layers):
