@@ -17,6 +17,7 @@ import jax_gin
 
 from ._bench_inputs import RESTORE_STEP, format_size
 from ._bench_measure import LARGE_CHAIN, LAX_NAME, SMALL_CHAIN, SMALL_CHAIN_MAX_BYTES, Record
+from ._ops import XLA_FALLBACK
 from ._select import ALL_REDUCE
 
 # Column layout of the results table: (header, width).
@@ -171,6 +172,14 @@ def footer_lines(records: list, check: bool) -> list:
         if ratios:
             geo = math.exp(statistics.fmean(math.log(v) for v in ratios))
             lines.append(f"# Geomean vs_lax      : {geo:.2f}  ({_label(*key)})")
+    # auto's rows where its choice was XLA's own collective: their vs_lax compares XLA with XLA
+    to_xla: dict = {}
+    for r in records:
+        if r.algorithm == "auto" and r.auto_choice == XLA_FALLBACK:
+            to_xla.setdefault((r.collective, r.dtype), []).append(format_size(r.size))
+    for (collective, dtype), sizes in to_xla.items():
+        lines.append(f"# auto ran XLA's own  : {_label(collective, 'auto')} {dtype} at "
+                     f"{', '.join(sizes)} (no jax_gin call: vs_lax there is XLA against XLA)")
     return lines
 
 

@@ -508,6 +508,26 @@ def test_footer_flags_rows_whose_time_is_not_positive():
         assert (flagged[0].startswith(want) if want else flagged == []), flagged
 
 
+def test_footer_names_the_sizes_where_auto_ran_xla():
+    """auto's rows whose choice was XLA's own collective (its tuning table) are named under the
+    table: their vs_lax is XLA against XLA."""
+    from jax_gin._bench_measure import Record
+    from jax_gin._bench_report import footer_lines
+
+    def rec(size, choice, collective="all_reduce"):
+        return Record(size=size, count=size // 4, dtype="float32", op="sum", algorithm="auto",
+                      nranks=8, chain=10, time_us=1.0, auto_choice=choice, collective=collective)
+
+    records = [rec(4096, "one_shot"), rec(65536, "xla"), rec(262144, "xla"),
+               rec(65536, "xla", "all_gather")]
+    named = [line for line in footer_lines(records, check=False) if "auto ran XLA" in line]
+    assert named == ["# auto ran XLA's own  : auto float32 at 64K, 256K (no jax_gin call: vs_lax "
+                     "there is XLA against XLA)",
+                     "# auto ran XLA's own  : all_gather auto float32 at 64K (no jax_gin call: "
+                     "vs_lax there is XLA against XLA)"], named
+    assert not [line for line in footer_lines(records[:1], check=False) if "auto ran" in line]
+
+
 @pytest.mark.parametrize("count", ["0", "-2"])
 def test_devices_below_one_is_a_usage_error(count, capsys):
     with pytest.raises(SystemExit) as info:
