@@ -120,6 +120,18 @@ def _load_results(paths: list) -> tuple[list, dict]:
     return results, meta
 
 
+def _describe(path: str) -> str:
+    """A table file's date of measurement and the sizes it covers (the line that replaces it
+    says them)."""
+    try:
+        with open(path) as f:
+            old = json.load(f)
+        sizes = [e["max_bytes"] for e in old["entries"]]
+        return f"measured {str(old.get('measured', '?'))[:10]}, up to {max(sizes)} B"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "not a table jax_gin reads"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jax_gin.tune", description=__doc__.splitlines()[0])
     _runtime.refuse_invalid_variables(ap.prog)
@@ -132,7 +144,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="where to write the table (default: <kind>_n<N>.json, "
                                   "<kind>_n<N>_<collective>.json for psum_scatter and "
                                   "all_gather, in JAX_GIN_TUNING_DIR where it is set, else in "
-                                  "jax_gin/tuning/)")
+                                  "jax_gin/tuning/, replacing the table shipped there)")
     from . import bench
     from ._bench_inputs import format_size
     maxbytes = bench.DEFAULT_MAXBYTES
@@ -195,10 +207,12 @@ def main(argv=None) -> int:
     out = args.out or os.path.join(out_dir, table_name(table["device_kind"] or "unknown",
                                                        int(table["nranks"] or 0),
                                                        args.collective))
+    replaced = _describe(out) if os.path.exists(out) else None
     with open(out, "w") as f:
         json.dump(table, f, indent=1)
         f.write("\n")
-    print(f"jax_gin.tune: wrote {out}")
+    print(f"jax_gin.tune: wrote {out}" + (f", replacing the table there ({replaced})"
+                                          if replaced else ""))
     for e in table["entries"]:
         print(f"  <= {e['max_bytes']:>12} B: {e['algorithm']}")
     return 0

@@ -384,8 +384,13 @@ def test_tune_names_no_temporary_file(tmp_path, capsys):
     assert tune.main(["-b", "4K", "-e", "4K", "-n", "1", "--out", str(out)]) == 0
     captured = capsys.readouterr()
     assert "# wrote" not in captured.err + captured.out
-    assert f"jax_gin.tune: wrote {out}" in captured.out
-    assert json.loads(out.read_text())["entries"]
+    assert f"jax_gin.tune: wrote {out}\n" in captured.out
+    table = json.loads(out.read_text())
+    assert table["entries"]
+    # written again, it says what it replaced
+    assert tune.main(["-b", "4K", "-e", "4K", "-n", "1", "--out", str(out)]) == 0
+    assert (f"jax_gin.tune: wrote {out}, replacing the table there (measured "
+            f"{table['measured'][:10]}, up to 4096 B)") in capsys.readouterr().out
 
 
 def test_table_reason_names_the_sizes_measured():
