@@ -86,7 +86,7 @@ def explain(x, axis_name=None, *, nranks: int | None = None, platform: str | Non
     for dtype, leaves, nbytes in calls:
         if nbytes == 0:
             line = (f"no call: 0 bytes per device, which need no communication (platform "
-                    f"{platform}, {nranks} ranks)")
+                    f"{platform}, {_ranks(nranks)})")
             lines.append(line if len(calls) == 1 else
                          f"call {len(lines) + 1}, {dtype}, leaves {_ranges(leaves)}: {line}")
             continue
@@ -97,13 +97,17 @@ def explain(x, axis_name=None, *, nranks: int | None = None, platform: str | Non
         else:
             algo, why = _select.choose(platform, nbytes, nranks, device_kind)
             what = f"{nbytes} bytes per device"
-        line = f"{algo}: {why} (platform {platform}, {nranks} ranks, {what})"
+        line = f"{algo}: {why} (platform {platform}, {_ranks(nranks)}, {what})"
         lines.append(line if len(calls) == 1 else
                      f"call {len(lines) + 1}, {dtype}, leaves {_ranges(leaves)}: {line}")
     if len(calls) == 1:
         return lines[0]
     return "\n".join([f"{len(calls)} calls (a call per dtype and bucket of at most "
                       f"{bucket_bytes} bytes):"] + lines)
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' if n != 1 else ''}"
 
 
 def _local_device_kind(platform: str) -> str | None:

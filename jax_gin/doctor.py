@@ -305,8 +305,9 @@ def _case(r: Report, row: dict, label: str, shown: str, fn, x, runs: int, want, 
 
 
 def self_test(r: Report, devices: list, sizes: list, runs: int) -> None:
+    timed = f"median of {runs} calls" if runs > 1 else "one call"
     rows = r.section("self-test", "self-test (float32; size per device, psum_scatter's output "
-                     "and all_gather's input; µs: median)").setdefault("rows", [])
+                     f"and all_gather's input; µs: {timed})").setdefault("rows", [])
     mesh = Mesh(np.array(devices), ("i",))
     n = len(devices)
     def shard(fn):
