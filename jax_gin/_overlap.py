@@ -22,7 +22,7 @@ import numpy as np
 
 import jax
 from jax import lax, tree_util
-from jax.extend.core import Primitive
+from jax.extend.core import Primitive, subjaxprs
 from jax.interpreters import mlir
 
 from . import _compat, _native, _primitive, _runtime, _select
@@ -189,12 +189,8 @@ def _refuse_calls_in(f, args):
 def _calls_in(jaxpr, names) -> list:
     """The primitives named in `names` that `jaxpr` binds, in its sub-jaxprs too."""
     found = [e.primitive.name for e in jaxpr.eqns if e.primitive.name in names]
-    for e in jaxpr.eqns:
-        for v in e.params.values():
-            for sub in v if isinstance(v, (tuple, list)) else (v,):
-                inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr, or a Jaxpr
-                if hasattr(inner, "eqns"):
-                    found += _calls_in(inner, names)
+    for sub in subjaxprs(jaxpr):
+        found += _calls_in(sub, names)
     return found
 
 
