@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <chrono>
 #include <climits>
+#include <cstddef>
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -85,6 +86,28 @@ template <class T> T load_acquire(const T& x) { return __atomic_load_n(&x, __ATO
 // (undefined behaviour; ThreadSanitizer reports it): relaxed atomic accesses instead.
 template <class T> void store_relaxed(T& x, T v) { __atomic_store_n(&x, v, __ATOMIC_RELAXED); }
 template <class T> T load_relaxed(const T& x) { return __atomic_load_n(&x, __ATOMIC_RELAXED); }
+// A flight-recorder entry as 8-byte words: a call writes its entry in a copy of its own and
+// publishes it to the ring slot word by word with atomic stores, and readers
+// (recorder_entries) load the slot's words atomically, so that the seqlock around them has no
+// plain access to shared memory (no data race, even mid-update).
+typedef uint64_t __attribute__((may_alias)) RecWord;
+static_assert(offsetof(RecEntry, seq) == 0 && sizeof(RecEntry) % sizeof(RecWord) == 0,
+              "RecEntry is whole words, seq first");
+constexpr size_t kRecHeaderWords = offsetof(RecEntry, events) / sizeof(RecWord);
+static_assert(offsetof(RecEntry, events) % sizeof(RecWord) == 0 &&
+              sizeof(RecEvent) % sizeof(RecWord) == 0, "events start and end on words");
+
+// Stores e's events [first, end), then its header but seq (which the seqlock stores), into the
+// ring slot: a reader that sees the new event count finds the events in place.
+void publish_entry(RecEntry& slot, const RecEntry& e, int first, int end) {
+  auto* dst = reinterpret_cast<RecWord*>(&slot);
+  const auto* src = reinterpret_cast<const RecWord*>(&e);
+  constexpr size_t per = sizeof(RecEvent) / sizeof(RecWord);
+  for (size_t i = kRecHeaderWords + size_t(first) * per; i < kRecHeaderWords + size_t(end) * per; ++i)
+    __atomic_store_n(dst + i, src[i], __ATOMIC_RELAXED);
+  for (size_t i = 1; i < kRecHeaderWords; ++i) __atomic_store_n(dst + i, src[i], __ATOMIC_RELEASE);
+}
+
 struct RelaxedLoad {  // for seen_of (laggard.h)
   template <class T> T operator()(const T& x) const { return load_relaxed(x); }
 };
@@ -147,11 +170,11 @@ void fail_group(Group& g, int rank, const std::string& what, const std::string& 
 class HostTransport {
  public:
   // `entry`: the call's flight-recorder entry (null: not recording), whose first round is
-  // `round0`.
+  // `round0`, published to the ring `slot` as it changes (publish_entry).
   HostTransport(Group& g, const CommConfig& cfg, int group, int rank, size_t slot_bytes,
-                int op, Algorithm algo, RecEntry* entry, uint64_t round0)
+                int op, Algorithm algo, RecEntry* entry, RecEntry* slot, uint64_t round0)
       : g_(g), ws_(*g.ws), cfg_(cfg), group_(group), rank_(rank), slot_bytes_(slot_bytes), op_(op),
-        algo_(algo), entry_(entry), round0_(round0) {}
+        algo_(algo), entry_(entry), slot_(slot), round0_(round0) {}
 
   int rank() const { return rank_; }
   int nranks() const { return ws_.nranks(); }
@@ -323,6 +346,9 @@ class HostTransport {
 
   void note(uint8_t kind, int step, int peer, uint64_t value) {
     rec_note(*entry_, kind, step, peer, value, round0_, now_ns());
+    // rec_note changes the header and one of the last 4 events
+    const int n = entry_->nevents;
+    publish_entry(*slot_, *entry_, n > 4 ? n - 4 : 0, n);
   }
 
   // The wait on flag `f` for `expected` from `peer` gave up. `why`: why (null: the timeout);
@@ -417,6 +443,7 @@ class HostTransport {
   int op_;  // CallOp
   Algorithm algo_;
   RecEntry* entry_;
+  RecEntry* slot_;
   uint64_t round0_;
   std::string error_;
 };
@@ -873,7 +900,7 @@ std::string take_turn(Comm& comm, Group& g, int group, int rank, Turn& turn, uin
     }
     return std::string();
   }
-  HostTransport tp(g, comm.config, group, rank, slot_bytes, op, algo, nullptr, round0);
+  HostTransport tp(g, comm.config, group, rank, slot_bytes, op, algo, nullptr, nullptr, round0);
   const uint64_t word = tp.wait_turn(0, seq);
   if (word == 0) return tp.error();
   const uint32_t lead = uint32_t(word);
@@ -1012,24 +1039,28 @@ std::string run_call(Comm& comm, int group, int rank, Turn* turn, DType dtype, i
     }
     return err;
   }
-  RecEntry* entry = nullptr;
+  RecEntry* slot = nullptr;  // the ring's slot for this call, and `entry` its contents
+  RecEntry entry;
   if (g_record.load(std::memory_order_relaxed)) {
-    entry = ws.rec_ring(rank) + rec_slot(seq, uint64_t(ws.record_entries()));
+    slot = ws.rec_ring(rank) + rec_slot(seq, uint64_t(ws.record_entries()));
     // A seqlock: a reader skips the slot while it is rewritten (seq 0). The fence keeps the
     // header's stores below from becoming visible before the 0.
-    store_relaxed(entry->seq, uint64_t(0));
+    store_relaxed(slot->seq, uint64_t(0));
     std::atomic_thread_fence(std::memory_order_release);
-    rec_open(*entry, now_ns(), uint64_t(bytes), round + 1, int(comm.id), group, rank, op,
+    rec_open(entry, now_ns(), uint64_t(bytes), round + 1, int(comm.id), group, rank, op,
              int(algo), int(dtype), 0);
-    store_release(entry->seq, seq);
+    publish_entry(*slot, entry, 0, 0);
+    store_release(slot->seq, seq);
   }
-  HostTransport tp(g, comm.config, group, rank, slot_bytes, op, algo, entry, round + 1);
+  HostTransport tp(g, comm.config, group, rank, slot_bytes, op, algo, slot ? &entry : nullptr,
+                   slot, round + 1);
   const uint64_t round_before = round;
   const bool ok = body(tp, round);
-  if (entry) {
-    entry->rounds = uint32_t(round - round_before);
-    entry->status = ok ? kRecDone : kRecFailed;
-    store_release(entry->t_end, now_ns());
+  if (slot) {
+    entry.rounds = uint32_t(round - round_before);
+    entry.status = ok ? kRecDone : kRecFailed;
+    publish_entry(*slot, entry, 0, 0);  // (t_end still 0)
+    store_release(slot->t_end, now_ns());
   }
   store_relaxed(st.failed, uint8_t(ok ? 0 : 1));
   store_release(st.done, seq);
@@ -1308,11 +1339,15 @@ std::vector<RecEntry> recorder_entries(const Workspace& ws, int rank) {
   for (int i = 0; i < ws.record_entries(); ++i) {
     // The other side of run_call's seqlock: the copy's loads may not move past the fence, so
     // that a seq still the same after it means the copy holds no field of a later call. (The
-    // copy itself is plain, as a seqlock's reader's is: a running call's rounds and events
-    // may be read mid-update, and are only advisory.)
+    // copy's loads are atomic word by word, as publish_entry's stores are: a running call's
+    // rounds and events may be read mid-update, and are only advisory.)
     const uint64_t seq = load_acquire(ring[i].seq);
     if (seq == 0) continue;
-    RecEntry e = ring[i];
+    RecEntry e;
+    const auto* src = reinterpret_cast<const RecWord*>(&ring[i]);
+    auto* dst = reinterpret_cast<RecWord*>(&e);
+    for (size_t w = 0; w < sizeof(RecEntry) / sizeof(RecWord); ++w)
+      dst[w] = __atomic_load_n(src + w, __ATOMIC_RELAXED);
     std::atomic_thread_fence(std::memory_order_acquire);
     if (load_relaxed(ring[i].seq) != seq) continue;  // rewritten meanwhile
     e.seq = seq;
