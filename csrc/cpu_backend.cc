@@ -982,9 +982,11 @@ std::string run_call(Comm& comm, int group, int rank, Turn* turn, DType dtype, i
       if (first > 0) {
         std::string failure(h.first_failure);
         strip_final_stop(failure);
+        // a timed-out wait's report there names the rank that was behind (laggard.h)
+        const bool timed_out = failure.find("timed out") != std::string::npos;
         earlier = "rank " + std::to_string(first - 1) + " of group " + std::to_string(group) +
                   " failed first: it " + failure +
-                  " (that process's error names the rank that was behind)";
+                  (timed_out ? " (that process's error names the rank that was behind)" : "");
       }
     }
     strip_final_stop(earlier);  // the sentence goes on

@@ -172,6 +172,14 @@ def unreduced_axes(aval) -> frozenset:
     return frozenset(getattr(mat, "unreduced", frozenset())) if mat is not None else frozenset()
 
 
+def unreduced_kind(aval) -> str | None:
+    """How a value typed unreduced is to be reduced ("sum", "max", "min"; JAX's
+    unreduced_kind), or None where it is not unreduced (or JAX has no kinds)."""
+    mat = getattr(aval, "mat", None)
+    kind = getattr(mat, "unreduced_kind", None) if mat is not None else None
+    return getattr(kind, "name", None) if kind is not None else None
+
+
 def without_unreduced(aval, axes: tuple):
     """The type of an all-reduce of an unreduced value over `axes`: those axes are no longer
     unreduced (lax's unreduced_psum types its result this way)."""

@@ -18,11 +18,13 @@ with check_vma=True a psum's transpose needs no communication).
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 import jax
 from jax import lax, tree_util
-from jax.extend.core import Primitive, subjaxprs
+from jax.extend.core import Primitive, jaxprs_in_params
 from jax.interpreters import mlir
 
 from . import _compat, _native, _primitive, _runtime, _select
@@ -89,8 +91,11 @@ def psum_overlapping(x, axis_name, fn, *args, algorithm: str = "auto",
     # One jit around the pair: an eager shard_map (no jit around it) runs each primitive as
     # a program of its own, and a start's kernel must be joined by its done in the program
     # that started it. Inside a jit this is a nested call, which XLA inlines.
-    sums, ys = jax.jit(lambda r, a: _overlapped(r, fn, a, params, modes, sizes, invariant))(
-        reduced, args)
+    pair = jax.jit(lambda r, a: _overlapped(r, fn, a, params, modes, sizes, invariant))
+    # fn's calls, read from the pair's jaxpr, whose trace the call below reuses: fn is traced
+    # once, within the pair, as it runs
+    _refuse_calls_in(pair.trace(reduced, args).jaxpr.jaxpr, len(groups))
+    sums, ys = pair(reduced, args)
     k = 0
     for g, _ in groups:
         for i in g:
@@ -111,7 +116,6 @@ def _overlapped(reduced, fn, args, params, modes, sizes, invariant):
             bufs += b
             k += n
         toks, args = lax.optimization_barrier((toks, args))
-        _refuse_calls_in(f, args)
         ys = f(*args)
         y_leaves, y_tree = tree_util.tree_flatten(ys)
         res = dones_p.bind(*toks, *bufs, *y_leaves, sizes=sizes, **params)
@@ -169,29 +173,39 @@ def _overlapped(reduced, fn, args, params, modes, sizes, invariant):
     return overlapped(reduced, args)
 
 
-def _refuse_calls_in(f, args):
-    """A ValueError if f(*args) calls one of jax_gin's collectives: on a GPU it would run on
-    XLA's stream while the starts' kernels run on the side stream, and two calls of one
-    communicator must never run at once. Checked on f's jaxpr, nested calls included: a jitted
-    function that the program lowered before is not lowered again inside fn, so the lowering
-    check (_primitive.check_no_open_start) does not see its calls."""
-    from . import _scatter_gather
-    names = {p.name for p in (_primitive.allreduce_p, start_p, dones_p,
-                              _scatter_gather.psum_scatter_p, _scatter_gather.all_gather_p)}
-    found = _calls_in(jax.make_jaxpr(f)(*args).jaxpr, names)
-    if found:
+def _refuse_calls_in(jaxpr, starts: int) -> None:
+    """A ValueError if `jaxpr`, a pair of `starts` starts and their done around fn, holds a
+    jax_gin call of fn's: on a GPU it would run on XLA's stream while the starts' kernels run
+    on the side stream, and two calls of one communicator must never run at once. Nested jitted
+    functions count: one that the program lowered before is not lowered again inside fn, so the
+    lowering check (_primitive.check_no_open_start) does not see its calls. Calls over axes of
+    one device, or over no mesh axis (a vmap's), launch nothing and are let through."""
+    calls = [e for e in _equations(jaxpr) if e.primitive in _primitive.COLLECTIVE_PRIMITIVES
+             and _launches(e.params.get("axes", ()))]
+    own = {start_p: starts, dones_p: 1}  # the pair's
+    for e in calls:
+        if own.get(e.primitive, 0) > 0:
+            own[e.primitive] -= 1
+            continue
         raise ValueError(
             f"jax_gin.{API}: the function it runs beside the all-reduce calls a jax_gin "
-            f"collective (primitive {found[0]}), which would run while the all-reduce is in "
-            "flight; call it before or after psum_overlapping, or use jax.lax's collectives there")
+            f"collective (primitive {e.primitive.name}), which would run while the all-reduce is "
+            "in flight; call it before or after psum_overlapping, or use jax.lax's collectives "
+            "there")
 
 
-def _calls_in(jaxpr, names) -> list:
-    """The primitives named in `names` that `jaxpr` binds, in its sub-jaxprs too."""
-    found = [e.primitive.name for e in jaxpr.eqns if e.primitive.name in names]
-    for sub in subjaxprs(jaxpr):
-        found += _calls_in(sub, names)
-    return found
+def _equations(jaxpr):
+    """`jaxpr`'s equations, and those of its sub-jaxprs, depth first."""
+    for e in jaxpr.eqns:
+        yield e
+        for sub in jaxprs_in_params(e.params):
+            yield from _equations(sub)
+
+
+def _launches(axes) -> bool:
+    """Whether a call over `axes` has more than one rank over the manual mesh axes."""
+    manual = _compat.manual_mesh_axes()
+    return math.prod(_compat.axis_size(a) for a in axes if a in manual) > 1
 
 
 # ---------------------------------------------------------------------------------------

@@ -262,12 +262,21 @@ def group_leaves(leaves, axes, op: str, api: str):
             if op != "sum":
                 raise NotImplementedError(
                     f"jax_gin.{api} of an unreduced value is not supported; use jax.lax.{api}")
+            check_sum_kind(jax.typeof(leaf), api)
             mode = "unreduced"
         elif invariant:
             leaf = vary_over(leaf, axes, api)
         leaves[i] = leaf
         by_dtype.setdefault((np.dtype(leaf.dtype), mode), []).append(i)
     return leaves, out, by_dtype, was_bool
+
+
+def check_sum_kind(aval, api: str) -> None:
+    """A ValueError for an unreduced value that is pending another reduction than a sum (JAX's
+    unreduced_kind max or min): a sum of it would be wrong, and lax refuses it too."""
+    kind = _compat.unreduced_kind(aval)
+    if kind not in (None, "sum"):
+        raise ValueError(f"jax_gin.{api}: the input is unreduced pending a {kind}, not a sum")
 
 
 def vary_over(x, axes: tuple, api: str, reduces: bool = True):
@@ -801,6 +810,11 @@ def lowering_platform(ctx, api: str) -> str:
     return platforms[0]
 
 
+# Every primitive whose lowering is a jax_gin call (register_lowering adds it): the calls that
+# psum_overlapping's fn must not make (_overlap._refuse_calls_in).
+COLLECTIVE_PRIMITIVES: set = set()
+
+
 def register_lowering(prim, rule, api) -> None:
     """Registers `rule(ctx, *args, platform=..., **params)` as `prim`'s lowering: one rule for
     every platform, given the platform it lowers for (lowering_platform; `api`, the jax_gin
@@ -814,6 +828,7 @@ def register_lowering(prim, rule, api) -> None:
         name = api(params) if callable(api) else api
         return rule(ctx, *args, platform=lowering_platform(ctx, name), **params)
     mlir.register_lowering(prim, lower, cacheable=False)
+    COLLECTIVE_PRIMITIVES.add(prim)
 
 
 def _impl(*xs, **params):

@@ -170,6 +170,7 @@ def _mode(api, leaf, axes, to) -> str:
         raise ValueError(f"jax_gin.psum_scatter: the input is unreduced over {sorted(unreduced)}"
                          f" but not over {sorted(set(axes) - unreduced)}; as lax's, the axes "
                          "must all be unreduced or none")
+    _primitive.check_sum_kind(jax.typeof(_as_array(leaf, api)), api)
     return "unreduced"
 
 

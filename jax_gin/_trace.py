@@ -92,10 +92,14 @@ def _gather(backend: str, comms: dict, read, keep) -> list:
         except ValueError:  # destroyed meanwhile
             continue
         device = {(layout.group_of[i], layout.rank_of[i]): d for i, d in enumerate(device_ids)}
+        held: dict = {}  # entries each rank's ring holds (its size, once it has wrapped)
+        for e in got:
+            held[(e["group"], e["rank"])] = held.get((e["group"], e["rank"]), 0) + 1
         for e in got:
             if keep(comm, e):
                 e["tid"] = device.get((e["group"], e["rank"]), 1_000_000 + e["rank"])
                 e["comm"], e["backend"] = comm, backend
+                e["held"] = held[(e["group"], e["rank"])]
                 entries.append(e)
     return entries
 
@@ -134,7 +138,8 @@ def collect(since: dict, t_end_ns: int | None = None) -> tuple:
             lost[e["tid"]] = lost.get(e["tid"], 0) + n
             gaps.append({"name": f"{_calls(n, 'earlier ')} not kept", "cat": "jax_gin.lost",
                          "ph": "i", "s": "t", "pid": pid, "tid": e["tid"], "ts": e["t_start"] / 1e3,
-                         "args": {"calls": n, "kept": kept[key], "comm": e["comm"]}})
+                         "args": {"calls": n, "kept": kept[key], "ring": e["held"],
+                                  "comm": e["comm"]}})
     events = [{"name": "process_name", "ph": "M", "pid": pid,
                "args": {"name": f"process {pid} ({socket.gethostname()})"}}]
     for tid in sorted({e["tid"] for e in entries}):
@@ -203,8 +208,8 @@ def _block_warnings(path, events: list, lost: dict, reset: bool) -> list:
         else:
             counts = ", ".join(f"{n} of {_devices(d)}" for n, d in by_count.items())
             what = f"the first calls that {devices} ran in the block are not in {path} ({counts})"
-        # what the wrapped rings held: the ring size of the communicators in use
-        held = sorted({e["args"]["kept"] for e in events if e.get("cat") == "jax_gin.lost"})
+        # the sizes of the rings that wrapped (the entries they held)
+        held = sorted({e["args"]["ring"] for e in events if e.get("cat") == "jax_gin.lost"})
         held = f" ({', '.join(map(str, held))} in these programs' communicators)" if held else ""
         out.append(f"jax_gin.trace: {what}: the recorder keeps the last "
                    f"JAX_GIN_RECORD_ENTRIES calls of each rank{held}; raise it (a power of "
@@ -247,11 +252,11 @@ def _close_block() -> None:
             _runtime.settings.record = _blocks["record"]
 
 
-class trace:
+class trace(contextlib.ContextDecorator):
     """Write every jax_gin call that this process's devices run inside the block to `path`
-    as a Chrome/Perfetto trace: ``with jax_gin.trace("t.json"): ...`` (_block says more).
-    One object opens one block at a time, and may open another after it ends (the file is
-    written anew)."""
+    as a Chrome/Perfetto trace: ``with jax_gin.trace("t.json"): ...``, or as a decorator, a
+    block per call (_block says more). One object opens one block at a time, and may open
+    another after it ends (the file is written anew)."""
 
     def __init__(self, path):
         self._path = path
@@ -289,7 +294,11 @@ def _block(path):
     from . import _runtime
     _check_writable(path, "jax_gin.trace")
     _open_block()  # first: every call numbered after the marks is recorded
-    since = marks()
+    try:
+        since = marks()
+    except BaseException:
+        _close_block()
+        raise
     resets = _runtime.resets
     body_raised = False
     try:

@@ -242,7 +242,7 @@ def _fix(e: Exception) -> str:
     """The fix line for a self-test call that raised `e`: what its kind of error calls for."""
     text = str(e)
     if "Set them alike in every process" in text:  # _distributed.check_same_settings
-        names = sorted(set(re.findall(r"\b(JAX_GIN_[A-Z_]+)=", text)))
+        names = sorted(set(re.findall(r"\b(JAX_GIN_[A-Z_]+)\b", text)))
         return f"set {', '.join(names) or 'the settings it names'} alike in every process"
     if "cannot be reused" in text:  # the communicator stopped at an earlier row's failure
         return "fix the first failure above: a failed call stops the mesh's communicator"

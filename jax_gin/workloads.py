@@ -673,11 +673,23 @@ def default_config(workload: str, platform: str = "cpu", **overrides) -> Config:
     return dataclasses.replace(base, **given)
 
 
+# The size options of the command line, each a Config field of the same name.
+SIZE_OPTIONS = ("layers", "d_model", "heads", "ffn", "seq", "batch", "vocab", "rows", "mib",
+                "dtype")
+
+
+def reads(workload: str) -> tuple:
+    """The SIZE_OPTIONS that `workload`'s step reads (check_config checks them)."""
+    if workload == "overlap":  # a chain of `layers` d_model-wide matmuls beside an all-reduce
+        return ("layers", "d_model", "rows", "mib", "dtype")
+    model = ("layers", "d_model", "heads", "ffn", "seq", "batch")
+    return model + (("vocab",) if workload in ("dp-train", "fsdp") else ()) + ("dtype",)
+
+
 def check_config(workload: str, cfg: Config, n: int) -> None:
     """Raises ValueError when the sizes do not fit the workload on n devices."""
-    # overlap's step is a chain of `layers` d_model-wide matmuls; the others use every size
-    used = ("layers", "d_model") if workload == "overlap" else \
-        ("layers", "d_model", "heads", "ffn", "seq", "batch")
+    # the integer sizes that the step reads (vocab and rows: checked below)
+    used = [name for name in reads(workload) if name not in ("vocab", "rows", "mib", "dtype")]
     small = [f"{name.replace('_', '-')} {getattr(cfg, name)}" for name in used
              if getattr(cfg, name) < 1]
     if small:
@@ -1024,19 +1036,6 @@ def build_parser(prog: str = "python -m jax_gin.workloads") -> argparse.Argument
     p.add_argument("--json", metavar="PATH", help="write every number as JSON")
     p.add_argument("--profile", metavar="DIR", help="jax.profiler traces of 3 steps per variant")
     return p
-
-
-# The size options of the command line, each a Config field of the same name.
-SIZE_OPTIONS = ("layers", "d_model", "heads", "ffn", "seq", "batch", "vocab", "rows", "mib",
-                "dtype")
-
-
-def reads(workload: str) -> tuple:
-    """The SIZE_OPTIONS that `workload`'s step reads (check_config checks them)."""
-    if workload == "overlap":  # a chain of `layers` d_model-wide matmuls beside an all-reduce
-        return ("layers", "d_model", "rows", "mib", "dtype")
-    model = ("layers", "d_model", "heads", "ffn", "seq", "batch")
-    return model + (("vocab",) if workload in ("dp-train", "fsdp") else ()) + ("dtype",)
 
 
 def main(argv=None, prog: str = "python -m jax_gin.workloads") -> int:

@@ -35,7 +35,8 @@ P="$VENV/bin/python"
 if [ -z "${JAX_GIN_CUDA:-}" ] && [ -f "$VENV/jax_gin_cuda" ]; then
   JAX_GIN_CUDA=$(cat "$VENV/jax_gin_cuda")
 fi
-export JAX_GIN_CUDA=${JAX_GIN_CUDA:-AUTO}
+JAX_GIN_CUDA=$(echo "${JAX_GIN_CUDA:-AUTO}" | tr '[:lower:]' '[:upper:]')  # CMake's own values
+export JAX_GIN_CUDA
 # With an NVIDIA GPU, JAX's CUDA 13 plugin too, so that the demo and the benchmark run on the GPUs.
 JAX_REQ="jax==0.11.2"
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then

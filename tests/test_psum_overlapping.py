@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_gin
 from conftest import mesh_1d, mesh_2d, ndev
@@ -281,6 +281,37 @@ def test_results_unused_still_correct():
         lambda g, m, w: (lax.psum(g, "i"), m), (g, m, w))
 
 
+def test_fn_traced_once_and_calls_that_launch_nothing():
+    """fn is traced once (the check of its calls reads the pair's own trace): a function that
+    keeps state across its calls, as a layer with running statistics does, runs as with lax.
+    A jax_gin call inside fn over mesh axes of one device launches nothing, and is let
+    through."""
+    mesh = Mesh(np.array(jax.devices()).reshape(ndev(), 1), ("i", "t"))
+    g, m, w = inputs(64, "float32", seed=7)
+    traced = []
+
+    class Layer:
+        mean = None
+
+        def __call__(self, m, w):
+            traced.append(1)
+            y = jax_gin.psum(chain(m, w), "t")  # over one device: no call
+            self.mean = jnp.mean(y) if self.mean is None else (self.mean + jnp.mean(y)) / 2
+            return y - self.mean
+
+    def body(g, m, w):
+        return jax_gin.psum_overlapping(g, "i", Layer(), m, w, algorithm=kernel_algorithm())
+
+    def ref(g, m, w):
+        return lax.psum(g, "i"), Layer()(m, w)
+
+    f = lambda b: jax.jit(jax.shard_map(b, mesh=mesh, in_specs=(P("i"), P("i"), P()),  # noqa: E731
+                                        out_specs=(P(), P("i")), check_vma=False))
+    got = f(body)(g, m, w)
+    assert len(traced) == 1
+    jax.tree.map(assert_bitwise, got, f(ref)(g, m, w))
+
+
 def test_errors():
     g, m, w = inputs(16, "float32")
     call = lambda body: jax.jit(jax.shard_map(body, mesh=mesh_1d(), in_specs=(P("i"), P("i"), P()),
@@ -304,6 +335,17 @@ def test_errors():
         return s, y + before
     with pytest.raises(ValueError, match="calls a jax_gin collective .* in flight"):
         call(layer_before_and_inside)
+    # the fused norms are collectives too
+    d = m.shape[-1]
+    norm = jax.jit(lambda m, w: jax_gin.psum_add_rmsnorm(chain(m, w), m, jnp.ones((d,)), "i",
+                                                         algorithm=algo)[0])
+
+    def norm_before_and_inside(g, m, w):
+        before = norm(m, w)
+        s, y = jax_gin.psum_overlapping(g, "i", norm, m, w, algorithm=algo)
+        return s, y + before
+    with pytest.raises(ValueError, match="primitive jax_gin_psum_add_rmsnorm"):
+        call(norm_before_and_inside)
     with pytest.raises(TypeError, match="callable"):
         call(lambda g, m, w: jax_gin.psum_overlapping(g, "i", 3, m, w))
     with pytest.raises(ValueError, match="lanes"):

@@ -461,7 +461,7 @@ def test_laggard_text_of_a_chain_to_a_rank_gone_on():
                            "in that call for its credit; it is still in its call #2 (psum, "
                            "tree), waiting for rank 2 at step 1 of round 2; it waits, through "
                            "rank 2, for rank 3, which has finished that call: its signals did "
-                           "not arrive; ranks 1, 2 never entered it either."), text
+                           "not arrive; ranks 1, 2 never entered call #3 either."), text
     text = _native.cpu.laggard_text(states, 0, 0)
     assert text.startswith("diagnosis: rank 3 finished call #2 (psum, tree), but ranks 1, 2 "
                            "still wait for it at step 1: its signals did not arrive."), text

@@ -150,10 +150,38 @@ def test_trace_object_opens_a_block_at_a_time(tmp_path):
     assert _runtime.settings.record == record
 
 
-def test_trace_path_where_no_file_can_be_created():
-    with pytest.raises(PermissionError, match=r"cannot write /proc/x.json: no file can be "
-                                              r"created in /proc"):
-        with jax_gin.trace("/proc/x.json"):
+def test_trace_as_a_decorator(tmp_path):
+    """A trace object decorates a function: each call is a block of its own."""
+    needs_devices(2)  # over one device a psum launches nothing
+    f = _psum("one_shot")
+    x = exact_input((8,), ndev(), "float32")
+    path = tmp_path / "t.json"
+
+    @jax_gin.trace(path)
+    def step(n):
+        for _ in range(n):
+            jax.block_until_ready(f(x))
+
+    for calls in (2, 1):
+        step(calls)
+        events = json.loads(path.read_text())["traceEvents"]
+        assert len([e for e in events if e.get("cat") == "jax_gin"]) == calls * ndev()
+
+
+def test_trace_path_where_no_file_can_be_created(tmp_path, monkeypatch):
+    """A directory that access() calls writable, where no file can be created (a read-only
+    filesystem, /proc): the error says so, with the system's reason."""
+    import errno
+    import tempfile
+
+    def refuse(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+    monkeypatch.setattr(tempfile, "TemporaryFile", refuse)
+    path = tmp_path / "x.json"
+    with pytest.raises(PermissionError, match=rf"cannot write {re.escape(str(path))}: no file "
+                                              rf"can be created in {re.escape(str(tmp_path))} "
+                                              r"\(Read-only file system\)"):
+        with jax_gin.trace(path):
             pass
 
 
@@ -215,7 +243,7 @@ def test_trace_counts_the_calls_not_kept(tmp_path, monkeypatch, on_before):
         assert seqs == list(range(seqs[0], seqs[0] + 4)), seqs
         (gap,) = [e for e in events if e.get("tid") == tid and e.get("cat") == "jax_gin.lost"]
         assert gap["name"] == "3 earlier calls not kept" and gap["ph"] == "i"
-        assert gap["args"]["calls"] == 3 and gap["args"]["kept"] == 4
+        assert gap["args"]["calls"] == 3 and gap["args"]["kept"] == 4 and gap["args"]["ring"] == 4
         assert gap["ts"] == min(s["ts"] for s in mine)
 
 

@@ -118,8 +118,9 @@ inline std::string last_calls_text(const std::vector<Seen>& s, int group) {
 }
 
 // "diagnosis: rank 3 never entered call #1842 (psum, one_shot); ranks 0-2 wait for it at step 0.
-// ("; ranks 4-5 never entered it either" at the end where more ranks never entered it.)
-// last calls of group 0: ..." for the ranks' states `s`, as rank `self` of `group` reports it.
+// last calls of group 0: ..." for the ranks' states `s`, as rank `self` of `group` reports it
+// (where more ranks never entered the call, the diagnosis ends "; ranks 4-5 never entered call
+// #1842 either").
 // `late_peer` >= 0: the signal that `self` waited for, from that rank, was there when `self`
 // read its flag again after reading the states. It arrived late, not never: the ranks were
 // about a timeout apart, and the states, read as that rank went on, would name it as a rank
@@ -221,7 +222,8 @@ inline std::string laggard_text(const std::vector<Seen>& s, int group, int self,
     std::vector<int> absent;
     for (int r = 0; r < n; ++r)
       if (r != behind && s[size_t(r)].seq < k) absent.push_back(r);
-    if (!absent.empty()) os << "; " << ranks_word(absent) << " never entered it either";
+    if (!absent.empty())
+      os << "; " << ranks_word(absent) << " never entered call #" << k << " either";
   } else {
     // Every rank entered call k. A rank waited for that has finished the call (it returned,
     // or is in a later call) did not deliver its signals; else follow the waits from this rank
