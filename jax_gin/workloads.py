@@ -891,9 +891,8 @@ def _why_different(variant: str, platform: str | None, dtype: str | None,
     `algorithm` is jax_gin's, `xla_ops` lax's collectives in the step."""
     if variant == FUSED:
         return ("the fused call computes its rsqrt and its sum of squares its own way, so "
-                "its float32 normed can differ from the jnp composition's by a few ulp (up to "
-                "44 measured at d = 16384) and round to a neighbouring value of its dtype: "
-                "docs/design.md")
+                "its float32 normed can differ from the jnp composition's by a few ulp and "
+                "round to a neighbouring value of its dtype: docs/design.md")
     if variant != "jax_gin" or platform is None:
         return None
     if algorithm in ("ring", "tree") and dtype in ("bfloat16", "float16"):
