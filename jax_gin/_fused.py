@@ -114,10 +114,12 @@ def _fused(kind, x, residual, params, axis_name, eps, algorithm):
 
 
 def _check_eps(eps, api) -> float:
+    # finite in float32 too: the norm adds it in float32, where 1e40 would be inf
     if isinstance(eps, bool) or not isinstance(eps, (int, float, np.integer, np.floating)) \
-            or not math.isfinite(float(eps)) or float(eps) < 0:
-        raise ValueError(f"jax_gin.{api}: eps must be a finite number >= 0 (a static Python or "
-                         f"NumPy number, not a JAX array), got {eps!r}")
+            or not math.isfinite(float(eps)) or float(eps) < 0 \
+            or float(eps) > float(np.finfo(np.float32).max):
+        raise ValueError(f"jax_gin.{api}: eps must be a number >= 0 that is finite in float32 "
+                         f"(a static Python or NumPy number, not a JAX array), got {eps!r}")
     return float(eps)
 
 

@@ -121,8 +121,9 @@ def test_eps_must_be_static():
     w = jnp.ones((4,), jnp.float32)
     f = smap(lambda v: jax_gin.psum_add_rmsnorm(v, v, w, "i", eps=jnp.float32(1e-6))[0],
              mesh_1d(), P("i"))
-    with pytest.raises(ValueError, match=r"psum_add_rmsnorm: eps must be a finite number >= 0 "
-                                         r"\(a static Python or NumPy number, not a JAX array\)"):
+    with pytest.raises(ValueError, match=r"psum_add_rmsnorm: eps must be a number >= 0 that is "
+                                         r"finite in float32 \(a static Python or NumPy number, "
+                                         r"not a JAX array\)"):
         f.lower(x)
 
 
