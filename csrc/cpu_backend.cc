@@ -989,10 +989,11 @@ std::string run_call(Comm& comm, int group, int rank, Turn* turn, DType dtype, i
                   (timed_out ? " (that process's error names the rank that was behind)" : "");
       }
     }
-    strip_final_stop(earlier);  // the sentence goes on
+    strip_final_stop(earlier);  // the sentence goes on (after a question, a new one)
+    const bool question = !earlier.empty() && earlier.back() == '?';
     return std::string("jax_gin: this communicator stopped after ") + where +
-           " and cannot be reused: " + earlier +
-           ". To recover, fix the cause, call jax_gin.runtime.reset() in every process and call "
+           " and cannot be reused: " + earlier + (question ? " " : ". ") +
+           "To recover, fix the cause, call jax_gin.runtime.reset() in every process and call "
            "the jitted functions again (reset() clears JAX's compiled programs, so they are "
            "lowered again, with a new communicator)";
   }

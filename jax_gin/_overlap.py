@@ -69,6 +69,12 @@ def psum_overlapping(x, axis_name, fn, *args, algorithm: str = "auto",
                          f"got {lanes!r}")
     if not axes:
         return x, fn(*args)
+    # Values that fn closes over (weights a layer uses) become arguments of its converted
+    # form, so that the custom_vjp differentiates with respect to them too: JAX refuses to
+    # differentiate a custom_vjp with respect to a closed-over value. The conversion traces fn
+    # once; the pair then evaluates its jaxpr.
+    fn, hoisted = jax.closure_convert(fn, *args)
+    args = tuple(args) + tuple(hoisted)
     leaves, treedef = tree_util.tree_flatten(x)
     leaves, restore = _primitive.summed_as(leaves, API)
     leaves, out, by_dtype, _ = _primitive.group_leaves(leaves, axes, "sum", API)

@@ -128,13 +128,15 @@ def test_grad(check_vma):
     _check_grad(loss, check_vma, (g, m, w), starts=2)
 
 
-def _check_grad(loss, check_vma, gmw, starts):
+def _check_grad(loss, check_vma, gmw, starts, body=None):
     """The gradients of loss(body) with respect to (g, m, w), with body psum_overlapping(x,
     "i", chain, m, w) or lax.psum(x) beside chain(m, w): lax's bits; without check_vma, the
-    program has `starts` overlapped starts."""
-    ours = loss(lambda x, m, w: jax_gin.psum_overlapping(x, "i", chain, m, w,
-                                                         algorithm=kernel_algorithm()))
-    ref = loss(lambda x, m, w: (lax.psum(x, "i"), chain(m, w)))
+    program has `starts` overlapped starts. `body(call)`: another way to call them, given
+    call(x, fn, *args)."""
+    body = body or (lambda call: lambda x, m, w: call(x, chain, m, w))
+    ours = loss(body(lambda x, fn, *a: jax_gin.psum_overlapping(x, "i", fn, *a,
+                                                              algorithm=kernel_algorithm())))
+    ref = loss(body(lambda x, fn, *a: (lax.psum(x, "i"), fn(*a))))
     grads = lambda f: lambda g, m, w: jax.grad(f, argnums=(0, 1, 2))(g, m, w)
     specs = (P("i"), P("i"), P())
     out = (P("i"), P("i"), P()) if check_vma else (P("i"), P("i"), P("i"))
@@ -144,6 +146,24 @@ def _check_grad(loss, check_vma, gmw, starts):
     if not check_vma:
         text = f(ours).lower(*gmw).as_text()
         assert len(re.findall(r"jax_gin_all_reduce_start", text)) == starts
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_grad_of_fn_that_closes_over_values(check_vma):
+    """fn may close over traced values (a layer's weights) rather than take them in *args: the
+    gradient with respect to them is lax's, bit for bit (JAX refuses to differentiate a
+    custom_vjp with respect to a closed-over value; the call converts fn's closure)."""
+    g, m, w = inputs(300, "float32", seed=9)
+
+    def loss(body):
+        def f(g, m, w):
+            s, y = body(g, m, w)
+            return jnp.sum(s * s) + jnp.sum(y * y)
+        return f
+
+    # body(x, m, w): fn closes over w and takes m only
+    _check_grad(loss, check_vma, (g, m, w), starts=2,
+                body=lambda call: lambda x, m, w: call(x, lambda a: chain(a, w), m))
 
 
 @pytest.mark.parametrize("only_integers", [False, True])
