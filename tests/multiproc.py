@@ -40,9 +40,16 @@ def clean_env(**extra) -> dict:
 def launch(script: str, scenario: str, envs: list, timeout: float) -> list:
     """Runs `script scenario <process id> <port>` once per env in `envs`, concurrently;
     returns [(returncode, output)]. Kills them all and fails if they outlive `timeout`."""
+    return launch_commands(lambda i, port: [sys.executable, os.path.abspath(script), scenario,
+                                            str(i), str(port)], envs, timeout, scenario)
+
+
+def launch_commands(argv_of, envs: list, timeout: float, what: str) -> list:
+    """Runs argv_of(i, port) for process i, once per env in `envs`, concurrently: the
+    processes of one job, `port` their coordinator's. Returns [(returncode, output)]; kills
+    them all and fails, naming `what`, if they outlive `timeout`."""
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(script), scenario, str(i),
-                               str(port)], env=env, stdout=subprocess.PIPE,
+    procs = [subprocess.Popen(argv_of(i, port), env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
              for i, env in enumerate(envs)]
     deadline = time.monotonic() + timeout
@@ -55,7 +62,7 @@ def launch(script: str, scenario: str, envs: list, timeout: float) -> list:
         for p in procs:
             p.kill()
         outs = [p.communicate()[0] for p in procs]
-        raise AssertionError(f"{scenario}: workers still running after {timeout} s:\n" +
+        raise AssertionError(f"{what}: processes still running after {timeout} s:\n" +
                              "\n".join(f"--- process {i}\n{tail(o)}" for i, o in enumerate(outs)))
     return results
 

@@ -243,55 +243,45 @@ def test_processes_that_run_different_commands(tool, common, differ, named):
     """Processes of one job that run the benchmark or the doctor with different options would
     run different programs, and lax's collectives across processes abort without a word:
     each process names the difference, as a usage error (status 2), before any is run."""
-    import subprocess
-    import sys
+    from multiproc import tail
 
-    from multiproc import clean_env, free_port, tail
-
-    port = free_port()
-    env = clean_env(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    cmd = [sys.executable, "-m", f"jax_gin.{tool}", "--coordinator", f"127.0.0.1:{port}",
-           "--num-processes", "2"] + common
-    procs = [subprocess.Popen(cmd + ["--process-id", str(i)] + differ[i], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
-    try:
-        outs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    results = _two_processes_run(
+        lambda i: [f"jax_gin.{tool}"] + common + ["--process-id", str(i)] + differ[i], 120)
     key, values = named[0], named[1:]
-    for i, (p, o) in enumerate(zip(procs, outs)):
-        assert p.returncode == 2, f"process {i}:\n{tail(o)}"
+    for i, (rc, o) in enumerate(results):
+        assert rc == 2, f"process {i}:\n{tail(o)}"
         mine, theirs = values if i == 0 else values[::-1]
         assert (f"python -m jax_gin.{tool}: error: the processes of the job run different "
                 f"commands: {key}={mine} here but {theirs} in process {1 - i}. Run the same "
                 f"command in every process") in o, tail(o)
 
 
-def _two_processes(tmp_path, args):
-    """Runs the benchmark with `args` over jax.distributed: 2 processes x 4 CPU devices on
-    127.0.0.1, one mesh of 8; returns both outputs and process 0's JSON records."""
-    import subprocess
+def _two_processes_run(args_of, timeout: float) -> list:
+    """Runs `python -m <args_of(i)>` as process i of a jax.distributed job of 2 processes x 4
+    CPU devices on 127.0.0.1 (one mesh of 8); returns [(returncode, output)] of both."""
     import sys
 
-    from multiproc import clean_env, free_port, tail
+    from multiproc import clean_env, launch_commands
 
-    port = free_port()
-    out = tmp_path / "bench.json"
     env = clean_env(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    cmd = [sys.executable, "-m", "jax_gin.bench", "-n", "2", "-w", "1", "-k", "3", "--quiet",
-           "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"] + args
-    procs = [subprocess.Popen(cmd + ["--process-id", str(i)] + (["--json", str(out)] if i == 0 else []),
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
-    try:
-        outs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for i, (p, o) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"process {i}:\n{tail(o)}"
+    return launch_commands(
+        lambda i, port: [sys.executable, "-m"] + args_of(i) + [
+            "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"],
+        [env, env], timeout, args_of(0)[0])
+
+
+def _two_processes(tmp_path, args):
+    """Runs the benchmark with `args` over jax.distributed (_two_processes_run); returns both
+    outputs and process 0's JSON records."""
+    from multiproc import tail
+
+    out = tmp_path / "bench.json"
+    results = _two_processes_run(
+        lambda i: ["jax_gin.bench", "-n", "2", "-w", "1", "-k", "3", "--quiet"] + args
+        + ["--process-id", str(i)] + (["--json", str(out)] if i == 0 else []), 240)
+    outs = [o for _, o in results]
+    for i, (rc, o) in enumerate(results):
+        assert rc == 0, f"process {i}:\n{tail(o)}"
     assert "8 x cpu (of 8 devices, 2 processes)" in outs[0], tail(outs[0])
     return outs, json.loads(out.read_text())["results"]
 

@@ -114,8 +114,13 @@ def test_start_before_fn_and_done_after_it(check_vma):
     assert seq.index("D") > seq.rindex("G") and seq.rindex("S") < seq.index("G"), seq
 
 
+@pytest.mark.parametrize("closes_over_w", [False, True], ids=["args", "closure"])
 @pytest.mark.parametrize("check_vma", [True, False])
-def test_grad(check_vma):
+def test_grad(check_vma, closes_over_w):
+    """Gradients with respect to x and fn's inputs are lax's, bit for bit. fn may close over
+    traced values (a layer's weights) rather than take them in *args (JAX refuses to
+    differentiate a custom_vjp with respect to a closed-over value; the call converts fn's
+    closure)."""
     g, m, w = inputs(257, "float32", seed=2)
 
     def loss(body):
@@ -124,8 +129,11 @@ def test_grad(check_vma):
             return jnp.sum(s * g) + jnp.sum(y * y)
         return f
 
+    # body(x, m, w): fn closes over w and takes m only
+    closure = (lambda call: lambda x, m, w: call(x, lambda a: chain(a, w), m)) \
+        if closes_over_w else None
     # the backward all-reduce is an overlapped pair too
-    _check_grad(loss, check_vma, (g, m, w), starts=2)
+    _check_grad(loss, check_vma, (g, m, w), starts=2, body=closure)
 
 
 def _check_grad(loss, check_vma, gmw, starts, body=None):
@@ -146,24 +154,6 @@ def _check_grad(loss, check_vma, gmw, starts, body=None):
     if not check_vma:
         text = f(ours).lower(*gmw).as_text()
         assert len(re.findall(r"jax_gin_all_reduce_start", text)) == starts
-
-
-@pytest.mark.parametrize("check_vma", [True, False])
-def test_grad_of_fn_that_closes_over_values(check_vma):
-    """fn may close over traced values (a layer's weights) rather than take them in *args: the
-    gradient with respect to them is lax's, bit for bit (JAX refuses to differentiate a
-    custom_vjp with respect to a closed-over value; the call converts fn's closure)."""
-    g, m, w = inputs(300, "float32", seed=9)
-
-    def loss(body):
-        def f(g, m, w):
-            s, y = body(g, m, w)
-            return jnp.sum(s * s) + jnp.sum(y * y)
-        return f
-
-    # body(x, m, w): fn closes over w and takes m only
-    _check_grad(loss, check_vma, (g, m, w), starts=2,
-                body=lambda call: lambda x, m, w: call(x, lambda a: chain(a, w), m))
 
 
 @pytest.mark.parametrize("only_integers", [False, True])
