@@ -189,8 +189,7 @@ def check_same_command(prog: str, options: dict, timeout_s: float = 60.0) -> Non
                                     _ms(deadline)))
         except _Deadline:
             continue
-        diff = [f"{k}={mine.get(k)!r} here but {theirs.get(k)!r} in process {q}"
-                for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+        diff = differences(mine, theirs, q)
         if diff:  # a usage error, as argparse's: status 2, the text on stderr
             sys.stderr.write(f"{prog}: error: the processes of the job run different commands: "
                              f"{'; '.join(diff)}. Run the same command in every process (they "
@@ -634,10 +633,15 @@ def _check_peer_settings(client, prefix: str, proc_of: list, mine: list, me: int
             check_same_settings(settings or {}, theirs, p, what)
 
 
+def differences(mine: dict, theirs: dict, other_proc: int) -> list:
+    """'k=mine here but theirs in process P' for each key whose values differ, in key order."""
+    return [f"{k}={mine.get(k)!r} here but {theirs.get(k)!r} in process {other_proc}"
+            for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+
+
 def check_same_settings(mine: dict, theirs: dict, other_proc: int, what: str) -> None:
     """Raise if this process's launch settings differ from those of process `other_proc`."""
-    diff = [f"{k}={mine.get(k)!r} here but {theirs.get(k)!r} in process {other_proc}"
-            for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+    diff = differences(mine, theirs, other_proc)
     if diff:
         raise ValueError(
             f"jax_gin: {what}: the processes of a group must use the same settings, and "

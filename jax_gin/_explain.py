@@ -87,17 +87,15 @@ def explain(x, axis_name=None, *, nranks: int | None = None, platform: str | Non
         if nbytes == 0:
             line = (f"no call: 0 bytes per device, which need no communication (platform "
                     f"{platform}, {_ranks(nranks)})")
-            lines.append(line if len(calls) == 1 else
-                         f"call {len(lines) + 1}, {dtype}, leaves {_ranges(leaves)}: {line}")
-            continue
-        if collective in _scatter_gather.API_NAMES:
-            algo, why = _select.choose_collective(platform, nbytes, nranks, device_kind,
-                                                  api=collective)
-            what = f"{collective} of {nbytes} bytes per device on the larger side"
         else:
-            algo, why = _select.choose(platform, nbytes, nranks, device_kind)
-            what = f"{nbytes} bytes per device"
-        line = f"{algo}: {why} (platform {platform}, {_ranks(nranks)}, {what})"
+            if collective in _scatter_gather.API_NAMES:
+                algo, why = _select.choose_collective(platform, nbytes, nranks, device_kind,
+                                                      api=collective)
+                what = f"{collective} of {nbytes} bytes per device on the larger side"
+            else:
+                algo, why = _select.choose(platform, nbytes, nranks, device_kind)
+                what = f"{nbytes} bytes per device"
+            line = f"{algo}: {why} (platform {platform}, {_ranks(nranks)}, {what})"
         lines.append(line if len(calls) == 1 else
                      f"call {len(lines) + 1}, {dtype}, leaves {_ranges(leaves)}: {line}")
     if len(calls) == 1:
