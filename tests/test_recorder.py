@@ -429,6 +429,23 @@ def test_laggard_text_of_a_rank_that_failed_outside_a_wait():
         _native.cpu.laggard_text([rank0, rank1], 0, 0)
 
 
+def test_laggard_text_of_a_mismatch_before_some_ranks_entered():
+    """The states of a ring over 8 ranks in two processes that ran different programs: ranks
+    4-5 (process 1) failed the turn check, having started call #1 as a pmax where rank 0
+    started a psum, and ranks 6-7 had not entered the call when the group failed. The
+    diagnosis names the failed rank, with its own op, not the ranks that never entered."""
+    psum, pmax, ring = OP_CODES["sum"], OP_CODES["max"], ALGORITHM_CODES["ring"]
+    # (seq, done, wait seq, wait round, wait peer, wait step, op, algorithm, failed, place, kind)
+    waiting = [[1, 0, 1, 1, (r - 1) % 8, r, psum, ring, int(r == 2), 0, 0] for r in range(4)]
+    failed = [[1, 1, 0, 0, -1, 0, pmax, ring, 1, 0, 0] for _ in range(2)]
+    absent = [[0, 0, 0, 0, -1, 0, 0, 0, 0, 0, 0] for _ in range(2)]
+    text = _native.cpu.laggard_text(waiting + failed + absent, 0, 2)
+    assert text.startswith("diagnosis: rank 4 failed in call #1 (pmax, ring), not in a wait "
+                           "(its own error says how); ranks 0-3 wait in that call at steps 0, "
+                           "1, 2, 3; ranks 6, 7 had not entered it."), text
+    assert "never entered" not in text, text
+
+
 def test_laggard_text_of_a_late_signal():
     """A rank whose awaited signal is there when it reads its flag again, after the states:
     the signal came late (its peer entered about a timeout after it), and the states, which

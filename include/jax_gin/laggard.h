@@ -182,7 +182,34 @@ inline std::string laggard_text(const std::vector<Seen>& s, int group, int self,
   os << "diagnosis: ";
   const Seen& lb = s[size_t(behind)];
   std::vector<int> w, steps;
-  if (lb.seq < k) {
+  // A rank that failed in call k outside a wait (a CPU rank whose turn check failed:
+  // cpu_backend.cc, take_turn) is the cause, whose own error says how; the ranks that had not
+  // yet entered the call when the group failed stopped there, and come after it.
+  int failed_outside = -1;
+  for (int r = 0; r < n && failed_outside < 0; ++r) {
+    const Seen& x = s[size_t(r)];
+    if (x.seq == k && x.failed && !x.waiting()) failed_outside = r;
+  }
+  if (failed_outside >= 0) {
+    const Seen& p = s[size_t(failed_outside)];
+    waiters_for(failed_outside, w, steps);
+    os << "rank " << failed_outside << " failed in " << call_name(k, p.op, p.algo)
+       << ", not in a wait (its own error says how)";
+    if (!w.empty()) os << "; " << ranks_word(w) << " wait" << (w.size() == 1 ? "s" : "") << " for it "
+                       << steps_text(steps);
+    std::vector<int> others, other_steps, absent;
+    for (int r = 0; r < n; ++r) {
+      const Seen& x = s[size_t(r)];
+      if (x.seq == k && x.waiting() && x.wpeer != failed_outside) {
+        others.push_back(r);
+        other_steps.push_back(x.wstep);
+      }
+      if (x.seq < k) absent.push_back(r);
+    }
+    if (!others.empty()) os << (w.empty() ? "; " : ", and ") << ranks_word(others) << " wait"
+                            << (others.size() == 1 ? "s" : "") << " in that call " << steps_text(other_steps);
+    if (!absent.empty()) os << "; " << ranks_word(absent) << " had not entered it";
+  } else if (lb.seq < k) {
     waiters_for(behind, w, steps);
     os << "rank " << behind << " never entered " << call_name(k, me.op, me.algo);
     if (!w.empty()) os << "; " << ranks_word(w) << " wait" << (w.size() == 1 ? "s" : "") << " for it "
@@ -278,14 +305,10 @@ inline std::string laggard_text(const std::vector<Seen>& s, int group, int self,
       } else if (r == self) {
         os << "rank " << behind << " is behind in " << call_name(k, me.op, me.algo);
       } else {
-        // Not waiting: busy or stopped, or failed outside a wait (a CPU rank whose turn check
-        // failed: cpu_backend.cc, take_turn), whose own error says how.
+        // Not waiting, and not failed (a rank that failed outside a wait is named above):
+        // busy or stopped.
         waiters_for(r, w, steps);
-        if (s[size_t(r)].failed)
-          os << "rank " << r << " failed in " << call_name(k, me.op, me.algo)
-             << ", not in a wait (its own error says how)";
-        else
-          os << "rank " << r << " is in " << call_name(k, me.op, me.algo) << " but not waiting (busy or stopped)";
+        os << "rank " << r << " is in " << call_name(k, me.op, me.algo) << " but not waiting (busy or stopped)";
         if (!w.empty()) os << "; " << ranks_word(w) << " wait" << (w.size() == 1 ? "s" : "") << " for it "
                            << steps_text(steps);
       }
