@@ -52,10 +52,12 @@ def workload_parser(workload: str, description: str):
     w = workloads.WORKLOADS[workload]
     ops = " and ".join(_LAX_NAMES[op] for op in w.xla_ops)
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--reduce", choices=("all",) + workloads.REDUCES, default="all",
+    fused = (f", {workloads.FUSED} (jax_gin's psum fused with the residual add and RMSNorm "
+             "after it)") if workloads.FUSED in w.variants else ""
+    p.add_argument("--reduce", choices=("all",) + w.variants, default="all",
                    help=f"the collectives of the step: jax_gin's {ops}, lax's, or none "
-                        "(compute only, on tensors of the same shapes); 'all' times the three "
-                        "in turns (default)")
+                        f"(compute only, on tensors of the same shapes){fused}; 'all' times "
+                        "them all in turns (default)")
     p.add_argument("--algorithm", choices=("auto",) + w.algorithms, default="auto",
                    help="jax_gin's algorithm (default auto)")
     decode = workload == "tp-decode"
@@ -98,11 +100,11 @@ def workload_setup(workload: str, description: str):
 
 
 def report_step_times(workload: str, mesh, cfg, args) -> None:
-    """Times the step built with args.reduce (or all three) in turns with the compute-only
+    """Times the step built with args.reduce (or every variant) in turns with the compute-only
     one, and prints the step times and the exposed communication."""
     from jax_gin import workloads
 
-    chosen = workloads.REDUCES if args.reduce == "all" else \
+    chosen = workloads.WORKLOADS[workload].variants if args.reduce == "all" else \
         tuple(dict.fromkeys(("none", args.reduce)))
     result = workloads.measure(workload, mesh, cfg, algorithm=args.algorithm, reduces=chosen,
                                rounds=args.rounds)

@@ -1,7 +1,9 @@
 """Llama-shaped tensor-parallel decode step with jax_gin.psum.
 
-    python examples/tp_decode.py                   # jax_gin, lax and compute only, timed in turns
-    python examples/tp_decode.py --reduce jax_gin  # jax_gin, and compute only for the exposed time
+    python examples/tp_decode.py                         # every variant below, timed in turns
+    python examples/tp_decode.py --reduce jax_gin        # jax_gin, and compute only for the exposed time
+    python examples/tp_decode.py --reduce jax_gin_fused  # each psum, residual add and RMSNorm as
+                                                         # one jax_gin.psum_add_rmsnorm
 
 One new token per sequence goes through every block. The weights are split over the mesh
 axis "tensor" as in Megatron (QKV, gate and up by columns, attention-out and down by rows),
@@ -17,6 +19,8 @@ by the residual add and an RMSNorm; as jax_gin.workloads.llama_decode writes it
     x = x + psum(m @ p["down"], "tensor")                                # row-parallel
     h = norm(x, next block's ln1)
 
+With --reduce jax_gin_fused each psum, the residual add and the RMSNorm after it are one
+jax_gin.psum_add_rmsnorm (on GPUs one kernel).
 Sizes default to 32 layers, d_model 4096, 8 tokens (64 psums of 64 KiB) on GPUs and to a
 tiny model on CPU devices.
 """

@@ -144,8 +144,27 @@ def test_one_device_gives_no_lax_ratio():
     result = workloads.measure("tp-decode", mesh, tiny("tp-decode"), rounds=1, warmup=0)
     assert result["nranks"] == 1 and result["ratio_lax_over_jax_gin"] is None
     assert all(v["vs_lax"] is None and v["step_ms"] > 0 for v in result["variants"].values())
-    assert any(line.startswith("# one device: lax.psum is no operation")
-               for line in workloads.format_report(result))
+    lines = workloads.format_report(result)
+    assert any(line.startswith("# one device: lax.psum is no operation") for line in lines)
+    assert not any("vs_lax =" in line for line in lines), lines  # no legend for no ratio
+
+
+def test_step_examples_take_the_workloads_variants(monkeypatch):
+    """The step examples' --reduce offers each workload's variants (tp_decode: the fused
+    psum_add_rmsnorm too), and 'all' times them all."""
+    import sys
+
+    from helpers import load_example
+
+    common = load_example("_common")
+    for name, w in workloads.WORKLOADS.items():
+        if name == "overlap":  # no step example: python -m jax_gin.bench --workload overlap
+            continue
+        parser = common.workload_parser(name, name)
+        action = next(a for a in parser._actions if a.dest == "reduce")
+        assert tuple(action.choices) == ("all",) + w.variants, name
+    monkeypatch.setattr(sys, "argv", ["tp_decode.py", "--reduce", "jax_gin_fused"])
+    assert common.workload_parser("tp-decode", "").parse_args().reduce == "jax_gin_fused"
 
 
 def test_report_notes_jax_gin_rows_that_auto_gave_to_xla():
