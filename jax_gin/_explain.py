@@ -87,6 +87,9 @@ def explain(x, axis_name=None, *, nranks: int | None = None, platform: str | Non
         if nbytes == 0:
             line = (f"no call: 0 bytes per device, which need no communication (platform "
                     f"{platform}, {_ranks(nranks)})")
+        elif nranks == 1:  # auto lowers it to its operands (_select.ONE_RANK)
+            line = (f"no call: a group of one rank, whose result is its input (platform "
+                    f"{platform}, 1 rank, {nbytes} bytes per device)")
         else:
             if collective in _scatter_gather.API_NAMES:
                 algo, why = _select.choose_collective(platform, nbytes, nranks, device_kind,
