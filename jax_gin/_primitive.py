@@ -409,7 +409,11 @@ def _batch(axis_data, vals_in, dims_in, *, axes, op, algorithm, invariant, overl
             # is broadcast to no batch element, so its values are never seen
             local.append(jnp.zeros(x.shape[:d] + x.shape[d + 1:], x.dtype))
         else:
-            local.append({"sum": jnp.sum, "max": jnp.max, "min": jnp.min}[op](x, axis=d).astype(x.dtype))
+            # lax's reductions, in the operand's dtype, as lax.psum's positional axes take them
+            # (jnp.sum would add 16-bit floats in float32, which rounds differently)
+            reduce = {"sum": jax.lax.reduce_sum, "max": jax.lax.reduce_max,
+                      "min": jax.lax.reduce_min}[op]
+            local.append(reduce(x, (d,)))
     outs = allreduce_p.bind(*local, **dict(params, axes=rest)) if rest else local
     outs = [o * jnp.asarray(axis_data.size, o.dtype) if (d is None and op == "sum") else o
             for o, d in zip(outs, dims_in)]

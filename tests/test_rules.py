@@ -223,6 +223,30 @@ def test_vmap_named_axis(op, batch, dtype):
     assert_bitwise(ours, ref)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_vmap_named_axis_rounds_as_lax(dtype):
+    """A sum over the vmapped axis of 16-bit floats whose sums are not exact: the batch is
+    reduced in its own dtype, as lax reduces positional axes, so the bits are lax's. Over
+    ("i", "b") only device 0 holds nonzeros, so the mesh's sum adds zeros and is exact, and
+    what is compared is the batch's reduction."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((64, 37)), dtype)
+    ours = jax.vmap(lambda v: jax_gin.psum(v, "b"), axis_name="b")(x)
+    ref = jax.vmap(lambda v: lax.psum(v, "b"), axis_name="b")(x)
+    assert_bitwise(ours, ref)
+    mesh = mesh_1d()
+    n = ndev()
+    y = jnp.zeros((n * 64, 37), dtype).at[:64].set(x)
+
+    def f(v):
+        return (jax.vmap(lambda r: jax_gin.psum(r, ("i", "b"), algorithm="one_shot"),
+                         axis_name="b")(v),
+                jax.vmap(lambda r: lax.psum(r, ("i", "b")), axis_name="b")(v))
+
+    a, b = smap(f, mesh, P("i"), check_vma=False, out_spec=(P("i"), P("i")))(y)
+    assert_bitwise(a, b)
+
+
 def test_vmap_named_axis_and_mesh_axis():
     mesh = mesh_1d()
     x = exact_input((4, 3), ndev(), "float32")
