@@ -87,9 +87,6 @@ def explain(x, axis_name=None, *, nranks: int | None = None, platform: str | Non
         if nbytes == 0:
             line = (f"no call: 0 bytes per device, which need no communication (platform "
                     f"{platform}, {_ranks(nranks)})")
-        elif nranks == 1:  # auto lowers it to its operands (_select.ONE_RANK)
-            line = (f"no call: a group of one rank, whose result is its input (platform "
-                    f"{platform}, 1 rank, {nbytes} bytes per device)")
         else:
             if collective in _scatter_gather.API_NAMES:
                 algo, why = _select.choose_collective(platform, nbytes, nranks, device_kind,
@@ -98,6 +95,8 @@ def explain(x, axis_name=None, *, nranks: int | None = None, platform: str | Non
             else:
                 algo, why = _select.choose(platform, nbytes, nranks, device_kind)
                 what = f"{nbytes} bytes per device"
+            if nranks == 1:  # auto lowers it to its operands (_select.ONE_RANK)
+                algo, why = "no call", "a group of one rank, whose result is its input"
             line = f"{algo}: {why} (platform {platform}, {_ranks(nranks)}, {what})"
         lines.append(line if len(calls) == 1 else
                      f"call {len(lines) + 1}, {dtype}, leaves {_ranges(leaves)}: {line}")

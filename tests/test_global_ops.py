@@ -346,7 +346,9 @@ def test_reduction_over_no_axis_takes_out_sharding(name, keepdims):
     with jax.set_mesh(mesh):
         y = jax.jit(lambda v: getattr(jax_gin, name)(v, (), keepdims,
                                                      out_sharding=P("tensor", "data")))(xs)
-    assert y.sharding.spec == P("tensor", "data")
+    # equivalent, not equal: JAX drops or keeps mesh axes of size 1 (1 x 2 on 2 GPUs)
+    assert y.sharding.is_equivalent_to(NamedSharding(mesh, P("tensor", "data")), y.ndim), \
+        y.sharding
     assert_bitwise(y, getattr(jnp, name)(np.asarray(xs), ()))
 
 

@@ -11,7 +11,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_gin
-from conftest import mesh_1d, mesh_2d, ndev
+from conftest import mesh_1d, mesh_2d, ndev, needs_devices
 from helpers import assert_bitwise, exact_input, kernel_algorithm
 
 
@@ -322,10 +322,18 @@ def test_fn_traced_once_and_calls_that_launch_nothing():
     jax.tree.map(assert_bitwise, got, f(ref)(g, m, w))
 
 
-def test_errors():
-    g, m, w = inputs(16, "float32")
-    call = lambda body: jax.jit(jax.shard_map(body, mesh=mesh_1d(), in_specs=(P("i"), P("i"), P()),
+def _call_on(g, m, w):
+    """call(body): jit(shard_map(body)) over (g, m, w), sum replicated and y per device."""
+    return lambda body: jax.jit(jax.shard_map(body, mesh=mesh_1d(), in_specs=(P("i"), P("i"), P()),
                                               out_specs=(P(), P("i"))))(g, m, w)
+
+
+def test_collectives_inside_fn_are_refused():
+    """fn's jax_gin calls, which would run beside the start's kernel, are refused by name.
+    (Over an axis of one device, a call runs no kernel and is let through.)"""
+    needs_devices(2)
+    g, m, w = inputs(16, "float32")
+    call = _call_on(g, m, w)
     algo = kernel_algorithm()  # a start in flight: one that launched a kernel
     with pytest.raises(ValueError, match="in flight"):
         call(lambda g, m, w: jax_gin.psum_overlapping(
@@ -356,6 +364,11 @@ def test_errors():
         return s, y + before
     with pytest.raises(ValueError, match="primitive jax_gin_psum_add_rmsnorm"):
         call(norm_before_and_inside)
+
+
+def test_errors():
+    g, m, w = inputs(16, "float32")
+    call = _call_on(g, m, w)
     with pytest.raises(TypeError, match="callable"):
         call(lambda g, m, w: jax_gin.psum_overlapping(g, "i", 3, m, w))
     with pytest.raises(ValueError, match="lanes"):

@@ -580,7 +580,8 @@ def test_explain_collectives():
         return v
 
     smap(body, mesh, P("i"))(jnp.zeros((ndev() * 8,), jnp.float32))
-    assert f"{ndev()} ranks, all_gather of {ndev() * 32} bytes" in seen[0]
+    ranks = f"{ndev()} rank{'s' if ndev() > 1 else ''}"
+    assert f"{ranks}, all_gather of {ndev() * 32} bytes" in seen[0], seen[0]
 
 
 def test_explain_takes_the_dtypes_and_pytrees_the_collective_takes():
