@@ -9,7 +9,7 @@ jax_gin.workloads.dp_train_step writes it:
 
     def step(params, tokens):
         loss, grads = jax.value_and_grad(gpt_loss)(params, tokens, heads)
-        grads = jax_gin.psum(grads, "data")      # was: jax.lax.psum(grads, "data")
+        grads = jax_gin.psum(grads, "data")      # in place of jax.lax.psum(grads, "data")
         return sgd(params, grads, lr / n), loss
 
     step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")),

@@ -16,7 +16,7 @@ updates its own 1/n. The step, as jax_gin.workloads.fsdp_train_step writes it
         top = unpack(gather(shards["top"], "data", axis=0, tiled=True))
         x = gpt_embed(top, tokens)
         for shard in shards["layers"]:
-            p = unpack(gather(shard, "data", axis=0, tiled=True))  # was: jax.lax.all_gather
+            p = unpack(gather(shard, "data", axis=0, tiled=True))  # in place of jax.lax.all_gather
             x = gpt_block(x, p, heads)
         return gpt_head(x, top, tokens)
 

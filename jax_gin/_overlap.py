@@ -98,8 +98,8 @@ def psum_overlapping(x, axis_name, fn, *args, algorithm: str = "auto",
     # a program of its own, and a start's kernel must be joined by its done in the program
     # that started it. Inside a jit this is a nested call, which XLA inlines.
     pair = jax.jit(lambda r, a: _overlapped(r, fn, a, params, modes, sizes, invariant))
-    # fn's calls, read from the pair's jaxpr, whose trace the call below reuses: fn is traced
-    # once, within the pair, as it runs
+    # The calls in fn's converted jaxpr, read from the pair's jaxpr; the call below reuses
+    # that trace of the pair
     _refuse_calls_in(pair.trace(reduced, args).jaxpr.jaxpr, len(groups))
     sums, ys = pair(reduced, args)
     k = 0

@@ -180,8 +180,8 @@ class Settings:
     cpu_workspace_bytes, gpu_workspace_bytes: symmetric workspace per rank on CPU devices
         (default 1 MiB) and on GPUs (default 64 MiB), both set by JAX_GIN_WORKSPACE_BYTES (a
         positive integer); messages larger than one round's capacity are pipelined through it in
-        chunks. A workspace too small for one round of an algorithm raises a ValueError at
-        trace time that names the bytes it needs.
+        chunks. A workspace too small for one round of an algorithm raises a ValueError when
+        the program is lowered, naming the bytes it needs.
     timeout_s: how long any wait may spin before the call fails (JAX_GIN_TIMEOUT_S, seconds,
         positive and finite).
     bucket_bytes: a pytree's leaves of one dtype are reduced (scattered, gathered) together,
@@ -407,7 +407,7 @@ def workspace_bytes(platform: str) -> int:
 
 def check_workspace(platform: str, algorithm: str, nranks: int, itemsize: int, api: str,
                     collective: bool = False) -> None:
-    """Raise at trace time if one round of `algorithm` cannot fit in the workspace: a round of
+    """Raise (at lowering) if one round of `algorithm` cannot fit in the workspace: a round of
     the all-reduce (schedule.h), or with `collective` one of psum_scatter or all_gather
     (collectives.h)."""
     if nranks <= 1:
