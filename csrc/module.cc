@@ -380,7 +380,7 @@ NB_MODULE(_jax_gin, m) {
   // wait_round, wait_peer, wait_step, op, algorithm, failed, wait_place, wait_kind);
   // late_peer as laggard_text's.
   m.def("laggard_text", [](const std::vector<std::vector<int64_t>>& states, int group, int self,
-                           int late_peer) {
+                           int late_peer, bool turn_checked) {
           std::vector<Seen> s;
           for (const auto& v : states) {
             if (v.size() != 11) throw nb::value_error("laggard_text: 11 fields per rank");
@@ -388,8 +388,9 @@ NB_MODULE(_jax_gin, m) {
                              int(v[4]), int(v[5]), int(v[6]), int(v[7]), v[8] != 0, int(v[9]),
                              int(v[10])});
           }
-          return laggard_text(s, group, self, late_peer);
-        }, nb::arg("states"), nb::arg("group"), nb::arg("self"), nb::arg("late_peer") = -1);
+          return laggard_text(s, group, self, late_peer, turn_checked);
+        }, nb::arg("states"), nb::arg("group"), nb::arg("self"), nb::arg("late_peer") = -1,
+        nb::arg("turn_checked") = true);
 
   // Workspaces: one group's windows, flags and round counters, in private memory or in a
   // POSIX shared-memory segment that several processes map (see jax_gin/_distributed.py).

@@ -240,7 +240,8 @@ std::string describe(const HangReport& r, int nranks) {
       const RecState& st = r.states[q];
       seen[size_t(q)] = seen_of(st, st.seq, st.done, st.wait_seq);
     }
-    os << "\n" << laggard_text(seen, d.group, d.rank, r.late ? d.peer : -1);
+    os << "\n" << laggard_text(seen, d.group, d.rank, r.late ? d.peer : -1,
+                                  /*turn_checked=*/false);
   }
   return os.str();
 }

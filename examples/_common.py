@@ -78,7 +78,7 @@ def workload_parser(workload: str, description: str):
 def workload_setup(workload: str, description: str):
     """(args, mesh, cfg, reduce) of a step example: its options parsed, the workload's 1-D mesh
     over every device, its sizes (the platform's defaults unless given) and the all-reduce its
-    steps run with ('all' runs jax_gin's, then times the three)."""
+    steps run with ('all' runs jax_gin's, then times every variant of the workload)."""
     import jax
     from jax_gin import workloads
 

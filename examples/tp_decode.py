@@ -1,6 +1,6 @@
 """Llama-shaped tensor-parallel decode step with jax_gin.psum.
 
-    python examples/tp_decode.py                         # every variant below, timed in turns
+    python examples/tp_decode.py                         # every variant, timed in turns
     python examples/tp_decode.py --reduce jax_gin        # jax_gin, and compute only for the exposed time
     python examples/tp_decode.py --reduce jax_gin_fused  # each psum, residual add and RMSNorm as
                                                          # one jax_gin.psum_add_rmsnorm

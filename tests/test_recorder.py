@@ -446,6 +446,23 @@ def test_laggard_text_of_a_mismatch_before_some_ranks_entered():
     assert "never entered" not in text, text
 
 
+def test_laggard_text_of_gpu_states_with_a_cleared_wait():
+    """GPU states (no turn checks): rank 1 timed out, but another lane's end of a wait with
+    the same fields cleared its published wait, so it shows failed and not waiting. Rank 3,
+    which never entered the call, is still the one named."""
+    psum, one_shot = OP_CODES["sum"], ALGORITHM_CODES["one_shot"]
+    # (seq, done, wait seq, wait round, wait peer, wait step, op, algorithm, failed, place, kind)
+    waiting = [1, 0, 1, 1, 3, 0, psum, one_shot, 0, 0, 0]
+    cleared = [1, 0, 0, 1, 3, 0, psum, one_shot, 1, 0, 0]
+    absent = [0, 0, 0, 0, -1, 0, 0, 0, 0, 0, 0]
+    states = [waiting, cleared, list(waiting), absent]
+    text = _native.cpu.laggard_text(states, 0, 0, turn_checked=False)
+    assert text.startswith("diagnosis: rank 3 never entered call #1 (psum, one_shot)"), text
+    # the same states from a CPU group: a failed rank without a wait failed its turn check
+    assert _native.cpu.laggard_text(states, 0, 0).startswith(
+        "diagnosis: rank 1 failed in call #1 (psum, one_shot), not in a wait")
+
+
 def test_laggard_text_of_a_late_signal():
     """A rank whose awaited signal is there when it reads its flag again, after the states:
     the signal came late (its peer entered about a timeout after it), and the states, which

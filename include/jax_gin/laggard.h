@@ -125,7 +125,12 @@ inline std::string last_calls_text(const std::vector<Seen>& s, int group) {
 // read its flag again after reading the states. It arrived late, not never: the ranks were
 // about a timeout apart, and the states, read as that rank went on, would name it as a rank
 // whose signals did not arrive.
-inline std::string laggard_text(const std::vector<Seen>& s, int group, int self, int late_peer = -1) {
+// `turn_checked`: the states are a CPU group's, whose ranks check their turn (cpu_backend.cc,
+// take_turn) and may fail in a call outside a wait. A GPU rank that failed keeps its wait,
+// though another lane's end of a wait with the same fields may clear it (transport.cuh,
+// state_unwait), so there a failed rank that shows no wait is not taken for such a failure.
+inline std::string laggard_text(const std::vector<Seen>& s, int group, int self, int late_peer = -1,
+                                bool turn_checked = true) {
   using namespace laggard_detail;
   const int n = int(s.size());
   const Seen& me = s[size_t(self)];
@@ -186,7 +191,7 @@ inline std::string laggard_text(const std::vector<Seen>& s, int group, int self,
   // cpu_backend.cc, take_turn) is the cause, whose own error says how; the ranks that had not
   // yet entered the call when the group failed stopped there, and come after it.
   int failed_outside = -1;
-  for (int r = 0; r < n && failed_outside < 0; ++r) {
+  for (int r = 0; turn_checked && r < n && failed_outside < 0; ++r) {
     const Seen& x = s[size_t(r)];
     if (x.seq == k && x.failed && !x.waiting()) failed_outside = r;
   }
@@ -305,10 +310,14 @@ inline std::string laggard_text(const std::vector<Seen>& s, int group, int self,
       } else if (r == self) {
         os << "rank " << behind << " is behind in " << call_name(k, me.op, me.algo);
       } else {
-        // Not waiting, and not failed (a rank that failed outside a wait is named above):
-        // busy or stopped.
+        // Not waiting: busy or stopped, or (GPU states only: on CPU such a rank is named
+        // above) failed with its wait cleared.
         waiters_for(r, w, steps);
-        os << "rank " << r << " is in " << call_name(k, me.op, me.algo) << " but not waiting (busy or stopped)";
+        if (s[size_t(r)].failed)
+          os << "rank " << r << " failed in " << call_name(k, me.op, me.algo)
+             << ", not in a wait (its own error says how)";
+        else
+          os << "rank " << r << " is in " << call_name(k, me.op, me.algo) << " but not waiting (busy or stopped)";
         if (!w.empty()) os << "; " << ranks_word(w) << " wait" << (w.size() == 1 ? "s" : "") << " for it "
                            << steps_text(steps);
       }
