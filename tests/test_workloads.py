@@ -165,6 +165,19 @@ def test_step_examples_take_the_workloads_variants(monkeypatch):
         assert tuple(action.choices) == ("all",) + w.variants, name
     monkeypatch.setattr(sys, "argv", ["tp_decode.py", "--reduce", "jax_gin_fused"])
     assert common.workload_parser("tp-decode", "").parse_args().reduce == "jax_gin_fused"
+    # what report_step_times times: every variant for 'all', else the one with compute only
+    timed = []
+
+    def measure(workload, mesh, cfg, *, reduces, **kw):
+        timed.append(reduces)
+        raise StopIteration  # the variants are all this test needs
+
+    monkeypatch.setattr(workloads, "measure", measure)
+    for reduce in ("all", "jax_gin_fused"):
+        args = common.workload_parser("tp-decode", "").parse_args(["--reduce", reduce])
+        with pytest.raises(StopIteration):
+            common.report_step_times("tp-decode", None, None, args)
+    assert timed == [workloads.WORKLOADS["tp-decode"].variants, ("none", "jax_gin_fused")]
 
 
 def test_report_notes_jax_gin_rows_that_auto_gave_to_xla():
