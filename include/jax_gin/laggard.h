@@ -185,6 +185,27 @@ inline std::string laggard_text(const std::vector<Seen>& s, int group, int self,
   };
   Text os;
   os << "diagnosis: ";
+  // "; ranks 0-2 wait for it at step 0" for waiters `ws` at `at`, where there are any.
+  auto say_waiters = [&](const std::vector<int>& ws, const std::vector<int>& at) {
+    if (!ws.empty()) os << "; " << ranks_word(ws) << " wait" << (ws.size() == 1 ? "s" : "")
+                        << " for it " << steps_text(at);
+  };
+  // say_waiters of the ranks in call k that wait for `target`, then ", and ranks 3-4 wait in
+  // that call at steps 1, 2" of those that wait there for another rank.
+  auto say_waits_around = [&](int target) {
+    std::vector<int> ws, at, others, other_at;
+    waiters_for(target, ws, at);
+    for (int r = 0; r < n; ++r) {
+      const Seen& x = s[size_t(r)];
+      if (x.seq == k && x.waiting() && x.wpeer != target) {
+        others.push_back(r);
+        other_at.push_back(x.wstep);
+      }
+    }
+    say_waiters(ws, at);
+    if (!others.empty()) os << (ws.empty() ? "; " : ", and ") << ranks_word(others) << " wait"
+                            << (others.size() == 1 ? "s" : "") << " in that call " << steps_text(other_at);
+  };
   const Seen& lb = s[size_t(behind)];
   std::vector<int> w, steps;
   // A rank that failed in call k outside a wait (a CPU rank whose turn check failed:
@@ -197,38 +218,16 @@ inline std::string laggard_text(const std::vector<Seen>& s, int group, int self,
   }
   if (failed_outside >= 0) {
     const Seen& p = s[size_t(failed_outside)];
-    waiters_for(failed_outside, w, steps);
     os << "rank " << failed_outside << " failed in " << call_name(k, p.op, p.algo)
        << ", not in a wait (its own error says how)";
-    if (!w.empty()) os << "; " << ranks_word(w) << " wait" << (w.size() == 1 ? "s" : "") << " for it "
-                       << steps_text(steps);
-    std::vector<int> others, other_steps, absent;
-    for (int r = 0; r < n; ++r) {
-      const Seen& x = s[size_t(r)];
-      if (x.seq == k && x.waiting() && x.wpeer != failed_outside) {
-        others.push_back(r);
-        other_steps.push_back(x.wstep);
-      }
-      if (x.seq < k) absent.push_back(r);
-    }
-    if (!others.empty()) os << (w.empty() ? "; " : ", and ") << ranks_word(others) << " wait"
-                            << (others.size() == 1 ? "s" : "") << " in that call " << steps_text(other_steps);
+    say_waits_around(failed_outside);
+    std::vector<int> absent;
+    for (int r = 0; r < n; ++r)
+      if (s[size_t(r)].seq < k) absent.push_back(r);
     if (!absent.empty()) os << "; " << ranks_word(absent) << " had not entered it";
   } else if (lb.seq < k) {
-    waiters_for(behind, w, steps);
     os << "rank " << behind << " never entered " << call_name(k, me.op, me.algo);
-    if (!w.empty()) os << "; " << ranks_word(w) << " wait" << (w.size() == 1 ? "s" : "") << " for it "
-                       << steps_text(steps);
-    std::vector<int> others, other_steps;
-    for (int r = 0; r < n; ++r) {
-      const Seen& x = s[size_t(r)];
-      if (x.seq == k && x.waiting() && x.wpeer != behind) {
-        others.push_back(r);
-        other_steps.push_back(x.wstep);
-      }
-    }
-    if (!others.empty()) os << (w.empty() ? "; " : ", and ") << ranks_word(others) << " wait"
-                            << (others.size() == 1 ? "s" : "") << " in that call " << steps_text(other_steps);
+    say_waits_around(behind);
     if (lb.seq == 0) os << "; it made no call on this communicator";
     else if (lb.in_call()) os << "; it is still in its " << call_name(lb.seq, lb.op, lb.algo)
                              << (lb.waiting() ? ", " + wait_text(lb) : std::string(", not waiting"));
@@ -318,8 +317,7 @@ inline std::string laggard_text(const std::vector<Seen>& s, int group, int self,
              << ", not in a wait (its own error says how)";
         else
           os << "rank " << r << " is in " << call_name(k, me.op, me.algo) << " but not waiting (busy or stopped)";
-        if (!w.empty()) os << "; " << ranks_word(w) << " wait" << (w.size() == 1 ? "s" : "") << " for it "
-                           << steps_text(steps);
+        say_waiters(w, steps);
       }
     }
   }
