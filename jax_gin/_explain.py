@@ -88,15 +88,16 @@ def explain(x, axis_name=None, *, nranks: int | None = None, platform: str | Non
             line = (f"no call: 0 bytes per device, which need no communication (platform "
                     f"{platform}, {_ranks(nranks)})")
         else:
-            if collective in _scatter_gather.API_NAMES:
-                algo, why = _select.choose_collective(platform, nbytes, nranks, device_kind,
-                                                      api=collective)
-                what = f"{collective} of {nbytes} bytes per device on the larger side"
-            else:
-                algo, why = _select.choose(platform, nbytes, nranks, device_kind)
-                what = f"{nbytes} bytes per device"
+            scatter_gather = collective in _scatter_gather.API_NAMES
+            what = (f"{collective} of {nbytes} bytes per device on the larger side"
+                    if scatter_gather else f"{nbytes} bytes per device")
             if nranks == 1:  # auto lowers it to its operands (_select.ONE_RANK)
                 algo, why = "no call", "a group of one rank, whose result is its input"
+            elif scatter_gather:
+                algo, why = _select.choose_collective(platform, nbytes, nranks, device_kind,
+                                                      api=collective)
+            else:
+                algo, why = _select.choose(platform, nbytes, nranks, device_kind)
             line = f"{algo}: {why} (platform {platform}, {_ranks(nranks)}, {what})"
         lines.append(line if len(calls) == 1 else
                      f"call {len(lines) + 1}, {dtype}, leaves {_ranges(leaves)}: {line}")

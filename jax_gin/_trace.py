@@ -15,6 +15,7 @@ end and for a jax_gin.runtime.reset() in it (which destroys the calls recorded b
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import hashlib
 import json
@@ -92,9 +93,8 @@ def _gather(backend: str, comms: dict, read, keep) -> list:
         except ValueError:  # destroyed meanwhile
             continue
         device = {(layout.group_of[i], layout.rank_of[i]): d for i, d in enumerate(device_ids)}
-        held: dict = {}  # entries each rank's ring holds (its size, once it has wrapped)
-        for e in got:
-            held[(e["group"], e["rank"])] = held.get((e["group"], e["rank"]), 0) + 1
+        # entries each rank's ring holds (its size, once it has wrapped)
+        held = collections.Counter((e["group"], e["rank"]) for e in got)
         for e in got:
             if keep(comm, e):
                 e["tid"] = device.get((e["group"], e["rank"]), 1_000_000 + e["rank"])
