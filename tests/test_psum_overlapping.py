@@ -345,25 +345,22 @@ def test_collectives_inside_fn_are_refused():
             m, w, algorithm=algo))
     # A jitted function that the program called before is not lowered again inside fn: its
     # call is found in fn's jaxpr.
-    layer = jax.jit(lambda m, w: jax_gin.psum(chain(m, w), "i", algorithm=algo))
+    def before_and_inside(inner):
+        def body(g, m, w):
+            before = inner(m, w)
+            s, y = jax_gin.psum_overlapping(g, "i", inner, m, w, algorithm=algo)
+            return s, y + before
+        return body
 
-    def layer_before_and_inside(g, m, w):
-        before = layer(m, w)
-        s, y = jax_gin.psum_overlapping(g, "i", layer, m, w, algorithm=algo)
-        return s, y + before
+    layer = jax.jit(lambda m, w: jax_gin.psum(chain(m, w), "i", algorithm=algo))
     with pytest.raises(ValueError, match="calls a jax_gin collective .* in flight"):
-        call(layer_before_and_inside)
+        call(before_and_inside(layer))
     # the fused norms are collectives too
     d = m.shape[-1]
     norm = jax.jit(lambda m, w: jax_gin.psum_add_rmsnorm(chain(m, w), m, jnp.ones((d,)), "i",
                                                          algorithm=algo)[0])
-
-    def norm_before_and_inside(g, m, w):
-        before = norm(m, w)
-        s, y = jax_gin.psum_overlapping(g, "i", norm, m, w, algorithm=algo)
-        return s, y + before
     with pytest.raises(ValueError, match="primitive jax_gin_psum_add_rmsnorm"):
-        call(norm_before_and_inside)
+        call(before_and_inside(norm))
 
 
 def test_errors():
