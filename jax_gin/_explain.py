@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax import tree_util
 
 from . import _native, _primitive, _runtime, _scatter_gather, _select
-from ._ops import OP_API_NAMES, reduced_dtype, refuse_keys
+from ._ops import OP_API_NAMES, reduced_dtype, refuse_keys, refuse_symbolic
 
 MAX_RANKS = int(_native.cpu.MAX_RANKS)  # the largest group jax_gin runs (common.h kMaxRanks)
 PLATFORMS = ("cpu", "cuda", "gpu")  # 'gpu': jax.default_backend() and Device.platform on CUDA
@@ -132,6 +132,7 @@ def _calls(x, collective: str, nranks: int, bucket_bytes: int) -> list:
     groups: dict = {}  # (dtype moved, weak) -> [(leaf index, bytes)]
     for i, leaf in enumerate(leaves):
         shape, dtype = _shape_dtype(leaf, collective)
+        refuse_symbolic(shape, "explain")
         count = int(np.prod(shape, dtype=np.int64))
         weak = False
         if collective in _scatter_gather.API_NAMES:

@@ -32,6 +32,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 
 from . import _compat, _select
+from ._ops import refuse_symbolic
 from ._primitive import (TOKEN, _chain_token, _normalize_axes, _set_chain_token, allreduce_p,
                          check_no_open_start, order_aval, register_lowering, resolve_call,
                          vary_over)
@@ -125,6 +126,7 @@ def _check_eps(eps, api) -> float:
 
 def _check_operands(kind, x, residual, params):
     api = kind.api
+    refuse_symbolic(np.shape(x), api)
     dt = np.dtype(x.dtype)
     if not jnp.issubdtype(dt, jnp.floating):
         raise TypeError(f"jax_gin.{api}: x must be a floating-point array, got dtype {dt}")

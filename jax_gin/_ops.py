@@ -27,6 +27,17 @@ SUPPORTED_DTYPES = tuple(np.dtype(getattr(jnp, name)) for name in _cpu.dtype_nam
 SUPPORTED_DTYPE_NAMES = tuple(str(d) for d in SUPPORTED_DTYPES)
 
 
+def refuse_symbolic(shape, name: str) -> None:
+    """Raise jax_gin.`name`'s ValueError for a shape with a symbolic dimension (jax.export's
+    shape polymorphism): a call's buckets, rounds and workspace checks are sized at lowering,
+    from the bytes it moves."""
+    if not all(isinstance(d, (int, np.integer)) for d in shape):
+        raise ValueError(
+            f"jax_gin.{name}: shape {tuple(shape)} has a symbolic dimension; jax_gin's calls "
+            "are sized when they are lowered, so they take concrete shapes only (export with "
+            "concrete shapes)")
+
+
 def refuse_keys(dtype, name: str) -> None:
     """Raise jax_gin.`name`'s TypeError for a PRNG key array, which has no arithmetic (only
     all_gather moves keys, as their key data)."""

@@ -30,7 +30,8 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 
 from . import _compat, _native, _runtime, _select
-from ._ops import ALGORITHM_CODES, ALGORITHMS, OP_API_NAMES, OP_CODES, reduced_dtype, refuse_keys
+from ._ops import (ALGORITHM_CODES, ALGORITHMS, OP_API_NAMES, OP_CODES, reduced_dtype,
+                   refuse_keys, refuse_symbolic)
 
 allreduce_p = Primitive("jax_gin_allreduce")
 allreduce_p.multiple_results = True
@@ -237,6 +238,7 @@ def group_leaves(leaves, axes, op: str, api: str):
         # device: no communication. Tested before jnp.asarray, which makes a tracer under jit.
         constant = not _compat.is_tracer(leaf)
         leaf = jnp.asarray(leaf) if not hasattr(leaf, "dtype") else leaf
+        refuse_symbolic(np.shape(leaf), api)
         if not constant or leaf.dtype == np.bool_:  # a constant takes any dtype, as in lax
             dtype, _ = reduced_dtype(leaf.dtype, api)  # (psum's complex leaves are pairs already)
             if dtype != leaf.dtype:  # bool, as int32

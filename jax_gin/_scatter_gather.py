@@ -26,7 +26,8 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 
 from . import _compat, _native, _primitive, _runtime, _select
-from ._ops import ALGORITHM_CODES, SUPPORTED_DTYPE_NAMES, SUPPORTED_DTYPES, refuse_keys
+from ._ops import (ALGORITHM_CODES, SUPPORTED_DTYPE_NAMES, SUPPORTED_DTYPES, refuse_keys,
+                   refuse_symbolic)
 
 API_NAMES = ("psum_scatter", "all_gather")
 # lax.all_gather's `to`: the type of its result over the gathered axes under check_vma
@@ -223,9 +224,11 @@ def moved_dtype(dtype, api: str) -> tuple[np.dtype, float]:
 def _as_array(leaf, api):
     """The leaf as a JAX array, or a TypeError that names `api` (a string is no scalar)."""
     try:
-        return jnp.asarray(leaf)
+        leaf = jnp.asarray(leaf)
     except TypeError as e:
         raise TypeError(f"jax_gin.{api}: {e}") from None
+    refuse_symbolic(leaf.shape, api)
+    return leaf
 
 
 def _prepare(leaf, axes, api, mode):

@@ -441,6 +441,31 @@ def test_explain_of_no_elements(collective):
     assert seen
 
 
+_SYMBOLIC_CALLS = {
+    "psum": lambda v: jax_gin.psum({"a": v}, "i"),
+    "pmax": lambda v: jax_gin.pmax(v, "i"),
+    "psum_scatter": lambda v: jax_gin.psum_scatter(v, "i", tiled=True),
+    "all_gather": lambda v: jax_gin.all_gather(v, "i", tiled=True),
+    "psum_add_rmsnorm": lambda v: jax_gin.psum_add_rmsnorm(v, v, jnp.ones(4, v.dtype), "i")[0],
+}
+
+
+@pytest.mark.parametrize("api", list(_SYMBOLIC_CALLS))
+def test_symbolic_shapes_are_refused(api):
+    """jax.export's shape polymorphism: a call is sized at lowering, so a symbolic dimension
+    gets jax_gin's error, not one from inside its bucketing (lax.psum exports such shapes)."""
+    from jax import export
+    n = ndev()
+    spec = jax.ShapeDtypeStruct(export.symbolic_shape(f"{n}*b, 4"), jnp.float32,
+                                sharding=jax.NamedSharding(mesh_1d(), P("i")))
+    with pytest.raises(ValueError, match=rf"jax_gin\.{api}: shape \(b, 4\) has a symbolic "
+                                         r"dimension; .* concrete shapes only"):
+        export.export(smap(_SYMBOLIC_CALLS[api], mesh_1d(), P("i"), check_vma=False))(spec)
+    with pytest.raises(ValueError, match=r"jax_gin\.explain: shape \(b, 4\) has a symbolic"):
+        jax_gin.explain(jax.ShapeDtypeStruct(export.symbolic_shape("b, 4"), jnp.float32),
+                        nranks=8, collective="psum" if api.startswith("psum_add") else api)
+
+
 def test_nested_shard_map_needs_the_concrete_mesh():
     # An inner shard_map given no Mesh lowers over the context's abstract mesh: jax_gin names
     # the fix, and under jax.set_mesh the nested call equals lax's.
