@@ -446,7 +446,7 @@ def _lower_call(ctx, call, xs, op, overlap, platform):
     # chains on the done's token: calls of one communicator never run concurrently.
     # Where XLA places the done is its scheduler's choice: on 2 x H200 it placed it right after
     # the start (docs/overlap.md); jax_gin.psum_overlapping places it by data dependencies.
-    slot = next(_async_slots) % _native.ASYNC_SLOTS
+    slot = next(_async_slots(ctx)) % _native.ASYNC_SLOTS
     tok, outs = lower_start(ctx, xs, ctx.avals_in, ctx.avals_out, call, platform, slot,
                             _runtime.settings.overlap_lanes)
     return lower_done(ctx, tok, outs, ctx.avals_out, call, platform, slot)
@@ -739,8 +739,12 @@ def _partition_id(ctx):
         ctx.replace(avals_in=[], avals_out=[jax.core.ShapedArray((), np.uint32)]))[0]
 
 
-# Event slots of start/done pairs, assigned in lowering order (_native.ASYNC_SLOTS per rank).
-_async_slots = itertools.count()
+def _async_slots(ctx):
+    """The event slots of the module's psum(overlap=True) pairs (_native.ASYNC_SLOTS per rank),
+    counted in lowering order within the module, as sites are: every lowering of a program
+    gives the same text, so JAX's persistent compilation cache finds it."""
+    return ctx.module_context.cached_primitive_lowerings.setdefault(
+        ("jax_gin", "async_slots"), itertools.count())
 
 
 # Ordering. All jax_gin calls of one communicator must run in the same order on every rank,

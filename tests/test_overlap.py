@@ -36,6 +36,21 @@ def test_lowered_as_start_done_pair():
     assert "output_operand_aliases" in dones[0]  # the done returns the start's buffers
 
 
+def test_every_lowering_gives_the_same_text():
+    """A start/done pair's event slot is counted within its program, so lowering the same
+    function again (a new jit, another program lowered in between) gives the same text: JAX's
+    persistent compilation cache keys on it."""
+    x = exact_input((8,), ndev(), "float32")
+
+    def body(v):
+        return jax_gin.psum(jax_gin.psum(v, "i", overlap=True) * 2, "i", overlap=True,
+                            algorithm=kernel_algorithm())
+    first = smap(body, mesh_1d(), P("i")).lower(x).as_text()
+    smap(lambda v: jax_gin.psum(v, "i", overlap=True), mesh_1d(), P("i")).lower(x)
+    assert smap(body, mesh_1d(), P("i")).lower(x).as_text() == first
+    assert "slot = 1 : i32" in first  # the program's two pairs keep slots of their own
+
+
 def test_mixed_with_sync_calls_and_pytrees():
     x = exact_input((1001,), ndev(), "bfloat16", seed=2)
 
