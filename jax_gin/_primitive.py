@@ -73,6 +73,19 @@ def psum(x, axis_name, *, algorithm: str = "auto", bucket_bytes: int | None = No
     return _allreduce(x, axis_name, "sum", algorithm, bucket_bytes, overlap)
 
 
+def pmean(x, axis_name, *, algorithm: str = "auto", bucket_bytes: int | None = None,
+          overlap: bool = False, axis_index_groups=None):
+    """All-reduce mean over mesh axis `axis_name`; a drop-in for ``jax.lax.pmean``: jax_gin's
+    psum, then each leaf divided by the number of devices reduced over, as lax divides (so
+    integer leaves give floats). The keywords are psum's."""
+    check_no_groups(axis_index_groups, "pmean")
+    summed = _allreduce(x, axis_name, "sum", algorithm, bucket_bytes, overlap, api="pmean")
+    n = 1
+    for a in _normalize_axes(axis_name, "pmean"):
+        n *= _compat.axis_size(a)
+    return tree_util.tree_map(lambda v: v / n, summed)
+
+
 def pmax(x, axis_name, *, algorithm: str = "auto", bucket_bytes: int | None = None,
          overlap: bool = False, axis_index_groups=None):
     """All-reduce max over mesh axis `axis_name`; a drop-in for ``jax.lax.pmax``."""
@@ -137,8 +150,9 @@ def buckets(sizes, bucket_bytes: int, max_operands: int = MAX_OPERANDS) -> list:
     return out
 
 
-def _allreduce(x, axis_name, op: str, algorithm: str, bucket_bytes, overlap):
-    api = OP_API_NAMES[op]
+def _allreduce(x, axis_name, op: str, algorithm: str, bucket_bytes, overlap,
+               api: str | None = None):
+    api = api or OP_API_NAMES[op]  # the function called, which errors name
     algorithm = _select.validate(algorithm, api)
     if not isinstance(overlap, (bool, np.bool_)):
         raise TypeError(f"jax_gin.{api}: overlap must be True or False, got {overlap!r}")
