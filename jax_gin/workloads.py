@@ -889,20 +889,26 @@ def _why_different(variant: str, platform: str | None, dtype: str | None,
                    algorithm: str | None = None, xla_ops=("all_reduce",)) -> str | None:
     """Why `variant`'s results can differ from lax's in their last bits, where that is known:
     `algorithm` is jax_gin's, `xla_ops` lax's collectives in the step."""
-    if variant == FUSED:
-        return ("the fused call computes its rsqrt and its sum of squares its own way, so "
-                "its float32 normed can differ from the jnp composition's by a few ulp and "
-                "round to a neighbouring value of its dtype: docs/design.md")
-    if variant != "jax_gin" or platform is None:
-        return None
-    if algorithm in ("ring", "tree") and dtype in ("bfloat16", "float16"):
+    fused = ("the fused call computes its rsqrt and its sum of squares its own way, so its "
+             "float32 normed can differ from the jnp composition's by a few ulp and round to a "
+             "neighbouring value of its dtype: docs/design.md")
+    if variant not in ("jax_gin", FUSED) or platform is None:
+        return fused if variant == FUSED else None
+    if (variant == "jax_gin" and algorithm in ("ring", "tree")
+            and dtype in ("bfloat16", "float16")):
         return (f"{algorithm} passes {dtype} partial sums between ranks, each hop rounding "
                 "once, where lax's sum rounds once: docs/api.md, Numbers")
-    if platform == "cpu":
+    if platform == "cpu" and dtype == "bfloat16":
+        # tp-decode's fused variant too: with --xla_allow_excess_precision=false it gave lax's
+        # bits on 8 CPU devices, where this note's rounding made up to 0.016 of difference
         ops = " and ".join(op.replace("_", "-") for op in xla_ops)
         return (f"XLA's CPU backend computes lax's bfloat16 {ops} and the ops around it in "
-                "float32, dropping roundings the program asks for, which jax_gin's keep"
-                if dtype == "bfloat16" else None)
+                "float32, dropping roundings the program asks for, which jax_gin's keep; "
+                "XLA_FLAGS=--xla_allow_excess_precision=false keeps them in both")
+    if variant == FUSED:
+        return fused
+    if platform == "cpu":
+        return None
     return ("each variant is its own XLA program, whose matmul fusions XLA autotunes on its "
             "own: the configurations chosen, and so the last bits of a step, can differ; "
             "--xla_gpu_autotune_level=0 takes the default ones: docs/performance.md")

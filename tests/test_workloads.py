@@ -205,7 +205,8 @@ def test_report_notes_jax_gin_rows_that_auto_gave_to_xla():
 def test_why_different_names_the_cause():
     """The note on a difference from lax names its cause: ring's and tree's roundings at each
     hop in 16-bit floats, whatever the platform, else on CPU XLA's float32 for lax's
-    collectives (named as the step has them), and none for float32 on CPU."""
+    collectives (named as the step has them), and none for float32 on CPU; for the fused
+    variant the fused call's own arithmetic where XLA's float32 is not the cause."""
     why = workloads._why_different
     for platform in ("cpu", "gpu"):
         assert why("jax_gin", platform, "bfloat16", "ring", ("all_gather", "reduce_scatter")) \
@@ -215,6 +216,11 @@ def test_why_different_names_the_cause():
         "jax_gin", "cpu", "bfloat16", "one_shot", ("all_gather", "reduce_scatter"))
     assert "lax's bfloat16 all-reduce" in why("jax_gin", "cpu", "bfloat16", "auto")
     assert why("jax_gin", "cpu", "float32", "ring") is None
+    # the fused variant: on CPU in bfloat16 XLA's float32 for lax's ops, which made up the
+    # whole difference in tp-decode; elsewhere the fused call's own rsqrt and sum of squares
+    assert "lax's bfloat16 all-reduce" in why(workloads.FUSED, "cpu", "bfloat16", "auto")
+    for platform, dtype in (("cpu", "float32"), ("gpu", "bfloat16"), (None, None)):
+        assert why(workloads.FUSED, platform, dtype, "auto").startswith("the fused call computes")
 
 
 def test_report_ratios_that_mean_nothing():
