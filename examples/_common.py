@@ -64,6 +64,8 @@ def workload_parser(workload: str, description: str):
     for flags, field, what in (
             (("--layers",), "layers", "blocks"),
             (("--d-model",), "d_model", "the model width"),
+            (("--heads",), "heads", "attention heads; without it d_model // the default head "
+                                    "size"),
             (("--seq",), "seq", "the cached context's length" if decode else "sequence length"),
             (("--batch", "--tokens"), "batch", "tokens decoded, one per sequence" if decode else
              "sequences" + ("" if w.tensor_parallel else " per device"))):
@@ -90,7 +92,8 @@ def workload_setup(workload: str, description: str):
     mesh = workloads.make_mesh(workload, devices)
     try:
         cfg = workloads.default_config(workload, devices[0].platform, layers=args.layers,
-                                       d_model=args.d_model, seq=args.seq, batch=args.batch)
+                                       d_model=args.d_model, heads=args.heads, seq=args.seq,
+                                       batch=args.batch)
         workloads.check_config(workload, cfg, len(devices))
     except ValueError as e:
         parser.error(f"{e} (on {len(devices)} devices)")

@@ -664,11 +664,18 @@ def default_config(workload: str, platform: str = "cpu", **overrides) -> Config:
     given = {k: v for k, v in overrides.items() if v is not None}
     if "d_model" in given:
         if "heads" not in given:
-            given["heads"] = max(1, given["d_model"] // base.head_dim)
-            if given["d_model"] % given["heads"]:
-                raise ValueError(f"d_model {given['d_model']} is not a multiple of heads "
-                                 f"{given['heads']}, which are d_model // {base.head_dim} (the "
-                                 f"default head size) where not given")
+            d, hd = given["d_model"], base.head_dim
+            heads = given["heads"] = max(1, d // hd)
+            # Tensor parallel splits the heads over the devices, so they keep the default size:
+            # a narrower d_model as one head would make check_config hint at widths that this
+            # rule then splits into other heads.
+            if w.tensor_parallel and d % hd:
+                raise ValueError(f"d_model {d} is not a multiple of {hd}, the default head "
+                                 f"size (heads = d_model // {hd} unless --heads gives them)")
+            if d % heads:
+                raise ValueError(f"d_model {d} is not a multiple of heads {heads}, which are "
+                                 f"d_model // {hd} (the default head size) unless --heads "
+                                 "gives them")
         given.setdefault("ffn", base.ffn * given["d_model"] // base.d_model)
     return dataclasses.replace(base, **given)
 

@@ -90,6 +90,16 @@ def test_errors(capsys):
         workloads.reducer("nccl")
     with pytest.raises(ValueError, match="multiples of 3"):
         workloads.check_config("tp-train", tiny("tp-train"), 3)
+    # heads derived from d_model keep the default head size (8 on CPU devices) where tensor
+    # parallelism splits them, so check_config's hint (d_model a multiple of 8 n) holds
+    with pytest.raises(ValueError, match=r"d_model 7 is not a multiple of 8, the default head "
+                                         r"size \(heads = d_model // 8 unless --heads"):
+        tiny("tp-decode", d_model=7)
+    with pytest.raises(ValueError, match=r"with heads of size 8: d_model a multiple of 64"):
+        workloads.check_config("tp-decode", tiny("tp-decode", d_model=56), 8)
+    assert tiny("dp-train", d_model=12).heads == 1  # data parallel: one head of 12 (default 16)
+    with pytest.raises(ValueError, match=r"d_model 100 is not a multiple of heads 6, which are d_model // 16 "):
+        tiny("dp-train", d_model=100)
     # sizes below 1 are refused before they reach XLA (a cached context of 0 crashed its
     # compiler) or a division
     for name in ("layers", "d_model", "heads", "ffn", "seq", "batch"):
@@ -264,16 +274,20 @@ def test_report_says_why_a_gpu_step_may_differ_in_the_last_bits():
     assert note("gpu", True) == [] and note("cpu", False) == []
 
 
-def test_report_says_why_the_fused_norm_may_differ():
-    """tp-decode's fused variant against lax: a difference is explained (the fused call's own
-    rsqrt and sum of squares); equal results need no note."""
+@pytest.mark.parametrize("dtype,note", [
+    ("float32", "its sum of squares its own way"),
+    ("bfloat16", "lax's bfloat16 all-reduce and the ops around it in float32")])
+def test_report_says_why_the_fused_norm_may_differ(dtype, note):
+    """tp-decode's fused variant against lax: a difference is explained (on CPU devices in
+    bfloat16 by XLA's float32 for lax's ops, else by the fused call's own rsqrt and sum of
+    squares); equal results need no note."""
     mesh = workloads.make_mesh("tp-decode", jax.devices()[:1])
-    result = workloads.measure("tp-decode", mesh, tiny("tp-decode"), rounds=1, warmup=0)
+    result = workloads.measure("tp-decode", mesh, tiny("tp-decode", dtype=dtype), rounds=1,
+                               warmup=0)
     for equal in (False, True):
         result["lax_vs_jax_gin_fused"] = {"bitwise_equal": equal,
                                           "max_abs_diff": 0.0 if equal else 0.0156}
-        notes = [line for line in workloads.format_report(result)
-                 if "its sum of squares its own way" in line]
+        notes = [line for line in workloads.format_report(result) if note in line]
         assert len(notes) == (0 if equal else 1), notes
 
 
