@@ -248,7 +248,7 @@ def _batch(kind, axis_data, vals_in, dims_in, *, axes, algorithm, eps, invariant
         return kind.prim.bind(x, residual, *ps, **params), [0, 0]
     # A weight (or bias) per batch element: the fused call with a weight of ones (and a bias of
     # -0.0, which adds exactly, -0.0 included), then the product with each row's weight and the
-    # sum with its bias, which round as the native ones do (norm.h).
+    # sum with its bias, each rounded as the native ones are (norm.h).
     d = x.shape[-1]
     identity = [jnp.ones((d,), x.dtype), jnp.full((d,), -0.0, x.dtype)][:len(ps)]
     if invariant:
@@ -259,7 +259,9 @@ def _batch(kind, axis_data, vals_in, dims_in, *, axes, algorithm, eps, invariant
                for p, dp in zip(ps, dps)]
     normed = normed * per_row[0].reshape(shape)
     if len(per_row) > 1:
-        normed = normed + per_row[1].reshape(shape)
+        # The product is rounded before the bias is added, as in the call: without the
+        # barrier XLA contracts the two into one fused multiply-add, which rounds once.
+        normed = lax.optimization_barrier(normed) + per_row[1].reshape(shape)
     return [normed, new_res], [0, 0]
 
 

@@ -626,6 +626,29 @@ def test_layernorm_vmap(batched):
         assert_bitwise(normed[k], _np_layernorm(new_res[k], wk, bk))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_layernorm_vmap_of_a_batched_weight_rounds_as_the_call(dtype):
+    """A weight and bias per batch element, on inexact rows: the batched call's normed equals,
+    bit for bit, the call made for each element on its own, whose product with the weight is
+    rounded before the bias is added (XLA had contracted the two into one multiply-add)."""
+    n, B, d = ndev(), 3, 65
+    rng = np.random.default_rng(0)
+    x, res = (jnp.asarray(rng.normal(size=(B, n * 2, d)), dtype) for _ in range(2))
+    w, b = (jnp.asarray(rng.normal(size=(B, d)), dtype) for _ in range(2))
+
+    def op(x, r, w, b):
+        return jax_gin.psum_add_layernorm(x, r, w, b, "i", algorithm=kernel_algorithm())
+
+    def run(body):
+        return jax.jit(jax.shard_map(body, mesh=mesh_1d(), in_specs=(P(None, "i"),) * 2 + (P(),) * 2,
+                                     out_specs=(P(None, "i"),) * 2))(x, res, w, b)
+    batched = run(jax.vmap(op))
+    one_by_one = run(lambda x, r, w, b: tuple(jnp.stack(v) for v in zip(
+        *(op(x[k], r[k], w[k], b[k]) for k in range(B)))))
+    for got, want in zip(batched, one_by_one):
+        assert_bitwise(got, want)
+
+
 def test_layernorm_one_custom_call_and_fallback(cpu_table_with_xla):
     x, res, w, b = _ln_inputs((2, 8), "bfloat16", 1)
     f = jax.jit(jax.shard_map(
