@@ -34,10 +34,21 @@ JG_HD float inv_rms(float sum_sq, size_t d, float eps) {
   return float(1.0 / sqrt(double(v)));
 }
 
+// a * b rounded to float on its own. A compiler may contract a product and the add after it
+// into one fused multiply-add, which rounds once: nvcc does by default (-fmad=true), as host
+// compilers may where the target has FMA (CMakeLists.txt turns that off for the host code).
+JG_HD float mul_rounded(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
 // T(r * inv) * weight: the product rounded to T, then the product with the weight in T.
 template <class T> JG_HD T scale(float r, float inv, T weight) {
   const T n = Widen<T>::down(r * inv);
-  return Widen<T>::down(Widen<T>::up(n) * Widen<T>::up(weight));
+  return Widen<T>::down(mul_rounded(Widen<T>::up(n), Widen<T>::up(weight)));
 }
 
 // T(T(T(c * inv) * weight) + bias): LayerNorm's affine step, rounded as each jnp operation
