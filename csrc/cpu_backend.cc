@@ -1025,6 +1025,27 @@ std::string run_call(Comm& comm, int group, int rank, Turn* turn, DType dtype, i
   store_relaxed(st.failed, uint8_t(0));
   store_relaxed(st.bytes, uint64_t(bytes));
   store_release(st.seq, seq);
+  const bool recording = g_record.load(std::memory_order_relaxed);
+  const uint64_t t_call = recording ? now_ns() : 0;  // before the turn's wait
+  RecEntry* slot = nullptr;  // the ring's slot for this call, and `entry` its contents
+  RecEntry entry;
+  auto open_entry = [&](uint64_t t_start) {
+    slot = ws.rec_ring(rank) + rec_slot(seq, uint64_t(ws.record_entries()));
+    // A seqlock: a reader skips the slot while it is rewritten (seq 0). The fence keeps the
+    // header's stores below from becoming visible before the 0.
+    store_relaxed(slot->seq, uint64_t(0));
+    std::atomic_thread_fence(std::memory_order_release);
+    rec_open(entry, t_start, uint64_t(bytes), round + 1, int(comm.id), group, rank, op,
+             int(algo), int(dtype), 0);
+    publish_entry(*slot, entry, 0, 0);
+    store_release(slot->seq, seq);
+  };
+  auto close_entry = [&](bool ok, uint32_t rounds) {
+    entry.rounds = rounds;
+    entry.status = ok ? kRecDone : kRecFailed;
+    publish_entry(*slot, entry, 0, 0);  // (t_end still 0)
+    store_release(slot->t_end, now_ns());
+  };
   Turn unknown;
   std::string err = take_turn(comm, g, group, rank, turn ? *turn : unknown, seq, op, algo,
                               slot_bytes, round + 1);
@@ -1037,34 +1058,21 @@ std::string run_call(Comm& comm, int group, int rank, Turn* turn, DType dtype, i
       store_relaxed(st.bytes, last.bytes);
       store_release(st.seq, seq - 1);
     } else {
+      if (recording) {  // the ring keeps the failed call too (a wait for rank 0's turn word)
+        open_entry(t_call);
+        close_entry(false, 0);
+      }
       store_relaxed(st.failed, uint8_t(1));
       store_release(st.done, seq);
     }
     return err;
   }
-  RecEntry* slot = nullptr;  // the ring's slot for this call, and `entry` its contents
-  RecEntry entry;
-  if (g_record.load(std::memory_order_relaxed)) {
-    slot = ws.rec_ring(rank) + rec_slot(seq, uint64_t(ws.record_entries()));
-    // A seqlock: a reader skips the slot while it is rewritten (seq 0). The fence keeps the
-    // header's stores below from becoming visible before the 0.
-    store_relaxed(slot->seq, uint64_t(0));
-    std::atomic_thread_fence(std::memory_order_release);
-    rec_open(entry, now_ns(), uint64_t(bytes), round + 1, int(comm.id), group, rank, op,
-             int(algo), int(dtype), 0);
-    publish_entry(*slot, entry, 0, 0);
-    store_release(slot->seq, seq);
-  }
+  if (recording) open_entry(now_ns());
   HostTransport tp(g, comm.config, group, rank, slot_bytes, op, algo, slot ? &entry : nullptr,
                    slot, round + 1);
   const uint64_t round_before = round;
   const bool ok = body(tp, round);
-  if (slot) {
-    entry.rounds = uint32_t(round - round_before);
-    entry.status = ok ? kRecDone : kRecFailed;
-    publish_entry(*slot, entry, 0, 0);  // (t_end still 0)
-    store_release(slot->t_end, now_ns());
-  }
+  if (slot) close_entry(ok, uint32_t(round - round_before));
   store_relaxed(st.failed, uint8_t(ok ? 0 : 1));
   store_release(st.done, seq);
   return ok ? std::string() : tp.error();  // a failure marked the group failed (fail_group)

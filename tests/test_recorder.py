@@ -162,6 +162,28 @@ def test_trace_json(fresh, tmp_path):
         assert re.fullmatch(r"(send|wait) step \d+|credit|credit wait", p["name"]), p["name"]
 
 
+def test_trace_keeps_calls_that_failed_waiting_for_rank_0(monkeypatch, tmp_path):
+    """Rank 0 never starts the call (a branch that skips it), so the other ranks fail waiting
+    for its turn word, before their calls begin: the trace still has those calls, failed."""
+    needs_devices(2)
+    monkeypatch.setattr(_runtime.settings, "timeout_s", 2.0 + 0.001 * next(_timeouts))
+    f = jax.jit(jax.shard_map(
+        lambda v: jax.lax.cond(jax.lax.axis_index("i") == 0, lambda u: u,
+                               lambda u: jax_gin.psum(u, "i", algorithm="one_shot"), v),
+        mesh=mesh_1d(), in_specs=P("i"), out_specs=P("i"), check_vma=False))
+    x = exact_input((16,), ndev(), "float32")
+    path = tmp_path / "t.json"
+    with pytest.raises(Exception, match=r"waiting for peer 0 to start call #1"):
+        with jax_gin.trace(path):
+            jax.block_until_ready(f(x))
+    spans = _spans(json.loads(path.read_text()))
+    others = sorted(int(d.id) for d in jax.devices())[1:]
+    assert sorted(s["tid"] for s in spans) == others
+    for s in spans:
+        assert s["name"] == "psum one_shot" and s["args"]["status"] == "failed", s
+        assert s["args"]["seq"] == 1 and s["dur"] > 0
+
+
 def test_merge(fresh, tmp_path):
     f = _fn("psum", "ring")
     x = exact_input((64,), ndev(), "float32")
