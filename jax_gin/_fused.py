@@ -136,14 +136,19 @@ def _check_operands(kind, x, residual, params):
     if np.ndim(x) < 1:
         raise ValueError(f"jax_gin.{api}: x must have at least one dimension (rows of d), "
                          f"got shape {np.shape(x)}")
-    if np.shape(residual) != np.shape(x) or np.dtype(residual.dtype) != dt:
-        raise ValueError(f"jax_gin.{api}: residual must have x's shape and dtype {np.shape(x)} "
-                         f"{dt}, got {np.shape(residual)} {np.dtype(residual.dtype)}")
+    if np.shape(residual) != np.shape(x):
+        raise ValueError(f"jax_gin.{api}: residual must have x's shape {np.shape(x)}, got "
+                         f"{np.shape(residual)}")
     d = np.shape(x)[-1]
     for name, v in zip(kind.params, params):
-        if np.shape(v) != (d,) or np.dtype(v.dtype) != dt:
-            raise ValueError(f"jax_gin.{api}: {name} must be 1-D of size x.shape[-1] = {d} and "
-                             f"dtype {dt}, got {np.shape(v)} {np.dtype(v.dtype)}")
+        if np.shape(v) != (d,):
+            raise ValueError(f"jax_gin.{api}: {name} must be 1-D of size x.shape[-1] = {d}, "
+                             f"got shape {np.shape(v)}")
+    # one dtype: the call has no promotion (jnp's composition would promote to the wider one)
+    for name, v in (("residual", residual),) + tuple(zip(kind.params, params)):
+        if np.dtype(v.dtype) != dt:
+            raise TypeError(f"jax_gin.{api}: {name} must have x's dtype {dt}, got "
+                            f"{np.dtype(v.dtype)} (the call takes one dtype: cast it)")
 
 
 def _result_vma(x, residual, params, axes):
