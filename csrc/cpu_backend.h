@@ -50,6 +50,10 @@ struct CommConfig {
   // Added to a timeout's report where a rank of the group never entered the call (empty:
   // nothing): jax_gin.runtime's note on XLA's CPU threads, where they are too few.
   std::string absent_note;
+  // The communicator's id, which the custom calls name (ffi_common.h): jax_gin.runtime derives
+  // it from where the communicator meets and its settings, so that a program's text is the
+  // same in every process. 0: the next free one of a counter.
+  int64_t id = 0;
 };
 
 // The first bytes of a workspace. Attaching processes check it against what they expect.

@@ -15,10 +15,12 @@ namespace jax_gin {
 
 // The "comm" attribute of every jax_gin custom call (_runtime.comm_attribute): the
 // communicator's id in its low 32 bits and, above them, its fingerprint, a digest of where it
-// meets and of its settings. Ids count from 1 in every process, so a program that runs in a
-// process that did not lower it (a serialized executable, an exported module) could name
-// another communicator there; the fingerprint turns that into an error instead of a reduction
-// over other groups.
+// meets and of its settings. The id is the fingerprint, or the next free one where two
+// communicators of a process have fingerprints alike (_runtime._free_id). A program that runs
+// in a process that did not lower it (a serialized executable, an exported module) finds its
+// communicator where that process set it up; where the id there is another communicator's
+// (set up in another order among fingerprints alike), the fingerprint check turns that into an
+// error instead of a reduction over other groups.
 inline int64_t comm_id(int64_t attr) { return attr & 0xffffffffLL; }
 inline uint32_t comm_fingerprint(int64_t attr) { return uint32_t(uint64_t(attr) >> 32); }
 // Whether `c`, what this process has under comm_id(attr) (a CPU communicator or a GPU rank's
@@ -35,9 +37,10 @@ inline xla::ffi::Error missing_comm(int64_t attr) {
       "jax_gin: this program's communicator " + std::to_string(comm_id(attr)) +
       " (fingerprint " + std::to_string(comm_fingerprint(attr)) +
       ") does not exist in this process: jax_gin.runtime.reset() destroyed it, or the program "
-      "was lowered in another process (a serialized executable or an exported module). Call "
-      "the jitted function again, so that JAX lowers it in this process; a jax_gin program "
-      "runs only in the process that lowered it");
+      "was lowered in another process (a serialized executable or an exported module) and "
+      "this process has not set that communicator up. Call the jitted function again, so that "
+      "JAX lowers it in this process; a jax_gin program runs where a lowering has set up its "
+      "communicators (the same mesh, axes and settings)");
 }
 
 // "float32, float64, ...": every supported element type.

@@ -78,15 +78,15 @@ NB_MODULE(_jax_gin_cuda, m) {
         [](std::vector<std::vector<int>> groups, size_t workspace_bytes, double timeout_s,
            int fault_rank, std::optional<int> max_lanes, OptBytes lane_grain_bytes,
            OptBytes chunk_bytes, OptBytes one_shot_chunk_bytes, OptBytes ll_max_bytes,
-           bool experimental_gin, int record_entries) {
+           bool experimental_gin, int record_entries, int64_t id) {
           const gpu::LaunchSettings launch =
               launch_settings(max_lanes, lane_grain_bytes, chunk_bytes, one_shot_chunk_bytes,
                               ll_max_bytes, experimental_gin, record_entries);
           nb::gil_scoped_release release;
-          return gpu::comm_create(groups, workspace_bytes, timeout_s, fault_rank, launch);
+          return gpu::comm_create(groups, workspace_bytes, timeout_s, fault_rank, launch, id);
         },
         nb::arg("groups"), nb::arg("workspace_bytes"), nb::arg("timeout_s"),
-        nb::arg("fault_rank") = -1, JG_LAUNCH_ARGS);
+        nb::arg("fault_rank") = -1, JG_LAUNCH_ARGS, nb::arg("id") = 0);
   m.def("unique_id", []() {
           std::string id = gpu::unique_id();
           return nb::bytes(id.data(), id.size());
@@ -96,7 +96,7 @@ NB_MODULE(_jax_gin_cuda, m) {
         [](nb::list groups, size_t workspace_bytes, double timeout_s, int fault_rank,
            std::optional<int> max_lanes, OptBytes lane_grain_bytes, OptBytes chunk_bytes,
            OptBytes one_shot_chunk_bytes, OptBytes ll_max_bytes, bool experimental_gin,
-           int record_entries) {
+           int record_entries, int64_t id) {
           const gpu::LaunchSettings launch =
               launch_settings(max_lanes, lane_grain_bytes, chunk_bytes, one_shot_chunk_bytes,
                               ll_max_bytes, experimental_gin, record_entries);
@@ -115,10 +115,11 @@ NB_MODULE(_jax_gin_cuda, m) {
             specs.push_back(std::move(s));
           }
           nb::gil_scoped_release release;
-          return gpu::comm_create_ranks(specs, workspace_bytes, timeout_s, fault_rank, launch);
+          return gpu::comm_create_ranks(specs, workspace_bytes, timeout_s, fault_rank, launch,
+                                        id);
         },
         nb::arg("groups"), nb::arg("workspace_bytes"), nb::arg("timeout_s"),
-        nb::arg("fault_rank") = -1, JG_LAUNCH_ARGS,
+        nb::arg("fault_rank") = -1, JG_LAUNCH_ARGS, nb::arg("id") = 0,
         "Several processes: this process's ranks of each group, joined by ncclCommInitRank.");
   m.def("comm_destroy", [](int64_t id) {
     nb::gil_scoped_release release;

@@ -298,7 +298,8 @@ void destroy_comms(std::vector<ncclComm_t>& comms) {
 using namespace detail;
 
 int64_t comm_create(const std::vector<std::vector<int>>& groups, size_t workspace_bytes,
-                    double timeout_s, int fault_rank, const LaunchSettings& launch) {
+                    double timeout_s, int fault_rank, const LaunchSettings& launch, int64_t id) {
+  check_id_free(id);
   std::unique_ptr<Comm> comm = new_comm();
   const size_t lane_bytes = lane_bytes_checked(workspace_bytes);
   try {
@@ -316,7 +317,7 @@ int64_t comm_create(const std::vector<std::vector<int>>& groups, size_t workspac
     destroy_ranks(comm->ranks);
     throw;
   }
-  return register_comm(std::move(comm));
+  return register_comm(std::move(comm), id);
 }
 
 // ---- Several processes: ncclCommInitRank from a unique id bootstrapped by the caller --------
@@ -328,7 +329,9 @@ std::string unique_id() {
 }
 
 int64_t comm_create_ranks(const std::vector<GroupSpec>& groups, size_t workspace_bytes,
-                          double timeout_s, int fault_rank, const LaunchSettings& launch) {
+                          double timeout_s, int fault_rank, const LaunchSettings& launch,
+                          int64_t id) {
+  check_id_free(id);
   std::unique_ptr<Comm> comm = new_comm();
   const size_t lane_bytes = lane_bytes_checked(workspace_bytes);
   std::vector<ncclComm_t> pending;  // initialized, not yet handed to setup_ranks
@@ -404,7 +407,7 @@ int64_t comm_create_ranks(const std::vector<GroupSpec>& groups, size_t workspace
     destroy_ranks(comm->ranks);
     throw;
   }
-  return register_comm(std::move(comm));
+  return register_comm(std::move(comm), id);
 }
 
 }  // namespace gpu

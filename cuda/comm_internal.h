@@ -46,7 +46,10 @@ using Clock = std::chrono::steady_clock;
 bool comm_ready(ncclComm_t comm);
 void destroy_ranks(std::vector<RankState>& ranks);
 std::unique_ptr<Comm> new_comm();
-int64_t register_comm(std::unique_ptr<Comm> comm);
+// Registers `comm` under `id` (0: the next free one of a counter) and returns its id.
+int64_t register_comm(std::unique_ptr<Comm> comm, int64_t id);
+// Throws std::invalid_argument if a communicator has `id` (> 0) already.
+void check_id_free(int64_t id);
 
 // ---- comm_bootstrap.cu ----------------------------------------------------------------------
 ncclDevCommRequirements lsa_requirements();

@@ -131,15 +131,26 @@ void stop_watchdog() {
 }
 }  // namespace
 
-int64_t register_comm(std::unique_ptr<Comm> comm) {
+void check_id_free(int64_t id) {
+  std::shared_lock<std::shared_mutex> lock(g_mu);
+  if (id > 0 && g_comms.count(id))
+    throw std::invalid_argument("jax_gin: communicator id " + std::to_string(id) + " is taken");
+}
+
+int64_t register_comm(std::unique_ptr<Comm> comm, int64_t id) {
   static std::once_flag started;
   std::call_once(started, [] {
     g_watchdog = new std::thread(watchdog_loop);
     std::atexit(stop_watchdog);  // before the registry's destruction (constructed earlier)
   });
   std::unique_lock<std::shared_mutex> lock(g_mu);
-  comm->id = g_next++;
-  const int64_t id = comm->id;
+  if (id <= 0) {
+    while (g_comms.count(g_next)) ++g_next;
+    id = g_next++;
+  }
+  // (jax_gin.runtime creates communicators under its lock, so `id`, checked free before the
+  // set-up by check_id_free, is still free here)
+  comm->id = id;
   for (RankState& s : comm->ranks) s.cfg.rec_comm = int(id);
   g_comms[id] = std::move(comm);
   return id;

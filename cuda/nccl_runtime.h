@@ -67,9 +67,13 @@ struct LaunchSettings {
 };
 
 // Creates one communicator per group. groups[g][r] is the local CUDA ordinal of rank r of
-// group g. Throws std::runtime_error with NCCL's or CUDA's message on failure.
+// group g. Throws std::runtime_error with NCCL's or CUDA's message on failure. `id`: the
+// communicator's id, which the custom calls name (ffi_common.h; jax_gin.runtime derives it
+// from where the communicator meets and its settings, so that a program's text is the same in
+// every process), or 0 for the next free one of a counter; std::invalid_argument if taken.
 int64_t comm_create(const std::vector<std::vector<int>>& groups, size_t workspace_bytes,
-                    double timeout_s, int fault_rank, const LaunchSettings& launch = {});
+                    double timeout_s, int fault_rank, const LaunchSettings& launch = {},
+                    int64_t id = 0);
 // Several processes: this process's ranks of some groups, each group with an NCCL unique id
 // that the caller shared among the processes (the process of rank 0 made it with unique_id()).
 struct GroupSpec {
@@ -93,7 +97,8 @@ std::string unique_id();
 // are not node-major, or launch.experimental_gin is off (JAX_GIN_EXPERIMENTAL_GIN; that path
 // is built but never ran on two nodes).
 int64_t comm_create_ranks(const std::vector<GroupSpec>& groups, size_t workspace_bytes,
-                          double timeout_s, int fault_rank, const LaunchSettings& launch = {});
+                          double timeout_s, int fault_rank, const LaunchSettings& launch = {},
+                          int64_t id = 0);
 void comm_destroy(int64_t id);
 // Ranks per node of communicator `id`'s groups if they span nodes (they then run only the
 // hierarchical algorithm), else 0. Throws if this process's groups of it differ.

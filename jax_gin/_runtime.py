@@ -479,11 +479,12 @@ def communicator(platform: str, mesh, axes: tuple) -> int:
             return comm
         layout = group_layout(names, sizes, tuple(axes))
         fingerprint = _fingerprint(cache_key)
+        comm_id = _free_id(fingerprint, platform == "cpu")
         if platform == "cpu":
-            comm = _create_cpu_comm(mesh, devices, layout, ws, meet)
+            comm = _create_cpu_comm(mesh, devices, layout, ws, meet, comm_id)
             _native.cpu.cpu_comm_set_fingerprint(comm, fingerprint)
         else:
-            comm = _create_cuda_comm(mesh, layout, ws, meet)
+            comm = _create_cuda_comm(mesh, layout, ws, meet, comm_id)
             _native.cuda.comm_set_fingerprint(comm, fingerprint)
             gpu_comm_devices[comm] = (tuple(int(d.id) for d in devices), layout)
         _fingerprints[(platform == "cpu", comm)] = fingerprint
@@ -498,12 +499,24 @@ def _fingerprint(cache_key) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
+def _free_id(fingerprint: int, is_cpu: bool) -> int:
+    """The id of a new communicator: its fingerprint, so that a program's text (which names
+    its communicators) is the same in every process and in whatever order they were set up,
+    and JAX's persistent compilation cache finds it; where another communicator of this
+    process has that id (two fingerprints alike), the next free one. Called under _lock."""
+    taken = {c for cpu, c in _fingerprints if cpu == is_cpu}
+    comm = fingerprint or 1
+    while comm in taken:
+        comm = comm % 0x7FFFFFFF + 1
+    return comm
+
+
 def comm_attribute(platform: str, comm: int) -> np.int64:
-    """The "comm" attribute of a custom call on communicator `comm`: its id (counted from 1 in
-    each process) and, in the high 32 bits, its fingerprint. The handlers check both
-    (csrc/ffi_common.h), so a program run in a process that did not lower it (a serialized
-    executable, an exported module) fails with an error instead of reducing over whatever
-    communicator has that id there."""
+    """The "comm" attribute of a custom call on communicator `comm`: its id (_free_id) and, in
+    the high 32 bits, its fingerprint. The handlers check both (csrc/ffi_common.h), so a
+    program run in a process that did not lower it (a serialized executable, an exported
+    module) runs where that process has set up the same communicator, and elsewhere fails
+    with an error instead of reducing over whatever communicator has that id there."""
     with _lock:
         fingerprint = _fingerprints.get((platform == "cpu", comm))
     if fingerprint is None:  # reset() ran on another thread since communicator() gave `comm`
@@ -603,7 +616,7 @@ def _xla_cpu_threads_note() -> str:
             f"(docs/debugging.md)")
 
 
-def _create_cpu_comm(mesh, devices, layout: GroupLayout, ws: int, key) -> int:
+def _create_cpu_comm(mesh, devices, layout: GroupLayout, ws: int, key, comm_id: int = 0) -> int:
     procs = [int(d.process_index) for d in devices]
     workspaces = None  # every group in private memory: all devices run in this process
     if any(p != procs[0] for p in procs):
@@ -617,22 +630,22 @@ def _create_cpu_comm(mesh, devices, layout: GroupLayout, ws: int, key) -> int:
     comm = _native.cpu.cpu_comm_create(
         layout.nranks, list(layout.group_of), list(layout.rank_of), ws, settings.timeout_s,
         settings.fault_rank, workspaces, _FAULT_MODES[settings.fault_mode], settings.record_entries,
-        _xla_cpu_threads_note())
+        _xla_cpu_threads_note(), comm_id)
     comm_devices[comm] = (tuple(int(d.id) for d in devices), layout)
     return comm
 
 
-def _create_cuda_comm(mesh, layout: GroupLayout, ws: int, key=None) -> int:
+def _create_cuda_comm(mesh, layout: GroupLayout, ws: int, key=None, comm_id: int = 0) -> int:
     if _native.cuda is None:
         raise _native.no_cuda_error("jax_gin: a communicator of GPUs was requested")
     devices = list(np.asarray(mesh.devices).flat)
     if any(d.process_index != devices[0].process_index for d in devices):
-        return _create_cuda_comm_processes(mesh, devices, layout, ws, key)
+        return _create_cuda_comm_processes(mesh, devices, layout, ws, key, comm_id)
     groups = [[None] * layout.nranks for _ in range(layout.ngroups)]
     for logical, d in enumerate(devices):
         groups[layout.group_of[logical]][layout.rank_of[logical]] = int(d.local_hardware_id)
     return _native.cuda.comm_create(groups, ws, settings.timeout_s, settings.fault_rank,
-                                    **gpu_launch_kwargs())
+                                    **gpu_launch_kwargs(), id=comm_id)
 
 
 # The settings that shape every kernel launch of a GPU group, passed to the native
@@ -670,7 +683,8 @@ def gpu_launch_settings(workspace_bytes: int, default_max_lanes: int | None = No
     return out
 
 
-def _create_cuda_comm_processes(mesh, devices, layout: GroupLayout, ws: int, key) -> int:
+def _create_cuda_comm_processes(mesh, devices, layout: GroupLayout, ws: int, key,
+                                comm_id: int = 0) -> int:
     """A GPU communicator whose groups span processes (jax.distributed): one NCCL unique id
     per group, shared through the key-value store, then ncclCommInitRank in every process for
     its own devices (_distributed.gpu_unique_ids, comm_create_ranks). Run on 2 x H200 as 2
@@ -698,17 +712,17 @@ def _create_cuda_comm_processes(mesh, devices, layout: GroupLayout, ws: int, key
             pairs = sorted(local[g])
             specs.append((g, layout.nranks, ids[g], [r for r, _ in pairs],
                           [d for _, d in pairs]))
-        return _comm_create_ranks(specs, ws, what)
+        return _comm_create_ranks(specs, ws, what, comm_id)
 
 
-def _comm_create_ranks(specs: list, ws: int, what: str) -> int:
+def _comm_create_ranks(specs: list, ws: int, what: str, comm_id: int = 0) -> int:
     """The native comm_create_ranks. Its TimeoutError (the group's other processes did not
     join NCCL's communicator, or stopped taking part in its set-up, within JAX_GIN_TIMEOUT_S;
     the communicators are aborted) becomes BootstrapTimeoutError, like a missing peer in the
     key-value bootstrap before it."""
     try:
         return _native.cuda.comm_create_ranks(specs, ws, settings.timeout_s, settings.fault_rank,
-                                              **gpu_launch_kwargs())
+                                              **gpu_launch_kwargs(), id=comm_id)
     except _distributed.BootstrapTimeoutError:
         raise
     except TimeoutError as e:
@@ -742,9 +756,9 @@ def reset() -> None:
     """Forget every cached communicator, and JAX's compiled programs with them
     (jax.clear_caches()): a jitted function is lowered again at its next call, with new
     communicators. It first waits for the programs still running whose results are alive;
-    on CPU devices the calls of one whose results were dropped give up at once. Programs
-    compiled ahead of time (`.lower(...).compile()`) before the reset can no longer
-    run."""
+    on CPU devices the calls of one whose results were dropped give up at once. A program
+    compiled ahead of time (`.lower(...).compile()`) before the reset fails with an error
+    until a lowering sets its communicators up again; then it runs on them."""
     global resets
     resets += 1
     # so that no communicator is destroyed under a call that is running or about to start

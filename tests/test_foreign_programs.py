@@ -1,8 +1,9 @@
-"""Programs that run where they were not lowered: after jax_gin.runtime.reset(), and in another
-process (a serialized executable). A jax_gin custom call names its communicator by an id that
-counts from 1 in each process, with a fingerprint of the communicator beside it; a program
-whose communicator this process lacks must fail with an error that says so, never reduce over
-another communicator that has the same id here."""
+"""Programs that run where they were not lowered: after jax_gin.runtime.reset(), in another
+process (a serialized executable), and from JAX's persistent compilation cache. A jax_gin
+custom call names its communicator by an id derived from where the communicator meets and its
+settings, with a fingerprint of the same beside it: a program runs where this process has set
+up that communicator, in whatever order, and where it lacks it fails with an error that says
+so, never reducing over another communicator."""
 import os
 import subprocess
 import sys
@@ -24,7 +25,8 @@ MISSING = "does not exist in this process"
 def test_reset_then_the_same_functions_run_again():
     """reset() clears JAX's compiled programs too: the same jitted function, and a new jit of
     the same function, are lowered again with a new communicator. A program compiled ahead of
-    time before the reset names the destroyed communicator and says so."""
+    time before the reset names the destroyed communicator and says so, until a lowering sets
+    the same communicator up again (the same id): then it runs on it."""
     needs_devices(2)
     mesh = mesh_1d()
     x = exact_input((64,), ndev(), "float32")
@@ -35,10 +37,11 @@ def test_reset_then_the_same_functions_run_again():
     compiled = train_step.lower(x).compile()
     assert_bitwise(train_step(x), want)
     jax_gin.runtime.reset()
-    assert_bitwise(train_step(x), want)
-    assert_bitwise(jax.jit(step)(x), want)
     with pytest.raises(Exception, match=MISSING):
         jax.block_until_ready(compiled(x))
+    assert_bitwise(train_step(x), want)
+    assert_bitwise(jax.jit(step)(x), want)
+    assert_bitwise(compiled(x), want)
 
 
 def test_reset_waits_for_programs_still_running():
@@ -108,10 +111,10 @@ _WORKER = textwrap.dedent("""
             pickle.dump(serialize_executable.serialize(compiled), fh)
         got = compiled(x)
     else:
-        if mode == "other":  # this process's communicator 1 reduces over "b" of a 2 x 4 mesh
+        if mode in ("other", "later"):  # a communicator over "b" of a 2 x 4 mesh first
             m2 = Mesh(devices.reshape(2, 4), ("a", "b"))
             smap(lambda v: jax_gin.psum(v, "b", algorithm="one_shot"), m2, P(("a", "b")))(x)
-        else:  # "same": this process lowers the same program first (communicator 1 alike)
+        if mode in ("same", "later"):  # this process lowers the same program (its communicator)
             f(x)
         with open(path, "rb") as fh:
             got = serialize_executable.deserialize_and_load(*pickle.load(fh))(x)
@@ -135,16 +138,79 @@ def _run(mode: str, path: str) -> subprocess.CompletedProcess:
 
 
 def test_serialized_executable_in_another_process(tmp_path):
-    """A serialized executable loaded in another process: where that process has the same
-    communicator under the same id it runs and is right; where the id names another
-    communicator there, the call fails and says the program was lowered elsewhere."""
+    """A serialized executable loaded in another process: where that process has set up the
+    same communicator (after another one, too) it runs and is right; where it has only
+    another, the call fails and says the program was lowered elsewhere."""
     if jax.default_backend() != "cpu":
         pytest.skip("the worker processes run on 8 CPU devices")
     path = str(tmp_path / "program.pkl")
     r = _run("save", path)
     assert "RESULT equal" in r.stdout, r.stdout + r.stderr
-    r = _run("same", path)
-    assert "RESULT equal" in r.stdout, r.stdout + r.stderr
+    for mode in ("same", "later"):
+        r = _run(mode, path)
+        assert "RESULT equal" in r.stdout, r.stdout + r.stderr
     r = _run("other", path)
     assert r.returncode != 0 and "RESULT" not in r.stdout, r.stdout + r.stderr
     assert MISSING in r.stderr and "lowered in another process" in r.stderr, r.stderr
+
+
+_CACHE_WORKER = textwrap.dedent("""
+    import sys
+    import jax, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    import jax_gin
+
+    cache, mode = sys.argv[1], sys.argv[2]
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    devices = np.array(jax.devices())
+    x = np.arange(8 * 16, dtype=np.float32) % 7
+    def smap(body, m, spec):
+        return jax.jit(jax.shard_map(body, mesh=m, in_specs=spec, out_specs=spec))
+    if mode == "other_first":  # another communicator is set up first
+        m2 = Mesh(devices.reshape(2, 4), ("a", "b"))
+        smap(lambda v: jax_gin.psum(v, "b", algorithm="one_shot"), m2, P(("a", "b")))(x)
+    mesh = Mesh(devices, ("x",))
+    f = smap(lambda v: jax_gin.psum(jax_gin.psum(v, "x", algorithm="ring"), "x", overlap=True),
+             mesh, P("x"))
+    want = np.tile(x.reshape(8, 16).sum(0) * 8, 8)
+    print("RESULT", "equal" if np.array_equal(np.asarray(f(x)), want) else "wrong")
+""")
+
+
+def test_persistent_cache_across_processes(tmp_path):
+    """JAX's persistent compilation cache keys on a program's text: a second process finds
+    the first's program (a psum and an asynchronous pair) although it set up another
+    communicator before it, so it adds only the other program's entry."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the worker processes run on 8 CPU devices")
+    script, cache = tmp_path / "cache_worker.py", tmp_path / "cache"
+    script.write_text(_CACHE_WORKER)
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    entries = []
+    for mode in ("first", "other_first"):
+        r = subprocess.run([sys.executable, str(script), str(cache), mode], env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert "RESULT equal" in r.stdout, r.stdout + r.stderr
+        entries.append({p.name for p in cache.iterdir() if p.name.startswith("jit_")})
+    assert len(entries[0]) == 1 and entries[0] < entries[1] and len(entries[1]) == 2, entries
+
+
+def test_ids_of_fingerprints_alike(monkeypatch):
+    """A communicator's id is its fingerprint; where another communicator of the process has
+    that id, the next free one. The native registries refuse a taken id."""
+    from jax_gin import _native, _runtime
+    monkeypatch.setattr(_runtime, "_fingerprints", {(True, 5): 5, (True, 6): 99})
+    assert _runtime._free_id(5, True) == 7
+    assert _runtime._free_id(5, False) == 5  # GPU ids are counted apart
+    assert _runtime._free_id(0, True) == 1
+    monkeypatch.setattr(_runtime, "_fingerprints", {(True, 0x7FFFFFFF): 1})
+    assert _runtime._free_id(0x7FFFFFFF, True) == 1
+    monkeypatch.undo()
+    x = exact_input((8,), ndev(), "float32")
+    smap(lambda v: jax_gin.psum(v, "i", algorithm="ring"), mesh_1d(), P("i"))(x)
+    taken = next(c for (cpu, c) in _runtime._fingerprints if cpu)
+    with pytest.raises(ValueError, match=rf"communicator id {taken} is taken"):
+        _native.cpu.cpu_comm_create(1, [0], [0], 4096, 1.0, id=taken)

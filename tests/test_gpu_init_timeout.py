@@ -50,10 +50,12 @@ def test_init_timeout_becomes_bootstrap_timeout_error_cpu(monkeypatch):
     monkeypatch.setattr(_native, "cuda", fake)
     monkeypatch.setattr(_runtime.settings, "timeout_s", 3.0)
     with pytest.raises(_distributed.BootstrapTimeoutError) as e:
-        _runtime._comm_create_ranks([(0, 2, b"id", [0], [0])], WORKSPACE, "the GPU communicator X")
+        _runtime._comm_create_ranks([(0, 2, b"id", [0], [0])], WORKSPACE, "the GPU communicator X",
+                                    1234)
     assert str(e.value) == f"{native} (setting up the GPU communicator X)"
     assert isinstance(e.value, TimeoutError)
-    assert fake.calls == [([(0, 2, b"id", [0], [0])], WORKSPACE, 3.0, -1, _runtime.gpu_launch_kwargs())]
+    assert fake.calls == [([(0, 2, b"id", [0], [0])], WORKSPACE, 3.0, -1,
+                           dict(_runtime.gpu_launch_kwargs(), id=1234))]
 
 
 def test_init_other_errors_pass_through_cpu(monkeypatch):
