@@ -123,6 +123,12 @@ def check_vma_enabled() -> bool:
     return bool(_config._check_vma.value)
 
 
+# lax.all_gather's `to` under check_vma=False: jax 0.12 reads it only with check_vma on (off,
+# "invarying" is a plain all-gather, whose transpose sums the cotangents over the devices);
+# jax 0.11.2 keeps it (the transpose is this device's slice).
+ALL_GATHER_TO_NEEDS_CHECK_VMA = _release(jax.__version__) >= (0, 12, 0)
+
+
 def varying_axes(aval) -> frozenset:
     """The mesh axes a value varies over (``jax.typeof(x).vma``)."""
     mat = getattr(aval, "mat", None)

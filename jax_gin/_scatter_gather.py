@@ -164,6 +164,9 @@ def _mode(api, leaf, axes, to) -> str:
         if to == "reduced" and not _compat.check_vma_enabled():
             raise ValueError("jax_gin.all_gather: to='reduced' types the result reduced over "
                              "the axes, which needs shard_map's check_vma=True (as lax's does)")
+        if (to == "invarying" and _compat.ALL_GATHER_TO_NEEDS_CHECK_VMA
+                and not _compat.check_vma_enabled()):
+            return "varying"  # as the installed lax.all_gather: _compat
         return to
     if not unreduced:
         return "varying"
