@@ -51,8 +51,8 @@ struct CommConfig {
   // nothing): jax_gin.runtime's note on XLA's CPU threads, where they are too few.
   std::string absent_note;
   // The communicator's id, which the custom calls name (ffi_common.h): jax_gin.runtime derives
-  // it from where the communicator meets and its settings, so that a program's text is the
-  // same in every process. 0: the next free one of a counter.
+  // it from where the communicator meets and the settings its processes share, so that a
+  // program's text is the same in every process. 0: the next free one of a counter.
   int64_t id = 0;
 };
 

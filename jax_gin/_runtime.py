@@ -478,7 +478,13 @@ def communicator(platform: str, mesh, axes: tuple) -> int:
         if comm is not None:
             return comm
         layout = group_layout(names, sizes, tuple(axes))
-        fingerprint = _fingerprint(cache_key)
+        # What a program's text names (comm_attribute): where the communicator meets, the
+        # settings that its processes share (checked at set-up), and the resets so far, so
+        # that a program dropped before a reset never finds the new communicator; not this
+        # process's own timeout or fault injection, so that every process lowers a program to
+        # the same text.
+        fingerprint = _fingerprint((meet, ws, settings.record_entries,
+                                    () if platform == "cpu" else cache_key[-1], resets))
         comm_id = _free_id(fingerprint, platform == "cpu")
         if platform == "cpu":
             comm = _create_cpu_comm(mesh, devices, layout, ws, meet, comm_id)
@@ -492,10 +498,10 @@ def communicator(platform: str, mesh, axes: tuple) -> int:
         return comm
 
 
-def _fingerprint(cache_key) -> int:
-    """31 bits of a digest of a communicator's cache key: where it meets and its settings, the
-    same in every process that sets it up alike."""
-    digest = hashlib.sha256(repr(cache_key).encode()).digest()
+def _fingerprint(named) -> int:
+    """31 bits of a digest of what a program's text names of its communicator (communicator()):
+    the same in every process that sets it up alike."""
+    digest = hashlib.sha256(repr(named).encode()).digest()
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
@@ -503,7 +509,9 @@ def _free_id(fingerprint: int, is_cpu: bool) -> int:
     """The id of a new communicator: its fingerprint, so that a program's text (which names
     its communicators) is the same in every process and in whatever order they were set up,
     and JAX's persistent compilation cache finds it; where another communicator of this
-    process has that id (two fingerprints alike), the next free one. Called under _lock."""
+    process has that id (fingerprints alike: communicators that differ only in this process's
+    timeout or fault injection, or a digest collision), the next free one. Called under
+    _lock."""
     taken = {c for cpu, c in _fingerprints if cpu == is_cpu}
     comm = fingerprint or 1
     while comm in taken:
@@ -756,9 +764,9 @@ def reset() -> None:
     """Forget every cached communicator, and JAX's compiled programs with them
     (jax.clear_caches()): a jitted function is lowered again at its next call, with new
     communicators. It first waits for the programs still running whose results are alive;
-    on CPU devices the calls of one whose results were dropped give up at once. A program
-    compiled ahead of time (`.lower(...).compile()`) before the reset fails with an error
-    until a lowering sets its communicators up again; then it runs on them."""
+    on CPU devices the calls of one whose results were dropped give up at once. Programs
+    compiled ahead of time (`.lower(...).compile()`) before the reset can no longer run: the
+    new communicators have other ids (communicator() counts the resets into them)."""
     global resets
     resets += 1
     # so that no communicator is destroyed under a call that is running or about to start
