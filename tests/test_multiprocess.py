@@ -15,6 +15,8 @@ bottom) and checks what they print; every launch is bounded by a timeout. The wo
   program but never runs it, a peer process killed between calls, processes that run
   different programs;
 - a retry after a set-up that one process never came to while the other timed out there;
+- one program text in processes with timeouts of their own, and reset() under dropped
+  programs that still run;
 - that a set-up removes the segment names of dead set-ups whose deadline has long passed, and
   no other name; that both processes killed during a set-up leave a name that such a sweep
   removes once its deadline has passed.
@@ -37,6 +39,7 @@ from multiproc import (assert_same_shards, check_grad, check_parity, check_scatt
 
 WORKER_DEVICES = 4
 NPROC = 2
+ROUNDS_AFTER_RESET = 4  # test_program_text_and_reset_across_processes
 
 
 # test_different_programs: (op, algorithm, float32 elements per device) of the programs that
@@ -164,6 +167,20 @@ def test_killed_peer_process():
                      r"calls below stop where it died", err), err
     assert "never entered" not in err and "cycle" not in err, err
     assert r0["seconds"] < 10, r0
+
+
+def test_program_text_and_reset_across_processes():
+    """Processes with timeouts of their own lower a program to one text (its communicator's id
+    names what they share). After reset() in both processes, while a dropped program's calls
+    still run: the next program gets lax's bits, each time; the dropped calls do not find the new
+    communicator (they had, when ids left the resets out, and paired with its calls)."""
+    reports = _reports(_launch("ids", timeout=120), "ids")
+    for i, (rc, rep, out) in enumerate(reports):
+        assert rc == 0 and rep["ok"], f"process {i} rc {rc}:\n{_tail(out)}"
+    (_, r0, _), (_, r1, _) = reports
+    assert r0["text"] == r1["text"], (r0, r1)
+    for r in (r0, r1):
+        assert r["rounds"] == ["no error"] * ROUNDS_AFTER_RESET, r
 
 
 def test_different_programs():
@@ -527,6 +544,28 @@ def _worker(scenario: str, pid: int, port: int) -> None:
         report["ok"] = True
         print("REPORT " + json.dumps(report), flush=True)
         os._exit(0)  # JAX's shutdown would wait for the killed process
+    elif scenario == "ids":
+        import hashlib
+        jax_gin.runtime.settings.timeout_s = 3.0 + pid  # this process's own
+        x = global_input(mesh1, P("i"), 4096, "float32", 0)
+        g = jax.jit(jax.shard_map(lambda v: (jax_gin.psum(v, "i", algorithm="one_shot"),
+                                             lax.psum(v, "i")),
+                                  mesh=mesh1, in_specs=P("i"), out_specs=(P("i"), P("i"))))
+        report["text"] = hashlib.sha256(g.lower(x).as_text().encode()).hexdigest()
+
+        def chain(v):
+            for _ in range(60):
+                v = jax_gin.psum(v, "i", algorithm="one_shot") * 0.25
+            return v
+        report["rounds"] = []
+        for k in range(ROUNDS_AFTER_RESET):
+            f = jax.jit(jax.shard_map(chain, mesh=mesh1, in_specs=P("i"), out_specs=P("i")))
+            f(x), f(x)
+            jax_gin.runtime.reset()  # the chains' results dropped: they may still run
+            report["rounds"].append(error_of(lambda: same_bits(*g(x), f"round {k}")))
+            _distributed.distributed_client().wait_at_barrier(f"test/round_{k}", 60_000)
+        report["ok"] = True
+        print("REPORT " + json.dumps(report), flush=True)
     elif scenario == "different_programs":
         # Both processes lower the same two programs (so both set up alike); process 0 runs
         # the first and process 1 the second. Each process numbers its programs' calls alike,
