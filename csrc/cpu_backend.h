@@ -50,9 +50,8 @@ struct CommConfig {
   // Added to a timeout's report where a rank of the group never entered the call (empty:
   // nothing): jax_gin.runtime's note on XLA's CPU threads, where they are too few.
   std::string absent_note;
-  // The communicator's id, which the custom calls name (ffi_common.h): jax_gin.runtime derives
-  // it from where the communicator meets and the settings its processes share, so that a
-  // program's text is the same in every process. 0: the next free one of a counter.
+  // The communicator's id, which the custom calls name (ffi_common.h), as jax_gin.runtime
+  // chooses it (_runtime._free_id); 0: the next free one of a counter.
   int64_t id = 0;
 };
 

@@ -14,13 +14,10 @@
 namespace jax_gin {
 
 // The "comm" attribute of every jax_gin custom call (_runtime.comm_attribute): the
-// communicator's id in its low 32 bits and, above them, its fingerprint, a digest of where it
-// meets, of the settings its processes share and of the resets so far. The id is the
-// fingerprint, or the next free one where two communicators of a process have fingerprints
-// alike (_runtime._free_id). A program that runs
-// in a process that did not lower it (a serialized executable, an exported module) finds its
-// communicator where that process set it up; where the id there is another communicator's
-// (set up in another order among fingerprints alike), the fingerprint check turns that into an
+// communicator's id in its low 32 bits and, above them, its fingerprint (_runtime._free_id
+// says how both are chosen). A program that runs in a process that did not lower it (a
+// serialized executable, an exported module) finds its communicator where that process set it
+// up; where the id there is another communicator's, the fingerprint check turns that into an
 // error instead of a reduction over other groups.
 inline int64_t comm_id(int64_t attr) { return attr & 0xffffffffLL; }
 inline uint32_t comm_fingerprint(int64_t attr) { return uint32_t(uint64_t(attr) >> 32); }
@@ -41,7 +38,8 @@ inline xla::ffi::Error missing_comm(int64_t attr) {
       "was lowered in another process (a serialized executable or an exported module) and "
       "this process has not set that communicator up. Call the jitted function again, so that "
       "JAX lowers it in this process; a jax_gin program runs where a lowering has set up its "
-      "communicators (the same mesh, axes and shared settings, since the last reset)");
+      "communicators (the same mesh, axes and shared settings, after as many "
+      "jax_gin.runtime.reset() calls)");
 }
 
 // "float32, float64, ...": every supported element type.

@@ -147,9 +147,11 @@ int64_t register_comm(std::unique_ptr<Comm> comm, int64_t id) {
   if (id <= 0) {
     while (g_comms.count(g_next)) ++g_next;
     id = g_next++;
+  } else if (g_comms.count(id)) {  // taken since check_id_free (a concurrent set-up)
+    lock.unlock();
+    destroy_ranks(comm->ranks);
+    throw std::invalid_argument("jax_gin: communicator id " + std::to_string(id) + " is taken");
   }
-  // (jax_gin.runtime creates communicators under its lock, so `id`, checked free before the
-  // set-up by check_id_free, is still free here)
   comm->id = id;
   for (RankState& s : comm->ranks) s.cfg.rec_comm = int(id);
   g_comms[id] = std::move(comm);

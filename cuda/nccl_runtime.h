@@ -68,10 +68,9 @@ struct LaunchSettings {
 
 // Creates one communicator per group. groups[g][r] is the local CUDA ordinal of rank r of
 // group g. Throws std::runtime_error with NCCL's or CUDA's message on failure. `id`: the
-// communicator's id, which the custom calls name (ffi_common.h; jax_gin.runtime derives it
-// from where the communicator meets and the settings its processes share, so that a
-// program's text is the same in every process), or 0 for the next free one of a counter;
-// std::invalid_argument if taken.
+// communicator's id, which the custom calls name (ffi_common.h), as jax_gin.runtime chooses
+// it (_runtime._free_id), or 0 for the next free one of a counter; std::invalid_argument if
+// taken.
 int64_t comm_create(const std::vector<std::vector<int>>& groups, size_t workspace_bytes,
                     double timeout_s, int fault_rank, const LaunchSettings& launch = {},
                     int64_t id = 0);

@@ -396,7 +396,7 @@ _lock = threading.Lock()
 _cache: dict = {}
 # CPU communicator id -> (device id by logical id, GroupLayout): who runs each rank (trace).
 comm_devices: dict = {}
-gpu_comm_devices: dict = {}  # the same for GPU communicators (their ids are counted apart)
+gpu_comm_devices: dict = {}  # the same for GPU communicators (their ids are kept apart)
 # (is_cpu, communicator id) -> its fingerprint (comm_attribute)
 _fingerprints: dict = {}
 
@@ -478,11 +478,7 @@ def communicator(platform: str, mesh, axes: tuple) -> int:
         if comm is not None:
             return comm
         layout = group_layout(names, sizes, tuple(axes))
-        # What a program's text names (comm_attribute): where the communicator meets, the
-        # settings that its processes share (checked at set-up), and the resets so far, so
-        # that a program dropped before a reset never finds the new communicator; not this
-        # process's own timeout or fault injection, so that every process lowers a program to
-        # the same text.
+        # what a program's text names of it (_free_id)
         fingerprint = _fingerprint((meet, ws, settings.record_entries,
                                     () if platform == "cpu" else cache_key[-1], resets))
         comm_id = _free_id(fingerprint, platform == "cpu")
@@ -506,12 +502,19 @@ def _fingerprint(named) -> int:
 
 
 def _free_id(fingerprint: int, is_cpu: bool) -> int:
-    """The id of a new communicator: its fingerprint, so that a program's text (which names
-    its communicators) is the same in every process and in whatever order they were set up,
-    and JAX's persistent compilation cache finds it; where another communicator of this
-    process has that id (fingerprints alike: communicators that differ only in this process's
-    timeout or fault injection, or a digest collision), the next free one. Called under
-    _lock."""
+    """The id of a new communicator, given its fingerprint: the fingerprint itself, or, where
+    another communicator of this process has that id, the next free one. Called under _lock.
+
+    The one statement of the scheme. A custom call names its communicator by id and
+    fingerprint (comm_attribute; the handlers check both, csrc/ffi_common.h). The fingerprint
+    (communicator()) digests where the communicator meets, the settings its processes share
+    (checked at set-up: the workspace, the recorder's ring, on GPUs the launch settings), and
+    this process's count of reset() calls; not this process's own timeout or fault injection.
+    So a program's text is the same in every process that set up alike and reset as often,
+    whatever order its communicators were set up in, and JAX's persistent compilation cache
+    finds it; a program dropped before a reset never finds the new communicators. Ids depend
+    on the order of set-up only among communicators whose fingerprints are alike (they differ
+    only in the timeout or fault injection, or a digest collision)."""
     taken = {c for cpu, c in _fingerprints if cpu == is_cpu}
     comm = fingerprint or 1
     while comm in taken:

@@ -163,8 +163,8 @@ constexpr int kMaxRanks = 128;   // ring uses 2(N-1) steps of up to kMaxChunks t
 constexpr int kMaxLanes = 128;
 constexpr int kMaxChunks = 64;   // pipelined chunks of one step of one lane (see schedule.h).
 // Start/done pairs of asynchronous calls (GPU) per rank before their events are reused: a
-// pair uses slot (its lowering's sequence number) % kAsyncSlots. A reused slot only makes a
-// done wait for a later start as well, never too little.
+// pair uses slot (its number among the pairs of its program) % kAsyncSlots. A reused slot only
+// makes a done wait for a later start as well, never too little.
 constexpr int kAsyncSlots = 64;
 // Segment boundaries are multiples of 16 bytes so that the GPU can move 16-byte vectors.
 constexpr size_t kAlignBytes = 16;
