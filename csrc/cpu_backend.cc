@@ -123,6 +123,7 @@ struct RelaxedLoad {  // for seen_of (laggard.h)
 std::shared_mutex& g_registry_mu = *new std::shared_mutex;
 std::map<int64_t, std::shared_ptr<Comm>>& g_registry = *new std::map<int64_t, std::shared_ptr<Comm>>;
 int64_t g_next_id = 1;
+int64_t g_created = 0;  // communicators created so far (Comm::ordinal)
 
 // Each rank's state block, as the hang report reads it (laggard.h).
 std::vector<Seen> rank_states(const Workspace& ws) {
@@ -766,6 +767,7 @@ int64_t create_comm(const CommConfig& config, std::vector<std::shared_ptr<Worksp
     while (g_registry.count(g_next_id)) ++g_next_id;
     comm->id = g_next_id++;
   }
+  comm->ordinal = ++g_created;
   g_registry[comm->id] = comm;
   return comm->id;
 }
@@ -1195,9 +1197,9 @@ constexpr std::chrono::milliseconds kWorkerIdle{1000};
 
 }  // namespace
 
-RankWorker::RankWorker(int64_t comm_id, uint32_t logical_id, double turn_wait_s)
+RankWorker::RankWorker(int64_t ordinal, uint32_t logical_id, double turn_wait_s)
     : s_(std::make_shared<State>()),
-      name_("jax_gin:" + std::to_string(comm_id) + "/" + std::to_string(logical_id)),
+      name_("jax_gin:" + std::to_string(ordinal) + "/" + std::to_string(logical_id)),
       turn_wait_s_(turn_wait_s) {}
 
 RankWorker::~RankWorker() {
@@ -1321,7 +1323,7 @@ std::string submit(Comm& comm, uint32_t logical_id, RankWorker::Work work,
       std::lock_guard<std::mutex> lock(comm.workers_mu);
       if (comm.workers.empty()) comm.workers.resize(comm.config.group_of.size());
       auto& w = comm.workers[logical_id];
-      if (!w) w.reset(new RankWorker(comm.id, logical_id, turn_wait_s(comm.config)));
+      if (!w) w.reset(new RankWorker(comm.ordinal, logical_id, turn_wait_s(comm.config)));
       worker = w.get();
     }
     if (worker->submit(std::move(work), std::move(done), site, run_id))

@@ -214,7 +214,7 @@ struct Turn {
 // kWorkerIdle); the next call starts a fresh one. A queued call holds its communicator, so the
 // communicator's last reference may go on this very thread, which then outlives its
 // RankWorker: the thread uses only its shared State. The thread is named
-// "jax_gin:<communicator>/<device>" (as gdb and top show it).
+// "jax_gin:<ordinal>/<device>" (Comm::ordinal; as gdb and top show it).
 class RankWorker {
  public:
   // The call (its error, or empty), told its site and whether it may decline (Turn).
@@ -225,7 +225,7 @@ class RankWorker {
     using std::runtime_error::runtime_error;
   };
   // `turn_wait_s`: how long a declined call waits for the call that rank 0 runs first.
-  RankWorker(int64_t comm_id, uint32_t logical_id, double turn_wait_s);  // starts no thread
+  RankWorker(int64_t ordinal, uint32_t logical_id, double turn_wait_s);  // starts no thread
   ~RankWorker();  // runs the calls already queued, then ends the thread
   RankWorker(const RankWorker&) = delete;
   RankWorker& operator=(const RankWorker&) = delete;
@@ -260,6 +260,9 @@ class RankWorker {
 
 struct Comm {
   int64_t id = 0;
+  // The communicators of this process counted from 1 in set-up order: its workers' thread
+  // names (RankWorker), which the kernel cuts to 15 characters, too few for the id.
+  int64_t ordinal = 0;
   uint32_t fingerprint = 0;  // the high half of the custom calls' "comm" attribute (ffi_common.h)
   CommConfig config;
   std::vector<std::unique_ptr<Group>> groups;

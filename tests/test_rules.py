@@ -883,8 +883,8 @@ def _thread_names():
 
 def test_worker_threads_are_named():
     """On CPU devices each rank's calls run on a worker thread named after its communicator
-    and device ("jax_gin:<communicator>/<device>"), so that gdb and top tell them apart from
-    XLA's threads."""
+    (counted from 1 in the process) and device ("jax_gin:<n>/<device>", within the kernel's 15
+    characters), so that gdb and top tell them apart from XLA's threads."""
     if jax.default_backend() != "cpu":
         pytest.skip("CPU devices only")
     needs_devices(2)  # a group of one makes no call
