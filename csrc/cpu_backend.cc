@@ -758,10 +758,10 @@ int64_t create_comm(const CommConfig& config, std::vector<std::shared_ptr<Worksp
     comm->groups.emplace_back(new Group(w));
   }
   std::unique_lock<std::shared_mutex> lock(g_registry_mu);
-  if (config.id > 0 && g_registry.count(config.id))
-    throw std::invalid_argument("jax_gin: communicator id " + std::to_string(config.id) +
-                                " is taken");
   if (config.id > 0) {
+    if (g_registry.count(config.id))
+      throw std::invalid_argument("jax_gin: communicator id " + std::to_string(config.id) +
+                                  " is taken");
     comm->id = config.id;
   } else {
     while (g_registry.count(g_next_id)) ++g_next_id;

@@ -471,7 +471,8 @@ def communicator(platform: str, mesh, axes: tuple) -> int:
     # communicator's set-up across processes (_distributed.communicator_tag): the processes of
     # a group meet there and then compare the settings that must agree, naming any difference.
     meet = (platform, device_ids, names, sizes, tuple(axes))
-    cache_key = key if platform == "cpu" else key + (tuple(gpu_launch_kwargs().items()),)
+    launch = () if platform == "cpu" else tuple(gpu_launch_kwargs().items())
+    cache_key = key if platform == "cpu" else key + (launch,)
     _distributed.check_initialized(len({d.process_index for d in devices}))
     with _lock:
         comm = _cache.get(cache_key)
@@ -479,8 +480,7 @@ def communicator(platform: str, mesh, axes: tuple) -> int:
             return comm
         layout = group_layout(names, sizes, tuple(axes))
         # what a program's text names of it (_free_id)
-        fingerprint = _fingerprint((meet, ws, settings.record_entries,
-                                    () if platform == "cpu" else cache_key[-1], resets))
+        fingerprint = _fingerprint((meet, ws, settings.record_entries, launch, resets))
         comm_id = _free_id(fingerprint, platform == "cpu")
         if platform == "cpu":
             comm = _create_cpu_comm(mesh, devices, layout, ws, meet, comm_id)
