@@ -210,6 +210,10 @@ def test_ids_of_fingerprints_alike(monkeypatch):
     monkeypatch.undo()
     x = exact_input((8,), ndev(), "float32")
     smap(lambda v: jax_gin.psum(v, "i", algorithm="ring"), mesh_1d(), P("i"))(x)
-    taken = next(c for (cpu, c) in _runtime._fingerprints if cpu)
+    cpu = jax.devices()[0].platform == "cpu"
+    taken = next(c for (on_cpu, c) in _runtime._fingerprints if on_cpu == cpu)
     with pytest.raises(ValueError, match=rf"communicator id {taken} is taken"):
-        _native.cpu.cpu_comm_create(1, [0], [0], 4096, 1.0, id=taken)
+        if cpu:
+            _native.cpu.cpu_comm_create(1, [0], [0], 4096, 1.0, id=taken)
+        else:  # refused before any device work
+            _native.cuda.comm_create([[0]], 4096, 1.0, id=taken)
