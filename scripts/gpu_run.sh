@@ -10,9 +10,10 @@
 #                                      compute-sanitizer, the GPU pytest suite and the
 #                                      2-process GPU tests
 #   bash scripts/gpu_run.sh native     test's native harness and compute-sanitizer alone
-#   bash scripts/gpu_run.sh pytest     test's GPU pytest suite and 2-process tests alone (with
-#                                      native, test in two calls of a machine that limits each
-#                                      command's time)
+#   bash scripts/gpu_run.sh pytest [FILE...]  test's GPU pytest suite and 2-process tests
+#                                      alone (with native, test in two calls of a machine that
+#                                      limits each command's time); given test files or pytest
+#                                      node ids, those alone, so that the suite can run in parts
 #   bash scripts/gpu_run.sh record     the results of record: the op sweep (auto and lax, float32,
 #                                      4 KiB - 1 GiB) and the whole-step workloads
 #                                      (dp-train, fsdp, tp-train, tp-decode, overlap at 256 and
@@ -26,6 +27,11 @@
 #                                      off and on, in turns (the table of docs/design.md)
 set -uo pipefail
 MODE=${1:-test}
+shift $(( $# > 0 ))
+SELECTED=("$@")  # pytest mode: the tests to run (default: all)
+if [ ${#SELECTED[@]} -gt 0 ] && [ "$MODE" != pytest ]; then
+  echo "gpu_run.sh: only the pytest mode takes test files (got '$MODE ${SELECTED[*]}')" >&2; exit 2
+fi
 case "$MODE" in test|native|pytest|record|workloads|collectives|ceiling|recorder) ;;
   *) echo "usage: bash scripts/gpu_run.sh test|native|pytest|record|workloads|collectives|ceiling|recorder (got '$MODE')" >&2; exit 2 ;;
 esac
@@ -136,6 +142,13 @@ sanitizer() {
 pytests() {
   # -v and --durations: a run cut by the timeout names the test it was in, and a full run
   # names the slowest tests
+  if [ ${#SELECTED[@]} -gt 0 ]; then
+    JAX_PLATFORMS=cuda timeout 540 $PY -m pytest -v --durations=25 -p no:cacheprovider \
+      "${SELECTED[@]}" > "$OUT/pytest.log" 2>&1
+    log "pytest ${SELECTED[*]} (JAX_PLATFORMS=cuda) rc=$? $(tail -1 "$OUT/pytest.log")"
+    grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -10
+    return
+  fi
   JAX_PLATFORMS=cuda timeout 420 $PY -m pytest -v --durations=25 -p no:cacheprovider tests/ \
     > "$OUT/pytest.log" 2>&1
   log "pytest (JAX_PLATFORMS=cuda) rc=$? $(tail -1 "$OUT/pytest.log")"
