@@ -21,7 +21,7 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
-from jax import tree_util
+from jax import lax, tree_util
 from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 
@@ -111,20 +111,30 @@ def _apply(api, x, axis_name, dim, tiled, algorithm, bucket_bytes, to="varying")
     plan = _scatter_plan if api == "psum_scatter" else _gather_plan
     leaves, treedef = tree_util.tree_flatten(x)
     modes = [_mode(api, leaf, axes, to) for leaf in leaves]
+    out = [None] * len(leaves)
+    # A leaf sharded over a mesh axis that the shard_map leaves free (an Explicit axis in its
+    # type) cannot be flattened without resharding it: lax's collective, which is what the
+    # lowering runs in a partially-manual shard_map anyway.
+    for i, leaf in enumerate(leaves):
+        if _sharded_over_free_axes(leaf, api):
+            out[i] = (lax.psum_scatter(leaf, axes, scatter_dimension=int(dim), tiled=bool(tiled))
+                      if api == "psum_scatter" else
+                      lax.all_gather(leaf, axes, axis=int(dim), tiled=bool(tiled), to=modes[i]))
+    kept = [i for i in range(len(leaves)) if out[i] is None]
     # each leaf's operand: (N, mp) blocks to scatter, or an (mp,) block to gather
-    operands, finishes = zip(*[plan(leaf, axes, nranks, int(dim), bool(tiled), mode)
-                               for leaf, mode in zip(leaves, modes)]) if leaves else ((), ())
+    operands, finishes = {}, {}
+    for i in kept:
+        operands[i], finishes[i] = plan(leaves[i], axes, nranks, int(dim), bool(tiled), modes[i])
     # (dtype, weak type, the axes it varies over, mode) -> indices of its leaves, in order. A
     # weakly typed leaf (from a Python scalar) keeps its weak type only in a bucket of weak
     # leaves: concatenated with a strong one it would come back strong, where lax's stays weak.
     groups: dict = {}
     vma = _compat.check_vma_enabled()
-    for i, op in enumerate(operands):
+    for i, op in operands.items():
         t = jax.typeof(op)
         key = (np.dtype(op.dtype), t.weak_type, _compat.varying_axes(t) if vma else None,
                modes[i])
         groups.setdefault(key, []).append(i)
-    out = [None] * len(leaves)
     for (dtype, _, _, mode), idx in groups.items():
         # a bucket's size is its larger side: N blocks of every leaf in it
         sizes = [nranks * operands[i].shape[-1] * dtype.itemsize for i in idx]
@@ -148,6 +158,13 @@ def _apply(api, x, axis_name, dim, tiled, algorithm, bucket_bytes, to="varying")
             for i, part in zip(members, parts):
                 out[i] = finishes[i](part)
     return tree_util.tree_unflatten(treedef, out)
+
+
+def _sharded_over_free_axes(leaf, api) -> bool:
+    """Whether the leaf's type shards it over a mesh axis (an Explicit one: Auto and manual
+    axes are not in a type's spec)."""
+    spec = getattr(jax.typeof(_as_array(leaf, api)).sharding, "spec", None)
+    return spec is not None and any(entry is not None for entry in spec)
 
 
 def _mode(api, leaf, axes, to) -> str:

@@ -4,6 +4,8 @@ jax_gin reduces over the manual axes while the operand stays sharded over the au
 each device reduces its own shard with the devices that share its automatic coordinates.
 Everything is compared bit for bit with lax on exact inputs.
 """
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -177,6 +179,41 @@ def test_vmap_over_explicit_axis():
                 got, want = wrap(f)(arr), wrap(g)(arr)
                 assert_bitwise(got, want)
                 assert got.sharding == want.sharding == NamedSharding(mesh, P("p", None))
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("kind", [jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto])
+def test_gather_of_a_block_sharded_over_a_free_axis(kind, check_vma):
+    """FSDP over x beside tensor parallelism over y: the shard_map is manual over x only, and
+    the block stays sharded over y (in its type, where y is Explicit). all_gather over x
+    keeps it so, as lax's does; leaves not sharded so take jax_gin's path in one pytree."""
+    mesh = _mesh((2, 4), ("x", "y"))
+    mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=(kind,) * 2)
+    with jax.set_mesh(mesh):
+        x = _global((8, 8), mesh, P("x", "y"), seed=3)
+        b = _global((6, 3), mesh, P("x"), seed=4)
+        for tiled, to in ((True, "varying"), (False, "varying"), (True, "invarying")):
+            def run(mod):
+                kw = {"to": to} if to != "varying" else {}
+                return jax.jit(jax.shard_map(
+                    lambda a, c: mod.all_gather((a, c), "x", tiled=tiled, **kw),
+                    in_specs=(P("x"), P("x")), out_specs=P() if to == "invarying" else P("x"),
+                    axis_names={"x"},
+                    check_vma=check_vma))(x, b)
+            got, want = run(jax_gin), run(lax)
+            for g, w in zip(got, want):
+                assert_bitwise(g, w)
+                assert jax.typeof(g) == jax.typeof(w)
+        grad = lambda mod: jax.grad(lambda a: jnp.sum(jax.shard_map(  # noqa: E731
+            lambda v: mod.all_gather(v, "x", tiled=True), in_specs=P("x"), out_specs=P("x"),
+            axis_names={"x"}, check_vma=check_vma)(a) ** 2))(x)
+        try:
+            want = grad(lax)
+        except ValueError as e:  # JAX's transpose, with Explicit axes or check_vma=False
+            with pytest.raises(ValueError, match=re.escape(str(e).splitlines()[0])):
+                grad(jax_gin)
+        else:
+            assert_bitwise(grad(jax_gin), want)
 
 
 @pytest.fixture
