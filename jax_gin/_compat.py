@@ -305,3 +305,20 @@ def reshape(ctx, x, aval_out):
     """An MLIR reshape of `x` to `aval_out`'s shape."""
     from jax._src.interpreters import mlir as _mlir
     return _mlir.reshape(ctx, x, aval_out)
+
+
+def gspmd_as_named(sharding, axis_names: tuple, axis_sizes: tuple):
+    """A GSPMDSharding, which custom_partitioning gives its partition function where it knows
+    no mesh (a jit whose arrays are all made inside it, under a context mesh), as a
+    NamedSharding over a mesh of `axis_names` and `axis_sizes` on its devices in their order,
+    as JAX's ShardingContext builds one from an abstract mesh; None where it cannot be read."""
+    import math
+    import numpy as np
+    from jax._src import sharding_impls
+    devices = getattr(sharding, "_device_assignment", None)
+    hlo = getattr(sharding, "_hlo_sharding", None)
+    if devices is None or hlo is None or len(devices) != math.prod(axis_sizes):
+        return None
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(axis_sizes), axis_names)
+    spec = sharding_impls.parse_flatten_op_sharding(hlo, mesh)[0]
+    return jax.sharding.NamedSharding(mesh, spec)

@@ -26,6 +26,8 @@ Mesh axis types:
   sharding, and the others keep the first operand's. `out_sharding=` overrides it.
 - Inside jax.shard_map, where every axis is manual, the ops compute on the local block and
   never communicate, as jnp does there. Use jax_gin.psum in that case.
+- Inside a shard_map that leaves axes free (axis_names=), the ops are jnp's: XLA partitions
+  them over the free axes with its own collectives (custom_partitioning has no mesh there).
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, get_abstract_mesh
 
+from . import _compat
 from ._ops import OP_API_NAMES, check_dtype
 from ._primitive import pmax, pmin, psum
 from . import _select
@@ -109,21 +112,43 @@ def _reduced_axes(reduced_factors, chosen: dict, mesh_shape: dict) -> tuple:
     return tuple(a for a, n in mesh_shape.items() if a in axes and n > 1)
 
 
-def _named_specs(api: str, arg_shapes) -> list:
+def _named_specs(api: str, mesh, arg_shapes, mesh_axes: tuple):
+    """The partition's mesh and each operand's PartitionSpec. Where the partitioner knows no
+    mesh (a jit whose arrays are all made inside it, under a context mesh), it gives
+    GSPMDShardings: they are read over the mesh of the trace (`mesh_axes`: its names and
+    sizes) on their devices."""
     specs = []
+    decode = mesh.empty and bool(mesh_axes)
     for a in arg_shapes:
-        if isinstance(a.sharding, NamedSharding):
-            specs.append(a.sharding.spec)
-        elif a.sharding.is_fully_replicated:
+        sharding = a.sharding
+        if decode and not isinstance(sharding, NamedSharding):
+            named = _compat.gspmd_as_named(sharding, *zip(*mesh_axes))
+            if named is not None:
+                mesh, sharding = named.mesh, named
+        if isinstance(sharding, NamedSharding):
+            specs.append(sharding.spec)
+        elif sharding.is_fully_replicated:
             # a constant or a value with no mesh (a closed-over array, say): replicated,
             # so no mesh axis shards it
             specs.append(P())
         else:
             raise NotImplementedError(
                 f"jax_gin.{api}: the partitioner gave an operand sharding that is not a "
-                f"NamedSharding ({type(a.sharding).__name__}); shard the inputs with "
-                "NamedSharding over a jax.sharding.Mesh")
-    return specs
+                f"NamedSharding ({type(sharding).__name__}) and no mesh to read it over; "
+                "shard the inputs with NamedSharding over a jax.sharding.Mesh")
+    return mesh, specs
+
+
+def _trace_mesh_axes(*xs) -> tuple:
+    """The (name, size) pairs of the mesh of xs or the context, for _named_specs."""
+    m = _mesh_of(*xs)
+    return () if m is None or m.empty else tuple(zip(m.axis_names, m.axis_sizes))
+
+
+def _partially_manual() -> bool:
+    """Inside a shard_map that leaves some mesh axes free (axis_names=)."""
+    manual = _compat.manual_mesh_axes()
+    return bool(manual) and manual != frozenset(get_abstract_mesh().axis_names)
 
 
 def _rule_string(operands, result) -> str:
@@ -155,9 +180,18 @@ def _mesh_of(*xs):
     return get_abstract_mesh()
 
 
-def _run(api, op, args, out_factors, operand_factors, sizes, out_sharding):
-    """Call the custom-partitioned `op`, through auto_axes when the mesh has Explicit axes."""
+def _run(api, op, local, args, out_factors, operand_factors, sizes, out_sharding):
+    """Call the custom-partitioned `op`, through auto_axes when the mesh has Explicit axes. In
+    a shard_map that leaves axes free, `local` (the jnp operation): XLA partitions it over the
+    free axes with its own collectives, as jax_gin's collectives run XLA's own there (a
+    custom_partitioning op knows no mesh there)."""
     explicit = _explicit_axes(*args)
+    if _partially_manual():
+        y = local(*args)
+        if out_sharding is not None:
+            y = (jax.sharding.reshard(y, out_sharding) if explicit
+                 else jax.lax.with_sharding_constraint(y, out_sharding))
+        return y
     if not explicit:
         y = op(*args)
         if out_sharding is not None:
@@ -240,21 +274,22 @@ def _parse_einsum(subscripts: str):
     return xs, ws, out
 
 
-@functools.partial(custom_partitioning, static_argnums=(2, 3, 4, 5))
-def _contract_op(x, w, subscripts, algorithm, precision, preferred):
+@functools.partial(custom_partitioning, static_argnums=(2, 3, 4, 5, 6))
+def _contract_op(x, w, subscripts, algorithm, precision, preferred, mesh_axes):
     return jnp.einsum(subscripts, x, w, precision=precision, preferred_element_type=preferred)
 
 
-def _contract_rule(subscripts, algorithm, precision, preferred, mesh, value_types, result_types):
+def _contract_rule(subscripts, algorithm, precision, preferred, mesh_axes, mesh, value_types,
+                   result_types):
     xs, ws, out = _parse_einsum(subscripts)
     reduced = tuple(c for c in dict.fromkeys(xs + ws) if c not in out)
     return _rule_string((xs, ws), out), {"reduction_factors": reduced}
 
 
-def _contract_partition(subscripts, algorithm, precision, preferred, mesh, arg_shapes,
+def _contract_partition(subscripts, algorithm, precision, preferred, mesh_axes, mesh, arg_shapes,
                         result_shape):
     xs, ws, out = _parse_einsum(subscripts)
-    specs = _named_specs("einsum", arg_shapes)
+    mesh, specs = _named_specs("einsum", mesh, arg_shapes, mesh_axes)
     sizes = {**dict(zip(xs, arg_shapes[0].shape)), **dict(zip(ws, arg_shapes[1].shape))}
     chosen = _assign_factors((xs, ws), specs, sizes, dict(mesh.shape))
     reduce_axes = _reduced_axes([c for c in sizes if c not in out], chosen, dict(mesh.shape))
@@ -276,19 +311,19 @@ def _reduce_factors(ndim: int, axes: tuple):
     return names, [n for i, n in enumerate(names) if i not in axes]
 
 
-@functools.partial(custom_partitioning, static_argnums=(1, 2, 3))
-def _reduce_op(x, axes, op, algorithm):
+@functools.partial(custom_partitioning, static_argnums=(1, 2, 3, 4))
+def _reduce_op(x, axes, op, algorithm, mesh_axes):
     return _LOCAL[op](x, axis=axes)
 
 
-def _reduce_rule(axes, op, algorithm, mesh, value_types, result_types):
+def _reduce_rule(axes, op, algorithm, mesh_axes, mesh, value_types, result_types):
     names, kept = _reduce_factors(len(value_types[0].shape), axes)
     return _rule_string((names,), kept), {"reduction_factors": tuple(names[i] for i in axes)}
 
 
-def _reduce_partition(axes, op, algorithm, mesh, arg_shapes, result_shape):
+def _reduce_partition(axes, op, algorithm, mesh_axes, mesh, arg_shapes, result_shape):
     names, kept = _reduce_factors(len(arg_shapes[0].shape), axes)
-    specs = _named_specs(op, arg_shapes)
+    mesh, specs = _named_specs(op, mesh, arg_shapes, mesh_axes)
     sizes = dict(zip(names, arg_shapes[0].shape))
     chosen = _assign_factors((names,), specs, sizes, dict(mesh.shape))
     reduce_axes = _reduced_axes([names[i] for i in axes], chosen, dict(mesh.shape))
@@ -315,8 +350,11 @@ def _contract(subscripts, x, w, algorithm, precision, preferred, out_sharding, a
     def call(x, w):
         xs, ws, out = _parse_einsum(subscripts)
         sizes = {**dict(zip(xs, x.shape)), **dict(zip(ws, w.shape))}
-        op = lambda a, b: _contract_op(a, b, subscripts, algorithm, precision, preferred)  # noqa: E731
-        return _run(api, op, (x, w), out, (xs, ws), sizes, out_sharding)
+        op = lambda a, b: _contract_op(a, b, subscripts, algorithm, precision, preferred,  # noqa: E731
+                                       _trace_mesh_axes(x, w))
+        local = lambda a, b: jnp.einsum(subscripts, a, b, precision=precision,  # noqa: E731
+                                        preferred_element_type=preferred)
+        return _run(api, op, local, (x, w), out, (xs, ws), sizes, out_sharding)
 
     @call.def_vmap
     def _(axis_size, in_batched, x, w):
@@ -441,8 +479,9 @@ def _reduce_raw(x, axes, op, algorithm, out_sharding, api):
     def call(x):
         names, kept = _reduce_factors(x.ndim, axes)
         sizes = dict(zip(names, x.shape))
-        fn = lambda a: _reduce_op(a, axes, op, algorithm)  # noqa: E731
-        return _run(api, fn, (x,), kept, (names,), sizes, out_sharding)
+        fn = lambda a: _reduce_op(a, axes, op, algorithm, _trace_mesh_axes(x))  # noqa: E731
+        local = lambda a: _LOCAL[op](a, axis=axes)  # noqa: E731
+        return _run(api, fn, local, (x,), kept, (names,), sizes, out_sharding)
 
     @call.def_vmap
     def _(axis_size, in_batched, x):

@@ -523,6 +523,47 @@ def test_inside_shard_map_is_local():
     assert_bitwise(got, want)
 
 
+@pytest.mark.parametrize("kind", [AUTO, EXPLICIT])
+def test_inside_partially_manual_shard_map(kind):
+    """A shard_map manual over one axis and free over the other: the ops are jnp's there, and
+    XLA partitions them over the free axis, as jax_gin's collectives run XLA's own there."""
+    mesh = mesh_dt(kind)
+    x, w = ints((8, 16)), ints((16, 4), seed=1)
+    with jax.set_mesh(mesh):
+        xs = put(x, mesh, P("data", "tensor"))
+        for ours, ref in ((lambda a: jax_gin.sum(a, axis=1), lambda a: jnp.sum(a, axis=1)),
+                          (lambda a: jax_gin.matmul(a, w), lambda a: a @ w)):
+            f, g = (jax.jit(jax.shard_map(h, in_specs=P("data"), out_specs=P("data"),
+                                          axis_names={"data"})) for h in (ours, ref))
+            got, want = f(xs), g(xs)
+            assert_bitwise(got, want)
+            assert jax.typeof(got) == jax.typeof(want)
+
+
+@pytest.mark.parametrize("kind", [AUTO, EXPLICIT])
+def test_arrays_made_inside_the_jit(kind):
+    """A jit with no array arguments (an init function) under a context mesh: the partitioner
+    knows no mesh there and gives GSPMD shardings, read over the context mesh."""
+    mesh = mesh_dt(kind)
+    with jax.set_mesh(mesh):
+        place = jax.sharding.reshard if kind == EXPLICIT else jax.lax.with_sharding_constraint
+
+        def make():
+            a = jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16) % 7
+            return (place(a, NamedSharding(mesh, P("data", "tensor"))),
+                    place(jnp.ones((16, 4), jnp.float32) * 3, NamedSharding(mesh, P("tensor", None))))
+        for ours, ref in ((lambda: jax_gin.sum(make()[0], axis=1), lambda: jnp.sum(make()[0], axis=1)),
+                          (lambda: jax_gin.matmul(*make()),
+                           # under Explicit axes jnp needs the sharding of a sharded contraction
+                           lambda: jnp.matmul(*make(), out_sharding=P("data", None)
+                                              if kind == EXPLICIT else None))):
+            f = jax.jit(ours)
+            got, want = f(), jax.jit(ref)()
+            assert_bitwise(got, want)
+            if mesh.shape["tensor"] > 1:  # the reduced dimension is sharded: jax_gin's call
+                assert "jax_gin" in f.lower().compile().as_text()
+
+
 def test_errors():
     x = ints((4, 4))
     with pytest.raises(ValueError, match="name every dimension"):
