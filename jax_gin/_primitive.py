@@ -163,6 +163,20 @@ def _allreduce(x, axis_name, op: str, algorithm: str, bucket_bytes, overlap,
         return x
     leaves, treedef = tree_util.tree_flatten(x)
     if op == "sum":
+        constants = [i for i, leaf in enumerate(leaves) if not _compat.is_tracer(leaf)]
+        if constants:
+            # A constant leaf (a Python scalar, a NumPy or concrete jax array) is the same on
+            # every device, and lax.psum gives its sum as a constant, without communicating:
+            # psum(1, axis), the axis size, is a Python int that code uses as a static size.
+            # jax_gin's is lax's, for each such leaf as lax takes leaves one by one.
+            for i in constants:
+                if hasattr(leaves[i], "dtype"):
+                    refuse_keys(leaves[i].dtype, api)
+            rest = [leaf for i, leaf in enumerate(leaves) if i not in constants]
+            reduced = iter(_allreduce(rest, axes, op, algorithm, bucket_bytes, overlap, api))
+            return tree_util.tree_unflatten(treedef, [
+                jax.lax.psum(leaf, axes) if i in constants else next(reduced)
+                for i, leaf in enumerate(leaves)])
         leaves, restore = summed_as(leaves, api)
     leaves, out, by_dtype, was_bool = group_leaves(leaves, axes, op, api)
     for (dtype, mode), idx in by_dtype.items():

@@ -106,12 +106,40 @@ def test_python_constants():
 
     def f(v):
         del v
-        return tuple((ours(c, "i")[None], jnp.asarray(ref(c, "i"))[None])
+        return tuple((jnp.asarray(ours(c, "i"))[None], jnp.asarray(ref(c, "i"))[None])
                      for c in (1, 2.0) for ours, ref in OPS.values())
 
     x = exact_input((4,), ndev(), "float32")
     for got, want in smap(f, mesh, P("i"), out_spec=P())(x):
         assert_bitwise(got, want)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_sums_of_constants_stay_constants(check_vma):
+    """lax.psum (and pmean) of a constant is a constant: psum(1, axis) is the axis size as a
+    Python int, which code uses as a static size (w.shape[0] // psum(1, 'i')). So are
+    jax_gin's, under jit, with and without check_vma, each leaf as lax takes them."""
+    mesh = mesh_1d()
+    seen = []
+
+    def f(v):
+        for api in ("psum", "pmean"):
+            for c in (1, 2.0, np.float32(3), np.arange(3, dtype=np.int32), True,
+                      {"a": 1, "b": v}):
+                got, want = getattr(jax_gin, api)(c, "i"), getattr(lax, api)(c, "i")
+                for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                    seen.append((api, c))
+                    assert type(g) is type(w), (api, c, type(g), type(w))
+                    if not isinstance(w, jax.core.Tracer):
+                        assert_bitwise(g, w)
+                        assert jnp.result_type(g) == jnp.result_type(w)
+        rows = v.shape[0] * ndev() // jax_gin.psum(1, "i")  # a static size
+        return lax.dynamic_slice_in_dim(v, 0, rows)
+
+    x = exact_input((4,), ndev(), "float32")
+    jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("i"), out_specs=P("i"),
+                          check_vma=check_vma))(x)
+    assert len(seen) == 2 * 7
 
 
 @pytest.mark.parametrize("algo", jax_gin.ALGORITHMS + ("auto",))
