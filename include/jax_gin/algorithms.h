@@ -44,7 +44,7 @@ namespace jax_gin {
 // contribution, which is read where it already is (my input or my output).
 template <class T>
 struct SlotSources {
-  const T* slot0;      // slot `first_slot` of my window
+  const T* slot0;      // slot 0 of the slots read, in my window
   size_t slot_stride;  // elements between consecutive slots
   int self;
   const T* self_ptr;
