@@ -59,7 +59,13 @@ def explain(x, axis_name=None, *, nranks: int | None = None, platform: str | Non
                         f"such as 'NVIDIA H200'), got {device_kind!r}")
     if axis_name is not None:
         from . import _compat
-        axes = _primitive._normalize_axes(axis_name, "explain")
+        try:
+            axes = _primitive._normalize_axes(axis_name, "explain")
+        except NameError as err:
+            if nranks is None:
+                raise
+            raise NameError(f"{str(err).rstrip('.')}. Outside shard_map, pass nranks alone "
+                            "(no axis_name)") from None
         size = math.prod(_compat.axis_size(a) for a in axes)
         if nranks is not None and nranks != size:
             raise ValueError(f"jax_gin.explain: nranks={nranks} disagrees with axis "
