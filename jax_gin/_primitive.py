@@ -290,8 +290,10 @@ def group_leaves(leaves, axes, op: str, api: str):
         mode = invariant
         if invariant and set(axes) <= _compat.unreduced_axes(jax.typeof(leaf)):
             if op != "sum":
-                raise NotImplementedError(
-                    f"jax_gin.{api} of an unreduced value is not supported; use jax.lax.{api}")
+                raise ValueError(
+                    f"jax_gin.{api}: the input is unreduced over {sorted(axes)} (a pending "
+                    f"sum), whose {op} is not defined; sum it first (jax_gin.psum), as "
+                    f"lax.{api} requires")
             check_sum_kind(jax.typeof(leaf), api)
             mode = "unreduced"
         elif invariant:

@@ -97,3 +97,22 @@ def test_unreduced_all_gather_refused():
         f = jax.jit(lambda x, y: ag(jnp.einsum("ab,bc->ac", x, y, out_sharding=P(unreduced={"x"}))))
         with pytest.raises(ValueError, match=r"unreduced over \['x'\] \(a pending sum\); sum it"):
             f(x, y)
+
+
+@pytest.mark.parametrize("api", ["pmax", "pmin"])
+def test_unreduced_max_refused(api):
+    needs_devices(2)
+    # a max of a pending sum is not defined (lax refuses it too): the error says to sum first
+    mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2])
+
+    @jax.shard_map(in_specs=P(unreduced={"x"}), out_specs=P())
+    def reduce(z):
+        return getattr(jax_gin, api)(z, "x")
+
+    with jax.set_mesh(mesh):
+        x = jax.device_put(np.ones((2, 4), np.float32), P(None, "x"))
+        y = jax.device_put(np.ones((4, 6), np.float32), P("x", None))
+        f = jax.jit(lambda x, y: reduce(jnp.einsum("ab,bc->ac", x, y, out_sharding=P(unreduced={"x"}))))
+        with pytest.raises(ValueError, match=rf"jax_gin.{api}: the input is unreduced over "
+                                             r"\['x'\] \(a pending sum\).*sum it first"):
+            f(x, y)
