@@ -322,3 +322,17 @@ def gspmd_as_named(sharding, axis_names: tuple, axis_sizes: tuple):
     mesh = jax.sharding.Mesh(np.array(devices).reshape(axis_sizes), axis_names)
     spec = sharding_impls.parse_flatten_op_sharding(hlo, mesh)[0]
     return jax.sharding.NamedSharding(mesh, spec)
+
+
+def has_kept_effects(effects) -> bool:
+    """Whether `effects` hold one for which JAX's dead-code elimination keeps an equation (a
+    debug print's, an io_callback's; not a named axis's)."""
+    from jax._src.interpreters import partial_eval as pe
+    return any(not pe.dceable_effects.contains(e) for e in effects)
+
+
+def register_dce_rule(prim, rule) -> None:
+    """`rule(used_outputs, eqn) -> (used_inputs, eqn or None)` for JAX's dead-code elimination
+    of `prim`'s equations."""
+    from jax._src.interpreters import partial_eval as pe
+    pe.dce_rules[prim] = rule

@@ -54,7 +54,9 @@ def psum_overlapping(x, axis_name, fn, *args, algorithm: str = "auto",
     all-reduce runs beside fn's backward; reverse over reverse too, as in grad of a function
     of grad), vmap over axes other than the reduced ones, and scan. Forward-mode
     differentiation (jvp, jacfwd, jax.hessian) is not supported, as for any custom_vjp;
-    jax.jacrev(jax.jacrev(f)) gives the Hessian.
+    jax.jacrev(jax.jacrev(f)) gives the Hessian. fn's arguments are traced: a Python value it
+    uses as static goes in through a closure. A constant leaf of x is lax's constant sum, as
+    in jax_gin.psum. docs/overlap.md gives the limits.
     """
     algorithm = _select.validate(algorithm, API)
     bucket_bytes = _primitive._check_bucket_bytes(bucket_bytes, API)
@@ -75,7 +77,18 @@ def psum_overlapping(x, axis_name, fn, *args, algorithm: str = "auto",
     # once; the pair then evaluates its jaxpr.
     fn, hoisted = jax.closure_convert(fn, *args)
     args = tuple(args) + tuple(hoisted)
+    # fn with effects that JAX keeps (a debug print) keeps the starts alive even where no
+    # result of the pair is used; the done then stays too (_dones_dce)
+    keep = _compat.has_kept_effects(jax.make_jaxpr(fn)(*args).effects)
     leaves, treedef = tree_util.tree_flatten(x)
+    constants = _primitive.constant_sums(leaves, axes, API)  # lax's, as jax_gin.psum's
+    if constants:
+        rest = [leaf for i, leaf in enumerate(leaves) if i not in constants]
+        sums, ys = psum_overlapping(rest, axes, fn, *args, algorithm=algorithm,
+                                    bucket_bytes=bucket_bytes, lanes=lanes)
+        sums = iter(sums)
+        return tree_util.tree_unflatten(treedef, [
+            constants[i] if i in constants else next(sums) for i in range(len(leaves))]), ys
     leaves, restore = _primitive.summed_as(leaves, API)
     leaves, out, by_dtype, _ = _primitive.group_leaves(leaves, axes, "sum", API)
     groups = []  # (indices of the leaves, typing mode) of each bucket, in order
@@ -87,8 +100,10 @@ def psum_overlapping(x, axis_name, fn, *args, algorithm: str = "auto",
         groups += [([idx[j] for j in b], mode) for b in _primitive.buckets(sizes, bucket_bytes)]
     if len(groups) > _native.ASYNC_SLOTS:
         raise ValueError(
-            f"jax_gin.{API}: {len(groups)} buckets are more than the {_native.ASYNC_SLOTS} "
-            "all-reduces one call can keep in flight; raise bucket_bytes")
+            f"jax_gin.{API}: {len(groups)} buckets (one per dtype and bucket of at most "
+            f"bucket_bytes and {_primitive.MAX_OPERANDS} leaves) are more than the "
+            f"{_native.ASYNC_SLOTS} all-reduces one call can keep in flight; raise bucket_bytes "
+            "if the buckets are small, or split the pytree over several calls")
     invariant = _compat.check_vma_enabled()
     params = dict(axes=axes, algorithm=algorithm, lanes=int(lanes))
     reduced = [leaves[i] for g, _ in groups for i in g]
@@ -97,10 +112,10 @@ def psum_overlapping(x, axis_name, fn, *args, algorithm: str = "auto",
     # One jit around the pair: an eager shard_map (no jit around it) runs each primitive as
     # a program of its own, and a start's kernel must be joined by its done in the program
     # that started it. Inside a jit this is a nested call, which XLA inlines.
-    pair = jax.jit(lambda r, a: _overlapped(r, fn, a, params, modes, sizes, invariant))
+    pair = jax.jit(lambda r, a: _overlapped(r, fn, a, params, modes, sizes, invariant, keep))
     # The calls in fn's converted jaxpr, read from the pair's jaxpr; the call below reuses
     # that trace of the pair
-    _refuse_calls_in(pair.trace(reduced, args).jaxpr.jaxpr, len(groups))
+    _refuse_calls_in(pair.trace(reduced, args).jaxpr.jaxpr, len(groups), "")
     sums, ys = pair(reduced, args)
     k = 0
     for g, _ in groups:
@@ -110,7 +125,7 @@ def psum_overlapping(x, axis_name, fn, *args, algorithm: str = "auto",
     return tree_util.tree_unflatten(treedef, restore(out)), ys
 
 
-def _overlapped(reduced, fn, args, params, modes, sizes, invariant):
+def _overlapped(reduced, fn, args, params, modes, sizes, invariant, keep):
     """(the sums of `reduced`, fn(*args)) through the start/done primitives, differentiable in
     reverse mode to any order."""
 
@@ -124,7 +139,7 @@ def _overlapped(reduced, fn, args, params, modes, sizes, invariant):
         toks, args = lax.optimization_barrier((toks, args))
         ys = f(*args)
         y_leaves, y_tree = tree_util.tree_flatten(ys)
-        res = dones_p.bind(*toks, *bufs, *y_leaves, sizes=sizes, **params)
+        res = dones_p.bind(*toks, *bufs, *y_leaves, sizes=sizes, keep=keep, **params)
         return res[:len(bufs)], tree_util.tree_unflatten(y_tree, res[len(bufs):])
 
     @jax.custom_vjp
@@ -146,7 +161,7 @@ def _overlapped(reduced, fn, args, params, modes, sizes, invariant):
             return ys, leaves
 
         sums, (ys, leaves) = _overlapped(reduced, fn_and_residuals, args, params, modes, sizes,
-                                         invariant)
+                                         invariant, keep)
         return (sums, ys), tree_util.tree_unflatten(structure[-1], leaves)
 
     def bwd(fn_vjp, cts):
@@ -165,10 +180,14 @@ def _overlapped(reduced, fn, args, params, modes, sizes, invariant):
             return list(ct_sums), fn_vjp(ct_ys)
         # fn_vjp (a pytree: its residuals) goes in as an operand, not closed over, so that a
         # second reverse pass can differentiate this pair too
-        ct_red, ct_args = _overlapped(
-            [c for b in summed for c in ct_sums[bounds[b]:bounds[b + 1]]], lambda f, c: f(c),
-            (fn_vjp, ct_ys), params, tuple(modes[b] for b in summed),
-            tuple(sizes[b] for b in summed), invariant)
+        reds = [c for b in summed for c in ct_sums[bounds[b]:bounds[b + 1]]]
+        pair = jax.jit(lambda r, a: _overlapped(
+            r, lambda f, c: f(c), a, params, tuple(modes[b] for b in summed),
+            tuple(sizes[b] for b in summed), invariant, keep))
+        # fn's backward runs beside the cotangent's all-reduce: no jax_gin call in it either
+        _refuse_calls_in(pair.trace(reds, (fn_vjp, ct_ys)).jaxpr.jaxpr, len(summed),
+                         "'s backward pass")
+        ct_red, ct_args = pair(reds, (fn_vjp, ct_ys))
         ct_red, out = iter(ct_red), list(ct_sums)
         for b in summed:
             for i in range(bounds[b], bounds[b + 1]):
@@ -179,13 +198,14 @@ def _overlapped(reduced, fn, args, params, modes, sizes, invariant):
     return overlapped(reduced, args)
 
 
-def _refuse_calls_in(jaxpr, starts: int) -> None:
+def _refuse_calls_in(jaxpr, starts: int, part: str) -> None:
     """A ValueError if `jaxpr`, a pair of `starts` starts and their done around fn, holds a
     jax_gin call of fn's: on a GPU it would run on XLA's stream while the starts' kernels run
     on the side stream, and two calls of one communicator must never run at once. Nested jitted
     functions count: one that the program lowered before is not lowered again inside fn, so the
     lowering check (_primitive.check_no_open_start) does not see its calls. Calls over axes of
-    one device, or over no mesh axis (a vmap's), launch nothing and are let through."""
+    one device, or over no mesh axis (a vmap's), launch nothing and are let through. `part`
+    names the part of fn checked ("", or "'s backward pass")."""
     calls = [e for e in _equations(jaxpr) if e.primitive in _primitive.COLLECTIVE_PRIMITIVES
              and _launches(e.params.get("axes", ()))]
     own = {start_p: starts, dones_p: 1}  # the pair's
@@ -194,10 +214,10 @@ def _refuse_calls_in(jaxpr, starts: int) -> None:
             own[e.primitive] -= 1
             continue
         raise ValueError(
-            f"jax_gin.{API}: the function it runs beside the all-reduce calls a jax_gin "
-            f"collective (primitive {e.primitive.name}), which would run while the all-reduce is "
-            "in flight; call it before or after psum_overlapping, or use jax.lax's collectives "
-            "there")
+            f"jax_gin.{API}: the function it runs beside the all-reduce{part} calls a "
+            f"jax_gin collective (primitive {e.primitive.name}), which would run while the "
+            "all-reduce is in flight; call it before or after psum_overlapping, or use "
+            "jax.lax's collectives there")
 
 
 def _equations(jaxpr):
@@ -224,8 +244,17 @@ def _start_abstract_eval(*avals, axes, algorithm, invariant, slot, lanes):
     return [TOKEN, *outs], effects
 
 
-def _dones_abstract_eval(*avals, sizes, axes, algorithm, lanes):
+def _dones_abstract_eval(*avals, sizes, keep, axes, algorithm, lanes):
     return list(avals[len(sizes):])
+
+
+def _dones_dce(used_outputs, eqn):
+    """JAX's dead-code elimination of a done: where none of its results is used it goes, and
+    fn and the starts with it, unless fn has effects that JAX keeps (`keep`): they keep the
+    optimization barrier, and so the starts, alive, and a start must never lose its done."""
+    if not any(used_outputs) and not eqn.params["keep"]:
+        return [False] * len(eqn.invars), None
+    return [True] * len(eqn.invars), eqn
 
 
 def _start_batch(axis_data, vals_in, dims_in, **params):
@@ -242,9 +271,9 @@ def _dones_batch(axis_data, vals_in, dims_in, *, sizes, **params):
 
 
 def _start_lowering(ctx, *xs, axes, algorithm, invariant, slot, lanes, platform):
-    if slot == 0:  # the first bucket of a call
-        _primitive.check_no_open_start(ctx, API)
     call = _primitive.resolve_call(ctx, ctx.avals_in, axes, "sum", algorithm, platform, API)
+    if call is not None:  # (XLA's own all-reduce, or none over one device, may run beside)
+        _primitive.check_no_open_start(ctx, API, own=slot)  # the call's earlier buckets
     _open(ctx).append(call)
     if call is None:  # XLA's own all-reduce, which XLA runs asynchronously itself
         return [mlir.ir_constant(np.uint32(0)),
@@ -262,7 +291,7 @@ def _start_lowering(ctx, *xs, axes, algorithm, invariant, slot, lanes, platform)
     return [tok, *outs]
 
 
-def _dones_lowering(ctx, *ops, sizes, axes, algorithm, lanes, platform):
+def _dones_lowering(ctx, *ops, sizes, keep, axes, algorithm, lanes, platform):
     opened = _open(ctx)
     calls = opened[-len(sizes):]
     del opened[-len(sizes):]
@@ -305,3 +334,4 @@ _compat.batching.fancy_primitive_batchers[start_p] = _start_batch
 _compat.batching.fancy_primitive_batchers[dones_p] = _dones_batch
 _primitive.register_lowering(start_p, _start_lowering, API)
 _primitive.register_lowering(dones_p, _dones_lowering, API)
+_compat.register_dce_rule(dones_p, _dones_dce)

@@ -163,20 +163,12 @@ def _allreduce(x, axis_name, op: str, algorithm: str, bucket_bytes, overlap,
         return x
     leaves, treedef = tree_util.tree_flatten(x)
     if op == "sum":
-        constants = [i for i, leaf in enumerate(leaves) if not _compat.is_tracer(leaf)]
+        constants = constant_sums(leaves, axes, api)
         if constants:
-            # A constant leaf (a Python scalar, a NumPy or concrete jax array) is the same on
-            # every device, and lax.psum gives its sum as a constant, without communicating:
-            # psum(1, axis), the axis size, is a Python int that code uses as a static size.
-            # jax_gin's is lax's, for each such leaf as lax takes leaves one by one.
-            for i in constants:
-                if hasattr(leaves[i], "dtype"):
-                    refuse_keys(leaves[i].dtype, api)
             rest = [leaf for i, leaf in enumerate(leaves) if i not in constants]
             reduced = iter(_allreduce(rest, axes, op, algorithm, bucket_bytes, overlap, api))
             return tree_util.tree_unflatten(treedef, [
-                jax.lax.psum(leaf, axes) if i in constants else next(reduced)
-                for i, leaf in enumerate(leaves)])
+                constants[i] if i in constants else next(reduced) for i in range(len(leaves))])
         leaves, restore = summed_as(leaves, api)
     leaves, out, by_dtype, was_bool = group_leaves(leaves, axes, op, api)
     for (dtype, mode), idx in by_dtype.items():
@@ -192,6 +184,21 @@ def _allreduce(x, axis_name, op: str, algorithm: str, bucket_bytes, overlap,
     if op == "sum":
         out = restore(out)
     return tree_util.tree_unflatten(treedef, out)
+
+
+def constant_sums(leaves, axes, api: str) -> dict:
+    """{index: lax.psum of the leaf} for each constant leaf (a Python scalar, a NumPy or
+    concrete jax array). A constant is the same on every device, and lax.psum gives its sum
+    as a constant, without communicating: psum(1, axis), the axis size, is a Python int that
+    code uses as a static size. jax_gin's sums of constants are lax's, each leaf on its own as
+    lax takes them."""
+    out = {}
+    for i, leaf in enumerate(leaves):
+        if not _compat.is_tracer(leaf):
+            if hasattr(leaf, "dtype"):
+                refuse_keys(leaf.dtype, api)
+            out[i] = jax.lax.psum(leaf, axes)
+    return out
 
 
 def summed_as(leaves, api: str):
@@ -701,8 +708,12 @@ def _open_starts(ctx) -> list:
     return ctx.module_context.cached_primitive_lowerings.setdefault(("jax_gin", "open_starts"), [])
 
 
-def check_no_open_start(ctx, api: str):
-    if _open_starts(ctx):
+def check_no_open_start(ctx, api: str, own: int = 0):
+    """A ValueError where a start of psum_overlapping has a kernel in flight (not XLA's own
+    all-reduce, nor a partially-manual shard_map's synchronous call); the last `own` starts
+    are the caller's own (its earlier buckets)."""
+    opened = _open_starts(ctx)
+    if any(c is not None and not c.partial for c in opened[:len(opened) - own]):
         raise ValueError(
             f"jax_gin.{api} is called while an all-reduce of jax_gin.psum_overlapping is in "
             "flight (inside the function it runs beside the all-reduce); call it before or "

@@ -320,6 +320,12 @@ def test_fn_traced_once_and_calls_that_launch_nothing():
     got = f(body)(g, m, w)
     assert len(traced) == 1
     jax.tree.map(assert_bitwise, got, f(ref)(g, m, w))
+    # a psum_overlapping inside fn over the axis of one device launches nothing either
+    inner = lambda m, w: jax_gin.psum_overlapping(m, "t", chain, m, w)  # noqa: E731
+    body = lambda g, m, w: jax_gin.psum_overlapping(  # noqa: E731
+        g, "i", lambda m, w: sum(inner(m, w)), m, w, algorithm=kernel_algorithm())
+    jax.tree.map(assert_bitwise, f(body)(g, m, w),
+                 f(lambda g, m, w: (lax.psum(g, "i"), m + chain(m, w)))(g, m, w))
 
 
 def _call_on(g, m, w):
@@ -363,6 +369,76 @@ def test_collectives_inside_fn_are_refused():
         call(before_and_inside(norm))
 
 
+def test_unused_results_of_an_fn_with_effects_keep_the_done():
+    """fn with a debug print keeps the starts alive where no result of the pair is used; the
+    done stays too (a start without its done would leave its kernel unjoined on a GPU), and a
+    jax_gin call after it runs."""
+    needs_devices(2)
+    g, m, w = inputs(64, "float32", seed=8)
+    algo = kernel_algorithm()
+    printed = lambda m, w: jax.debug.print("fn ran: {s}", s=chain(m, w).sum())  # noqa: E731
+
+    def body(g, m, w):
+        jax_gin.psum_overlapping(g, "i", printed, m, w, algorithm=algo)  # results unused
+        return jax_gin.psum(g * 2, "i", algorithm=algo), m
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh_1d(), in_specs=(P("i"), P("i"), P()),
+                              out_specs=(P(), P("i"))))
+    text = f.lower(g, m, w).as_text()
+    starts = text.count("custom_call @jax_gin_all_reduce_start")
+    assert starts == 1 and text.count("custom_call @jax_gin_all_reduce_done") == starts
+    assert_bitwise(f(g, m, w)[0], jax.jit(jax.shard_map(
+        lambda g: lax.psum(g * 2, "i"), mesh=mesh_1d(), in_specs=P("i"), out_specs=P()))(g))
+    # with a pure fn, unused results take the whole pair away
+    pure = lambda g, m, w: (jax_gin.psum_overlapping(g, "i", chain, m, w, algorithm=algo),  # noqa: E731
+                            m)[1]
+    text = jax.jit(jax.shard_map(pure, mesh=mesh_1d(), in_specs=(P("i"), P("i"), P()),
+                                 out_specs=P("i"))).lower(g, m, w).as_text()
+    assert "jax_gin_all_reduce_start" not in text and "jax_gin_all_reduce_done" not in text
+
+
+def test_collectives_in_fns_backward_are_refused():
+    """With check_vma=False the backward pass is a pair too, beside fn's backward: a jax_gin
+    call there (a Megatron-style identity whose backward all-reduces) is refused by name, also
+    where its jitted function was lowered before and is not lowered again."""
+    needs_devices(2)
+    g, m, w = inputs(16, "float32")
+    algo = kernel_algorithm()
+    reduce_back = jax.jit(lambda c: jax_gin.psum(c, "i", algorithm=algo))
+
+    @jax.custom_vjp
+    def copy_to_tp(x):
+        return x
+
+    copy_to_tp.defvjp(lambda x: (x, None), lambda _, c: (reduce_back(c),))
+
+    def loss(g, m, w):
+        before = reduce_back(m)  # lowered before the pair
+        s, y = jax_gin.psum_overlapping(g, "i", lambda m, w: chain(copy_to_tp(m), w), m, w,
+                                        algorithm=algo)
+        return jnp.sum(s) + jnp.sum(y) + jnp.sum(before)
+
+    f = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1)), mesh=mesh_1d(),
+                              in_specs=(P("i"), P("i"), P()), out_specs=(P("i"), P("i")),
+                              check_vma=False))
+    with pytest.raises(ValueError, match="beside the all-reduce's backward pass calls a jax_gin "
+                                         "collective"):
+        f(g, m, w)
+
+
+def test_constants_are_lax_constants():
+    """A constant leaf's sum is lax's constant, as jax_gin.psum's: psum_overlapping(1, axis)
+    is the axis size as a Python int; the other leaves are summed beside fn."""
+    g, m, w = inputs(16, "float32")
+
+    def body(g, m, w):
+        (n, s), y = jax_gin.psum_overlapping((1, g), "i", chain, m, w)
+        assert type(n) is int and n == ndev()
+        return s, y
+
+    run(body, lambda g, m, w: (lax.psum(g, "i"), chain(m, w)), (g, m, w))
+
+
 def test_errors():
     g, m, w = inputs(16, "float32")
     call = _call_on(g, m, w)
@@ -370,7 +446,7 @@ def test_errors():
         call(lambda g, m, w: jax_gin.psum_overlapping(g, "i", 3, m, w))
     with pytest.raises(ValueError, match="lanes"):
         call(lambda g, m, w: jax_gin.psum_overlapping(g, "i", chain, m, w, lanes=0))
-    with pytest.raises(ValueError, match="buckets"):
+    with pytest.raises(ValueError, match="70 buckets .* split the pytree over several calls"):
         call(lambda g, m, w: (jax_gin.psum_overlapping([g] * 70, "i", chain, m, w,
                                                        bucket_bytes=1)[0][0], chain(m, w)))
     with pytest.raises(NameError, match="unbound axis"):
