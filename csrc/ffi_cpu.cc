@@ -9,8 +9,8 @@
 // completed (the order token), so each rank's calls of one chain run one at a time, in order;
 // calls of chains that nothing links are queued, and run in the order of the group's rank 0
 // (cpu_backend.h: Turn), by the "site" attribute that tells a program's calls apart.
-// The asynchronous pair of the GPU is synchronous here: the start reduces, the done returns
-// its operands (aliased).
+// The asynchronous pair's start is a call as any other here (its future completes when the
+// rank's reduction has), and the done returns its operands (aliased).
 #include "ffi_cpu.h"
 
 #include <array>

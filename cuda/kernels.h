@@ -49,9 +49,8 @@ struct LaunchConfig {
   size_t lane_bytes = 0;     // data bytes per lane
   // Pipelining chunk of ring, tree and two_shot (JAX_GIN_CHUNK_BYTES; the same on every rank
   // of a group). Each chunk costs one system-scope release (NVLink acknowledgements). On 2 x
-  // H200 with 1 MiB lanes, 128 KiB chunks were 1-3% slower than whole steps at 4-64 MiB and
-  // 512 KiB within 2% either way (harness, 2026-11-30, `cd615b5`: design.md): chunks only split
-  // larger lanes.
+  // H200 with 1 MiB lanes, 128 KiB chunks were 1-3% slower than whole steps at 4-64 MiB
+  // (harness, 2026-11-30, `cd615b5`: design.md): chunks only split larger lanes.
   size_t chunk_bytes = 512 << 10;
   // one_shot's pipelining chunk (JAX_GIN_ONE_SHOT_CHUNK_BYTES): smaller, because its point is
   // to overlap the local reduction with the transfer inside one lane's slice.

@@ -62,7 +62,7 @@ def explain(x, axis_name=None, *, nranks: int | None = None, platform: str | Non
         try:
             axes = _primitive._normalize_axes(axis_name, "explain")
         except NameError as err:
-            if nranks is None:
+            if nranks is None or _compat.axes_in_scope():  # (inside shard_map: a misspelling)
                 raise
             raise NameError(f"{str(err).rstrip('.')}. Outside shard_map, pass nranks alone "
                             "(no axis_name)") from None

@@ -104,6 +104,8 @@ def psum_overlapping(x, axis_name, fn, *args, algorithm: str = "auto",
             f"bucket_bytes and {_primitive.MAX_OPERANDS} leaves) are more than the "
             f"{_native.ASYNC_SLOTS} all-reduces one call can keep in flight; raise bucket_bytes "
             "if the buckets are small, or split the pytree over several calls")
+    if not groups:  # no leaf to sum (none, or constants only): fn alone, no pair
+        return tree_util.tree_unflatten(treedef, restore(out)), fn(*args)
     invariant = _compat.check_vma_enabled()
     params = dict(axes=axes, algorithm=algorithm, lanes=int(lanes))
     reduced = [leaves[i] for g, _ in groups for i in g]
@@ -115,7 +117,7 @@ def psum_overlapping(x, axis_name, fn, *args, algorithm: str = "auto",
     pair = jax.jit(lambda r, a: _overlapped(r, fn, a, params, modes, sizes, invariant, keep))
     # The calls in fn's converted jaxpr, read from the pair's jaxpr; the call below reuses
     # that trace of the pair
-    _refuse_calls_in(pair.trace(reduced, args).jaxpr.jaxpr, len(groups), "")
+    _refuse_calls_in(pair.trace(reduced, args).jaxpr.jaxpr, len(groups))
     sums, ys = pair(reduced, args)
     k = 0
     for g, _ in groups:
@@ -181,12 +183,15 @@ def _overlapped(reduced, fn, args, params, modes, sizes, invariant, keep):
         # fn_vjp (a pytree: its residuals) goes in as an operand, not closed over, so that a
         # second reverse pass can differentiate this pair too
         reds = [c for b in summed for c in ct_sums[bounds[b]:bounds[b + 1]]]
+        # fn's backward may have effects that its forward has not (a custom_vjp's print)
+        keep_bwd = _compat.has_kept_effects(
+            jax.make_jaxpr(lambda f, c: f(c))(fn_vjp, ct_ys).effects)
         pair = jax.jit(lambda r, a: _overlapped(
             r, lambda f, c: f(c), a, params, tuple(modes[b] for b in summed),
-            tuple(sizes[b] for b in summed), invariant, keep))
+            tuple(sizes[b] for b in summed), invariant, keep_bwd))
         # fn's backward runs beside the cotangent's all-reduce: no jax_gin call in it either
         _refuse_calls_in(pair.trace(reds, (fn_vjp, ct_ys)).jaxpr.jaxpr, len(summed),
-                         "'s backward pass")
+                         backward=True)
         ct_red, ct_args = pair(reds, (fn_vjp, ct_ys))
         ct_red, out = iter(ct_red), list(ct_sums)
         for b in summed:
@@ -198,14 +203,14 @@ def _overlapped(reduced, fn, args, params, modes, sizes, invariant, keep):
     return overlapped(reduced, args)
 
 
-def _refuse_calls_in(jaxpr, starts: int, part: str) -> None:
+def _refuse_calls_in(jaxpr, starts: int, backward: bool = False) -> None:
     """A ValueError if `jaxpr`, a pair of `starts` starts and their done around fn, holds a
     jax_gin call of fn's: on a GPU it would run on XLA's stream while the starts' kernels run
     on the side stream, and two calls of one communicator must never run at once. Nested jitted
     functions count: one that the program lowered before is not lowered again inside fn, so the
     lowering check (_primitive.check_no_open_start) does not see its calls. Calls over axes of
-    one device, or over no mesh axis (a vmap's), launch nothing and are let through. `part`
-    names the part of fn checked ("", or "'s backward pass")."""
+    one device, or over no mesh axis (a vmap's), launch nothing and are let through.
+    `backward`: the pair of the backward pass (check_vma=False), beside fn's backward."""
     calls = [e for e in _equations(jaxpr) if e.primitive in _primitive.COLLECTIVE_PRIMITIVES
              and _launches(e.params.get("axes", ()))]
     own = {start_p: starts, dones_p: 1}  # the pair's
@@ -213,11 +218,18 @@ def _refuse_calls_in(jaxpr, starts: int, part: str) -> None:
         if own.get(e.primitive, 0) > 0:
             own[e.primitive] -= 1
             continue
+        if backward:
+            raise ValueError(
+                f"jax_gin.{API}: the backward pass of the function it runs beside the "
+                f"all-reduce calls a jax_gin collective (primitive {e.primitive.name}), which "
+                "would run while the cotangent's all-reduce is in flight; use jax.lax's "
+                "collectives in that backward pass, or shard_map's check_vma=True (whose "
+                "backward pass of a psum needs no all-reduce)")
         raise ValueError(
-            f"jax_gin.{API}: the function it runs beside the all-reduce{part} calls a "
-            f"jax_gin collective (primitive {e.primitive.name}), which would run while the "
-            "all-reduce is in flight; call it before or after psum_overlapping, or use "
-            "jax.lax's collectives there")
+            f"jax_gin.{API}: the function it runs beside the all-reduce calls a jax_gin "
+            f"collective (primitive {e.primitive.name}), which would run while the all-reduce "
+            "is in flight; call it before or after psum_overlapping, or use jax.lax's "
+            "collectives there")
 
 
 def _equations(jaxpr):
@@ -293,9 +305,9 @@ def _start_lowering(ctx, *xs, axes, algorithm, invariant, slot, lanes, platform)
 
 def _dones_lowering(ctx, *ops, sizes, keep, axes, algorithm, lanes, platform):
     opened = _open(ctx)
-    calls = opened[-len(sizes):]
-    del opened[-len(sizes):]
-    n = len(sizes)
+    n = len(sizes)  # (at least 1: psum_overlapping makes no pair without a bucket)
+    calls = opened[len(opened) - n:]
+    del opened[len(opened) - n:]
     toks, rest, avals = ops[:n], list(ops[n:]), list(ctx.avals_in[n:])
     nbufs = sum(sizes)
     bufs, ys = rest[:nbufs], rest[nbufs:]

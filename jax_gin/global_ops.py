@@ -24,10 +24,10 @@ Mesh axis types:
 - Explicit axes become Auto around the op, through jax.sharding.auto_axes. The result then
   gets the sharding that the sharding rule implies: the reduced dimensions lose their
   sharding, and the others keep the first operand's. `out_sharding=` overrides it.
-- Inside jax.shard_map, where every axis is manual, the ops compute on the local block and
-  never communicate, as jnp does there. Use jax_gin.psum in that case.
-- Inside a shard_map that leaves axes free (axis_names=), the ops are jnp's: XLA partitions
-  them over the free axes with its own collectives (custom_partitioning has no mesh there).
+- Inside jax.shard_map the ops are jnp's, gradients included. Where every axis is manual they
+  compute on the local block and never communicate (use jax_gin.psum there); where axes are
+  left free (axis_names=), XLA partitions them over the free axes with its own collectives
+  (custom_partitioning has no mesh there).
 """
 from __future__ import annotations
 
@@ -145,10 +145,21 @@ def _trace_mesh_axes(*xs) -> tuple:
     return () if m is None or m.empty else tuple(zip(m.axis_names, m.axis_sizes))
 
 
-def _partially_manual() -> bool:
-    """Inside a shard_map that leaves some mesh axes free (axis_names=)."""
-    manual = _compat.manual_mesh_axes()
-    return bool(manual) and manual != frozenset(get_abstract_mesh().axis_names)
+def _in_shard_map() -> bool:
+    """Inside jax.shard_map (some mesh axes manual): the ops are jnp's there. Fully manual,
+    that is the local block's op; with axes left free (axis_names=), XLA partitions it over
+    them with its own collectives, as jax_gin's collectives run XLA's own there (a
+    custom_partitioning op knows no mesh there). Before any custom_vjp, so that gradients
+    are jnp's too, with their varying-axes types."""
+    return bool(_compat.manual_mesh_axes())
+
+
+def _place(y, out_sharding):
+    """y with `out_sharding`, where one is given."""
+    if out_sharding is None:
+        return y
+    return (jax.sharding.reshard(y, out_sharding) if _explicit_mode(y)
+            else jax.lax.with_sharding_constraint(y, out_sharding))
 
 
 def _rule_string(operands, result) -> str:
@@ -180,18 +191,9 @@ def _mesh_of(*xs):
     return get_abstract_mesh()
 
 
-def _run(api, op, local, args, out_factors, operand_factors, sizes, out_sharding):
-    """Call the custom-partitioned `op`, through auto_axes when the mesh has Explicit axes. In
-    a shard_map that leaves axes free, `local` (the jnp operation): XLA partitions it over the
-    free axes with its own collectives, as jax_gin's collectives run XLA's own there (a
-    custom_partitioning op knows no mesh there)."""
+def _run(api, op, args, out_factors, operand_factors, sizes, out_sharding):
+    """Call the custom-partitioned `op`, through auto_axes when the mesh has Explicit axes."""
     explicit = _explicit_axes(*args)
-    if _partially_manual():
-        y = local(*args)
-        if out_sharding is not None:
-            y = (jax.sharding.reshard(y, out_sharding) if explicit
-                 else jax.lax.with_sharding_constraint(y, out_sharding))
-        return y
     if not explicit:
         y = op(*args)
         if out_sharding is not None:
@@ -352,9 +354,7 @@ def _contract(subscripts, x, w, algorithm, precision, preferred, out_sharding, a
         sizes = {**dict(zip(xs, x.shape)), **dict(zip(ws, w.shape))}
         op = lambda a, b: _contract_op(a, b, subscripts, algorithm, precision, preferred,  # noqa: E731
                                        _trace_mesh_axes(x, w))
-        local = lambda a, b: jnp.einsum(subscripts, a, b, precision=precision,  # noqa: E731
-                                        preferred_element_type=preferred)
-        return _run(api, op, local, (x, w), out, (xs, ws), sizes, out_sharding)
+        return _run(api, op, (x, w), out, (xs, ws), sizes, out_sharding)
 
     @call.def_vmap
     def _(axis_size, in_batched, x, w):
@@ -422,8 +422,11 @@ def _einsum_checked(subscripts, x, w, algorithm, precision, preferred_element_ty
     x, w = x.astype(dtype), w.astype(dtype)
     preferred = None if preferred_element_type is None else np.dtype(preferred_element_type)
     check_dtype(dtype if preferred is None else preferred, "psum", api)
-    return _einsum(subscripts.replace(" ", ""), x, w, algorithm, precision, preferred,
-                   out_sharding, api)
+    subscripts = subscripts.replace(" ", "")
+    if _in_shard_map():
+        return _place(jnp.einsum(subscripts, x, w, precision=precision,
+                                 preferred_element_type=preferred), out_sharding)
+    return _einsum(subscripts, x, w, algorithm, precision, preferred, out_sharding, api)
 
 
 def matmul(x, w, *, algorithm: str = "auto", precision=None, preferred_element_type=None,
@@ -480,8 +483,7 @@ def _reduce_raw(x, axes, op, algorithm, out_sharding, api):
         names, kept = _reduce_factors(x.ndim, axes)
         sizes = dict(zip(names, x.shape))
         fn = lambda a: _reduce_op(a, axes, op, algorithm, _trace_mesh_axes(x))  # noqa: E731
-        local = lambda a: _LOCAL[op](a, axis=axes)  # noqa: E731
-        return _run(api, fn, local, (x,), kept, (names,), sizes, out_sharding)
+        return _run(api, fn, (x,), kept, (names,), sizes, out_sharding)
 
     @call.def_vmap
     def _(axis_size, in_batched, x):
@@ -543,6 +545,9 @@ def _reduction(x, axis, keepdims, op, algorithm, out_sharding, api):
     check_dtype(comp_dtype, OP_API_NAMES[op], api)
     if not axes:
         y = x.astype(out_dtype)
+    elif _in_shard_map():
+        y = _place(_LOCAL[op](x.astype(comp_dtype), axis=axes),
+                   None if keepdims else out_sharding).astype(out_dtype)
     else:
         y = _reduce(x.astype(comp_dtype), axes, op, algorithm, None if keepdims else out_sharding,
                     api)

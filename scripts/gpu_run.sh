@@ -13,7 +13,9 @@
 #   bash scripts/gpu_run.sh pytest [FILE...]  test's GPU pytest suite and 2-process tests
 #                                      alone (with native, test in two calls of a machine that
 #                                      limits each command's time); given test files or pytest
-#                                      node ids, those alone, so that the suite can run in parts
+#                                      node ids, those alone under JAX_PLATFORMS=cuda, so that
+#                                      the suite can run in parts (the 2-process file runs with
+#                                      the whole suite only: its parent process is a CPU one)
 #   bash scripts/gpu_run.sh record     the results of record: the op sweep (auto and lax, float32,
 #                                      4 KiB - 1 GiB) and the whole-step workloads
 #                                      (dp-train, fsdp, tp-train, tp-decode, overlap at 256 and

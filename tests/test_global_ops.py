@@ -521,6 +521,12 @@ def test_inside_shard_map_is_local():
                               in_specs=P("i"), out_specs=P("i")))
     got, want = f(put(x, mesh, P("i")))
     assert_bitwise(got, want)
+    # gradients are jnp's, with an operand invariant over the manual axis (a weight)
+    w = ints((3, 2), seed=2)
+    grads = [jax.jit(jax.grad(lambda a, w, mm=mm: jnp.sum(jax.shard_map(
+        lambda v, u: mm(v, u), mesh=mesh, in_specs=(P("i"), P()), out_specs=P("i"))(a, w) ** 2),
+        argnums=(0, 1)))(put(x, mesh, P("i")), w) for mm in (jax_gin.matmul, jnp.matmul)]
+    jax.tree.map(assert_bitwise, *grads)
 
 
 @pytest.mark.parametrize("kind", [AUTO, EXPLICIT])
@@ -532,12 +538,17 @@ def test_inside_partially_manual_shard_map(kind):
     with jax.set_mesh(mesh):
         xs = put(x, mesh, P("data", "tensor"))
         for ours, ref in ((lambda a: jax_gin.sum(a, axis=1), lambda a: jnp.sum(a, axis=1)),
+                          (lambda a: jax_gin.mean(a, axis=1), lambda a: jnp.mean(a, axis=1)),
+                          (lambda a: jax_gin.max(a, axis=1), lambda a: jnp.max(a, axis=1)),
                           (lambda a: jax_gin.matmul(a, w), lambda a: a @ w)):
             f, g = (jax.jit(jax.shard_map(h, in_specs=P("data"), out_specs=P("data"),
                                           axis_names={"data"})) for h in (ours, ref))
             got, want = f(xs), g(xs)
             assert_bitwise(got, want)
             assert jax.typeof(got) == jax.typeof(want)
+            # gradients too, with w closed over (invariant over the manual axis)
+            dg, dw = (jax.jit(jax.grad(lambda a, h=h: jnp.sum(h(a) ** 2))) for h in (f, g))
+            assert_bitwise(dg(xs), dw(xs))
 
 
 @pytest.mark.parametrize("kind", [AUTO, EXPLICIT])

@@ -204,6 +204,17 @@ def test_gather_of_a_block_sharded_over_a_free_axis(kind, check_vma):
             for g, w in zip(got, want):
                 assert_bitwise(g, w)
                 assert jax.typeof(g) == jax.typeof(w)
+        # psum_scatter of such a leaf is lax's too: its result, or its error
+        scatter = lambda mod: jax.jit(jax.shard_map(  # noqa: E731
+            lambda a: mod.psum_scatter(a, "x", tiled=True), in_specs=P("x"), out_specs=P("x"),
+            axis_names={"x"}, check_vma=check_vma))(x)
+        try:
+            want = scatter(lax)
+        except ValueError as e:
+            with pytest.raises(ValueError, match=re.escape(str(e).splitlines()[0][:60])):
+                scatter(jax_gin)
+        else:
+            assert_bitwise(scatter(jax_gin), want)
         grad = lambda mod: jax.grad(lambda a: jnp.sum(jax.shard_map(  # noqa: E731
             lambda v: mod.all_gather(v, "x", tiled=True), in_specs=P("x"), out_specs=P("x"),
             axis_names={"x"}, check_vma=check_vma)(a) ** 2))(x)

@@ -421,9 +421,58 @@ def test_collectives_in_fns_backward_are_refused():
     f = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1)), mesh=mesh_1d(),
                               in_specs=(P("i"), P("i"), P()), out_specs=(P("i"), P("i")),
                               check_vma=False))
-    with pytest.raises(ValueError, match="beside the all-reduce's backward pass calls a jax_gin "
-                                         "collective"):
+    with pytest.raises(ValueError, match="the backward pass of the function it runs beside the "
+                                         "all-reduce calls a jax_gin collective"):
         f(g, m, w)
+
+
+def test_unused_backward_pair_with_effects_keeps_its_done():
+    """The backward pair (check_vma=False) beside an fn whose backward alone has an effect (a
+    custom_vjp that prints): with the gradient unused, its done stays with its start."""
+    needs_devices(2)
+    g, m, w = inputs(64, "float32", seed=9)
+    algo = kernel_algorithm()
+
+    @jax.custom_vjp
+    def ident(x):
+        return x
+
+    ident.defvjp(lambda x: (x, None), lambda _, c: (jax.debug.print("bwd {s}", s=c.sum()) or c,))
+
+    def loss(g, m, w):
+        s, y = jax_gin.psum_overlapping(g, "i", lambda m, w: chain(ident(m), w), m, w,
+                                        algorithm=algo)
+        return jnp.sum(s) + jnp.sum(y)
+
+    def body(g, m, w):
+        jax.grad(loss, argnums=(0, 1))(g, m, w)  # unused
+        return jax_gin.psum(g * 2, "i", algorithm=algo)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh_1d(), in_specs=(P("i"), P("i"), P()),
+                              out_specs=P(), check_vma=False))
+    text = f.lower(g, m, w).as_text()
+    starts = text.count("custom_call @jax_gin_all_reduce_start")
+    assert starts >= 1 and text.count("custom_call @jax_gin_all_reduce_done") == starts
+    assert_bitwise(f(g, m, w), jax.jit(jax.shard_map(
+        lambda g: lax.psum(g * 2, "i"), mesh=mesh_1d(), in_specs=P("i"), out_specs=P(),
+        check_vma=False))(g))
+
+
+def test_a_pair_of_constants_only_is_fn_alone():
+    """x of constants only (or no leaves) makes no pair: fn runs alone, and so such a call may
+    sit inside another pair's fn over an axis of one device."""
+    needs_devices(2)
+    mesh = Mesh(np.array(jax.devices()).reshape(ndev(), 1), ("i", "t"))
+    g, m, w = inputs(64, "float32", seed=10)
+    inner = lambda m, w: jax_gin.psum_overlapping(1.0, "t", chain, m, w)[1]  # noqa: E731
+    body = lambda g, m, w: jax_gin.psum_overlapping(g, "i", inner, m, w,  # noqa: E731
+                                                   algorithm=kernel_algorithm())
+    f = lambda b: jax.jit(jax.shard_map(b, mesh=mesh, in_specs=(P("i"), P("i"), P()),  # noqa: E731
+                                        out_specs=(P(), P("i")), check_vma=False))
+    jax.tree.map(assert_bitwise, f(body)(g, m, w),
+                 f(lambda g, m, w: (lax.psum(g, "i"), chain(m, w)))(g, m, w))
+    empty = lambda g, m, w: (g.sum(), jax_gin.psum_overlapping({}, "i", chain, m, w)[1])  # noqa: E731
+    f(empty)(g, m, w)
 
 
 def test_constants_are_lax_constants():
