@@ -333,6 +333,7 @@ def has_kept_effects(effects) -> bool:
 
 def register_dce_rule(prim, rule) -> None:
     """`rule(used_outputs, eqn) -> (used_inputs, eqn or None)` for JAX's dead-code elimination
-    of `prim`'s equations."""
+    of `prim`'s equations. (jax 0.12 passes the inputs' liveness between the two, which the
+    rule does not need.)"""
     from jax._src.interpreters import partial_eval as pe
-    pe.dce_rules[prim] = rule
+    pe.dce_rules[prim] = lambda used_outputs, *rest: rule(used_outputs, rest[-1])
