@@ -71,24 +71,18 @@ def psum_overlapping(x, axis_name, fn, *args, algorithm: str = "auto",
                          f"got {lanes!r}")
     if not axes:
         return x, fn(*args)
+    leaves, treedef = tree_util.tree_flatten(x)
+    rest, merge = _primitive.constants_apart(leaves, axes, API)  # lax's, as jax_gin.psum's
+    if merge is not None:
+        sums, ys = psum_overlapping(rest, axes, fn, *args, algorithm=algorithm,
+                                    bucket_bytes=bucket_bytes, lanes=lanes)
+        return tree_util.tree_unflatten(treedef, merge(sums)), ys
     # Values that fn closes over (weights a layer uses) become arguments of its converted
     # form, so that the custom_vjp differentiates with respect to them too: JAX refuses to
     # differentiate a custom_vjp with respect to a closed-over value. The conversion traces fn
     # once; the pair then evaluates its jaxpr.
     fn, hoisted = jax.closure_convert(fn, *args)
     args = tuple(args) + tuple(hoisted)
-    # fn with effects that JAX keeps (a debug print) keeps the starts alive even where no
-    # result of the pair is used; the done then stays too (_dones_dce)
-    keep = _compat.has_kept_effects(jax.make_jaxpr(fn)(*args).effects)
-    leaves, treedef = tree_util.tree_flatten(x)
-    constants = _primitive.constant_sums(leaves, axes, API)  # lax's, as jax_gin.psum's
-    if constants:
-        rest = [leaf for i, leaf in enumerate(leaves) if i not in constants]
-        sums, ys = psum_overlapping(rest, axes, fn, *args, algorithm=algorithm,
-                                    bucket_bytes=bucket_bytes, lanes=lanes)
-        sums = iter(sums)
-        return tree_util.tree_unflatten(treedef, [
-            constants[i] if i in constants else next(sums) for i in range(len(leaves))]), ys
     leaves, restore = _primitive.summed_as(leaves, API)
     leaves, out, by_dtype, _ = _primitive.group_leaves(leaves, axes, "sum", API)
     groups = []  # (indices of the leaves, typing mode) of each bucket, in order
@@ -104,8 +98,11 @@ def psum_overlapping(x, axis_name, fn, *args, algorithm: str = "auto",
             f"bucket_bytes and {_primitive.MAX_OPERANDS} leaves) are more than the "
             f"{_native.ASYNC_SLOTS} all-reduces one call can keep in flight; raise bucket_bytes "
             "if the buckets are small, or split the pytree over several calls")
-    if not groups:  # no leaf to sum (none, or constants only): fn alone, no pair
+    if not groups:  # no leaf to sum: fn alone, no pair
         return tree_util.tree_unflatten(treedef, restore(out)), fn(*args)
+    # fn with effects that JAX keeps (a debug print) keeps the starts alive even where no
+    # result of the pair is used; the done then stays too (_dones_dce)
+    keep = _compat.has_kept_effects(jax.make_jaxpr(fn)(*args).effects)
     invariant = _compat.check_vma_enabled()
     params = dict(axes=axes, algorithm=algorithm, lanes=int(lanes))
     reduced = [leaves[i] for g, _ in groups for i in g]

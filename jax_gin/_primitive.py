@@ -163,12 +163,10 @@ def _allreduce(x, axis_name, op: str, algorithm: str, bucket_bytes, overlap,
         return x
     leaves, treedef = tree_util.tree_flatten(x)
     if op == "sum":
-        constants = constant_sums(leaves, axes, api)
-        if constants:
-            rest = [leaf for i, leaf in enumerate(leaves) if i not in constants]
-            reduced = iter(_allreduce(rest, axes, op, algorithm, bucket_bytes, overlap, api))
-            return tree_util.tree_unflatten(treedef, [
-                constants[i] if i in constants else next(reduced) for i in range(len(leaves))])
+        rest, merge = constants_apart(leaves, axes, api)
+        if merge is not None:
+            return tree_util.tree_unflatten(treedef, merge(
+                _allreduce(rest, axes, op, algorithm, bucket_bytes, overlap, api)))
         leaves, restore = summed_as(leaves, api)
     leaves, out, by_dtype, was_bool = group_leaves(leaves, axes, op, api)
     for (dtype, mode), idx in by_dtype.items():
@@ -186,19 +184,27 @@ def _allreduce(x, axis_name, op: str, algorithm: str, bucket_bytes, overlap,
     return tree_util.tree_unflatten(treedef, out)
 
 
-def constant_sums(leaves, axes, api: str) -> dict:
-    """{index: lax.psum of the leaf} for each constant leaf (a Python scalar, a NumPy or
-    concrete jax array). A constant is the same on every device, and lax.psum gives its sum
-    as a constant, without communicating: psum(1, axis), the axis size, is a Python int that
-    code uses as a static size. jax_gin's sums of constants are lax's, each leaf on its own as
-    lax takes them."""
-    out = {}
+def constants_apart(leaves, axes, api: str):
+    """(the leaves that are not constants, merge), where merge(their sums) gives every leaf's
+    sum in order; merge is None where no leaf is a constant. A constant (a Python scalar, a
+    NumPy or concrete jax array) is the same on every device, and lax.psum gives its sum as a
+    constant, without communicating: psum(1, axis), the axis size, is a Python int that code
+    uses as a static size. jax_gin's sums of constants are lax's, each leaf on its own as lax
+    takes them."""
+    constants = {}
     for i, leaf in enumerate(leaves):
         if not _compat.is_tracer(leaf):
             if hasattr(leaf, "dtype"):
                 refuse_keys(leaf.dtype, api)
-            out[i] = jax.lax.psum(leaf, axes)
-    return out
+            constants[i] = jax.lax.psum(leaf, axes)
+    if not constants:
+        return leaves, None
+
+    def merge(sums):
+        sums = iter(sums)
+        return [constants[i] if i in constants else next(sums) for i in range(len(leaves))]
+
+    return [leaf for i, leaf in enumerate(leaves) if i not in constants], merge
 
 
 def summed_as(leaves, api: str):

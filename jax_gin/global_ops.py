@@ -555,9 +555,8 @@ def _reduction(x, axis, keepdims, op, algorithm, out_sharding, api):
     if keepdims:
         y = jnp.expand_dims(y, axes)
     # (a reduction over no axis makes no call, which would have placed y)
-    if out_sharding is not None and (keepdims or not axes):
-        y = jax.sharding.reshard(y, out_sharding) if _explicit_mode(y) else \
-            jax.lax.with_sharding_constraint(y, out_sharding)
+    if keepdims or not axes:
+        y = _place(y, out_sharding)
     return y
 
 
