@@ -44,7 +44,7 @@ struct LaunchConfig {
   size_t ll_offset = 0;      // bytes, inside each window: the LL area
   // one_shot uses the LL protocol up to this size (JAX_GIN_LL_MAX_BYTES), at most the LL
   // area's 256 KiB. On 2 x H200 the kernel alone (graph replay) took 4.5 / 4.9 us at
-  // 128 / 256 KiB over LL against 8.3 / 8.8 us over flags and credits (2026-11-30).
+  // 128 / 256 KiB over LL against 8.3 / 8.8 us over flags and credits (2026-11-30, 2aa7255).
   size_t ll_max_bytes = 256 << 10;
   size_t lane_bytes = 0;     // data bytes per lane
   // Pipelining chunk of ring, tree and two_shot (JAX_GIN_CHUNK_BYTES; the same on every rank

@@ -173,7 +173,7 @@ __device__ __forceinline__ void ll_write(const Segmented<T>& io, size_t b, size_
 // The flag of LL round `round`, the high half of each line: its low 32 bits. Rounds e and
 // e - 2, which share a buffer, differ in them; ll_next_round skips the rounds whose flag would
 // be 0. (Setting the lowest bit instead cost 0.01-0.17 us a call, and a modulo 0.04-0.16 us,
-// on one H200, 2026-12-03: the flag is computed on every line's path.)
+// on one H200, 2026-12-03, e1f3f4e: the flag is computed on every line's path.)
 __device__ __forceinline__ uint32_t ll_flag(uint64_t round) { return uint32_t(round); }
 
 // The LL round after `round`. A window starts zeroed, and 0 is the flag of a round whose low
@@ -268,7 +268,8 @@ __device__ __forceinline__ void one_shot_ll_lane(const Peers& peers, const LaneP
   // has waited for every peer's data of this round, and it closes without a barrier (the
   // entry's end is then that of its last line, which the other threads' come within a line's
   // time of); where it had none, lane 0 ends at a barrier first. Lanes other than 0 record
-  // nothing and wait for none (one H200, 2 ranks as streams, 4 KiB: 0.04-0.05 us a call).
+  // nothing and wait for none (one H200, 2 ranks as streams, 4 KiB: 0.04-0.05 us a call;
+  // 2026-12-02, 357acde).
   if (lane == 0 && p.rec_ctl != nullptr && nlines <= size_t(kRecThread)) __syncthreads();
   rec_close_lane(p, rec, nullptr, 1);
 }
@@ -287,7 +288,8 @@ __device__ __forceinline__ void one_shot_ll_lane(const Peers& peers, const LaneP
 // and bias are issued before the exchange, and the norm reads nothing back from memory.
 // Otherwise the threads take the lane's lines in turn, and norm_rows reads the new residual
 // back: where that is one line a thread, it is the faster (rows of 24 elements, 16 a lane, cost
-// about 1 us more in registers on an H200, where most of a block's threads hold no chunk).
+// about 1 us more in registers on an H200, where most of a block's threads hold no chunk;
+// 2026-12-01, aaf49e1).
 static_assert(kLLLanePayload / 16 <= size_t(kNormBlock), "a row of one lane: one chunk a thread");
 template <class T, class Peers>
 __global__ void __launch_bounds__(kNormBlock)

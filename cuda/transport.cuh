@@ -112,16 +112,18 @@ struct TablePeers {
 // times are %globaltimer ns. Thread 0, which stores the flags and spins on them, runs no
 // recorder code, so a mark overlaps the other threads' data movement instead of delaying the
 // barrier they wait at (one H200, 2 ranks as streams, 4 KiB: marks by thread 0 cost two_shot
-// and ring 0.38-0.46 us a call and tree 0.68; by warp 1, at most 0.02 us; docs/design.md).
+// and ring 0.38-0.46 us a call and tree 0.68; by warp 1, at most 0.02 us; 2026-12-02,
+// 614f616; docs/design.md).
 // Every kernel that records runs at least 64 threads a block. Calls of one rank are
 // stream-ordered, so the counter needs no atomics.
 // A kernel that marks phases keeps its entry in shared memory while it runs (a phase is a few
 // stores, and an entry that fills folds there) and warp 1 of lane 0 stores it into the ring
 // at the end, a 16-byte piece a thread (rec_open_lane .. rec_close_lane): stored by one
 // thread, each piece's load waited for the store before it, about 0.3 us a call of 6 phases
-// on an H200. Kernels that mark none (LL, the fused norms, hierarchical) and the copy-engine
-// path, whose call spans several kernels, write the ring's entry in place (rec_open_lane with
-// s = null; rec_begin with local = null, rec_current, rec_end).
+// on an H200 (2026-12-02, 2116b75). Kernels that mark none (LL, the fused norms,
+// hierarchical) and the copy-engine path, whose call spans several kernels, write the ring's
+// entry in place (rec_open_lane with s = null; rec_begin with local = null, rec_current,
+// rec_end).
 // The state block (always on, whether or not the recorder is): the thread that opens a call
 // marks it entered, and marks it returned when lane 0 is done; a wait that has
 // spun for kWaitPublishNs says what it waits for, and clears that when it ends (so a rank
@@ -240,10 +242,11 @@ struct LaneRecord {
 };
 // What the recording warp loads to open a call: the switch and the state block's call count,
 // both by the whole warp, before it diverges (issued one after the other, the two round trips
-// ran in sequence: one H200, recorder off, 4 KiB, 0.15-0.21 us more than without a recorder).
+// ran in sequence: one H200, recorder off, 4 KiB, 0.15-0.21 us more than without a recorder;
+// 2026-12-02, 972d67a).
 // A kernel that first waits at a barrier for another load (LL's round counter) issues these
 // before it, so that the round trips overlap (one H200, 2 ranks as streams, LL at 4 KiB:
-// 0.05-0.06 us a call with no recorder or with it on).
+// 0.05-0.06 us a call with no recorder or with it on; 2026-12-02, 357acde).
 struct LaneLoads {
   RecSwitch w;
   uint64_t calls = 0;

@@ -158,8 +158,8 @@ constexpr int kMaxRanks = 128;   // ring uses 2(N-1) steps of up to kMaxChunks t
 // stores reach 345 GB/s per direction with 64 CTAs, 360 with 128 and 362 with 132
 // (jax_gin_nvlink_bw on 2 x H200), so the large-message kernels need nearly every SM: 128
 // lanes took two_shot at 1 GiB from 3193 to 2998 us (kernel alone); 132 lanes (one per SM)
-// measured slower than 128 (3048 us). GPUs with fewer SMs use one lane per SM
-// (default_max_lanes), so that every lane is resident at once.
+// measured slower than 128 (3048 us; 2026-11-30, d34b21e and a9b6c65). GPUs with fewer SMs
+// use one lane per SM (default_max_lanes), so that every lane is resident at once.
 constexpr int kMaxLanes = 128;
 constexpr int kMaxChunks = 64;   // pipelined chunks of one step of one lane (see schedule.h).
 // Start/done pairs of asynchronous calls (GPU) per rank before their events are reused: a

@@ -104,7 +104,8 @@ struct HangReport {
 };
 
 // The most entries a ring may hold. The count is a power of two, so that a call's slot is a
-// mask of its number: on a GPU the 64-bit remainder took about 0.1 us of a 2.7 us call.
+// mask of its number: on a GPU the 64-bit remainder took about 0.1 us of a 2.7 us call
+// (2026-12-01, 30b6e7c).
 constexpr int kRecMaxEntries = 65536;
 // Calls a ring keeps unless told otherwise (jax_gin.runtime.settings.record_entries reads it).
 constexpr int kRecDefaultEntries = 64;
