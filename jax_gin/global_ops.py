@@ -579,6 +579,10 @@ def mean(x, axis=None, keepdims: bool = False, *, algorithm: str = "auto", out_s
     comp_dtype = _computation_dtype(result_dtype)
     check_dtype(comp_dtype, "psum", "mean")
     count = math.prod(x.shape[a] for a in axes)
+    if count == 0:
+        # nothing to reduce and so nothing to communicate: jnp's NaNs, whose bits a division
+        # 0 / 0 at run time would not give (x86 makes it a NaN with the sign bit set)
+        return _place(jnp.mean(x, axis=axes, keepdims=keepdims), out_sharding)
     s = _reduction(x.astype(comp_dtype), axes, keepdims, "sum", algorithm, out_sharding, "mean")
     return jax.lax.div(s, jnp.asarray(count, comp_dtype)).astype(result_dtype)
 

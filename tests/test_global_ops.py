@@ -435,6 +435,21 @@ def test_unsigned_sums_under_x64(dtype):
         assert_bitwise(mean, jnp.mean(small, 0))
 
 
+@pytest.mark.parametrize("spec,axis", [(P("data", None), None), (P("data", None), -1),
+                                       (P(None, "tensor"), 0)])
+def test_mean_of_nothing(spec, axis):
+    """A mean over no elements is jnp's NaN, sign bit clear (a 0 / 0 computed at run time
+    on x86 has it set)."""
+    mesh = mesh_dt()
+    shape = (4, 0) if spec == P("data", None) else (0, 2 * ndev())
+    x = put(jnp.zeros(shape, jnp.float32), mesh, spec)
+    with jax.set_mesh(mesh):
+        got = jax.jit(lambda v: jax_gin.mean(v, axis))(x)
+        want = jax.jit(lambda v: jnp.mean(v, axis))(x)
+    assert got.size and np.isnan(np.asarray(got)).all()
+    assert_bitwise(got, want)
+
+
 # ---------------------------------------------------------------------------------------
 # Structure: jax_gin's custom call in place of XLA's all-reduce
 
