@@ -20,7 +20,8 @@ struct bf16 {
   uint16_t bits;
   static bf16 from_float(float f) {
     uint32_t u = f32_bits(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{uint16_t((u >> 16) | 0x40)};  // quiet NaN
+    // a NaN becomes the quiet NaN of its sign, payload dropped, as XLA's CPU rounding gives
+    if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{uint16_t(((u >> 16) & 0x8000u) | 0x7fc0u)};
     u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
     return bf16{uint16_t(u >> 16)};
   }

@@ -186,6 +186,34 @@ def test_signed_zero_ties(algo, op, dtype):
             assert_bitwise(got[r], got[0])
 
 
+@pytest.mark.parametrize("algo", jax_gin.ALGORITHMS + ("auto",))
+def test_bfloat16_nan_payloads(algo):
+    """docs/api.md, Numbers: a bfloat16 sum that meets a NaN rounds it to the quiet NaN of its
+    sign, payload dropped, as XLA's CPU all-reduce does (psum and psum_scatter). Rank 0 holds
+    NaNs with payloads of both signs, the other ranks ones; each NaN is the only one in its
+    column, so the order of the additions does not matter."""
+    n = ndev()
+    bits = np.full((n, 4), 0x3F80, np.uint16)  # 1.0
+    bits[0] = [0x7FC1, 0x7F81, 0xFFC1, 0xFF85]
+    x = lax.bitcast_convert_type(jnp.asarray(bits), jnp.bfloat16)
+    got, want = smap(lambda v: (jax_gin.psum(v, "i", algorithm=algo), lax.psum(v, "i")),
+                     mesh_1d(), P("i"))(x)
+    got = np.asarray(lax.bitcast_convert_type(got, jnp.uint16))
+    assert (got == [0x7FC0, 0x7FC0, 0xFFC0, 0xFFC0]).all(), [hex(v) for v in got.reshape(-1)]
+    on_cpu = jax.default_backend() == "cpu"  # (XLA's CPU all-reduce; NCCL's rule is not checked)
+    if on_cpu:
+        assert_bitwise(got, lax.bitcast_convert_type(want, jnp.uint16))
+    if algo in ("auto", "one_shot", "ring"):  # psum_scatter's algorithms
+        got, want = smap(lambda v: (jax_gin.psum_scatter(v, "i", scatter_dimension=1,
+                                                         tiled=True, algorithm=algo),
+                                    lax.psum_scatter(v, "i", scatter_dimension=1, tiled=True)),
+                         mesh_1d(), P("i"))(jnp.tile(x, (1, n)))
+        got = np.asarray(lax.bitcast_convert_type(got, jnp.uint16))
+        assert (got == [0x7FC0, 0x7FC0, 0xFFC0, 0xFFC0]).all(), [hex(v) for v in got.reshape(-1)]
+        if on_cpu:
+            assert_bitwise(got, lax.bitcast_convert_type(want, jnp.uint16))
+
+
 def test_bool_max_min_stay_bool():
     mesh = mesh_1d()
     f = smap(lambda v: (jax_gin.pmax(v > 0, "i"), lax.pmax(v > 0, "i"),
