@@ -30,8 +30,8 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 
 from . import _compat, _native, _runtime, _select
-from ._ops import (ALGORITHM_CODES, ALGORITHMS, OP_API_NAMES, OP_CODES, reduced_dtype,
-                   refuse_keys, refuse_symbolic)
+from ._ops import (ALGORITHM_CODES, ALGORITHMS, OP_API_NAMES, OP_CODES, check_dtype,
+                   reduced_dtype, refuse_keys, refuse_symbolic)
 
 allreduce_p = Primitive("jax_gin_allreduce")
 allreduce_p.multiple_results = True
@@ -280,6 +280,8 @@ def group_leaves(leaves, axes, op: str, api: str):
         constant = not _compat.is_tracer(leaf)
         leaf = jnp.asarray(leaf) if not hasattr(leaf, "dtype") else leaf
         refuse_symbolic(np.shape(leaf), api)
+        if constant and op != "sum" and np.issubdtype(leaf.dtype, np.complexfloating):
+            check_dtype(leaf.dtype, api)  # no order, constant or not (lax fails at run time)
         if not constant or leaf.dtype == np.bool_:  # a constant takes any dtype, as in lax
             dtype, _ = reduced_dtype(leaf.dtype, api)  # (psum's complex leaves are pairs already)
             if dtype != leaf.dtype:  # bool, as int32
