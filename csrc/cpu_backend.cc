@@ -870,6 +870,12 @@ std::string concurrent_calls(const Comm& comm, int group, int rank, Overlap over
 // which names both calls, comes before rank 0's wait for this rank times out and says less.
 double turn_wait_s(const CommConfig& cfg) { return cfg.timeout_s / 2; }
 
+// The number of a program's call that messages give: its site's low 16 bits count the calls
+// of the module that holds it; the high bits are a hash of the module's name (site_attrs,
+// jax_gin/_primitive.py).
+uint32_t site_number(uint32_t site) { return site & 0xffffu; }
+bool same_module(uint32_t a, uint32_t b) { return (a >> 16) == (b >> 16); }
+
 // The order of a group's calls (Turn): the group's rank 0 writes call `seq`'s site into the
 // others' turn words as it starts it; another rank waits for that (as for a peer's signal:
 // the timeout, a failed group, a process gone) and compares. Where rank 0 runs another call
@@ -892,7 +898,8 @@ std::string take_turn(Comm& comm, Group& g, int group, int rank, Turn& turn, uin
   };
   if (turn.twin) {
     Text what;
-    what << "had two calls of the program's jax_gin call " << turn.site << " at once";
+    what << "had two calls of the program's jax_gin call " << site_number(turn.site)
+         << " at once";
     return fail(what.str(),
                 ": copies of one function's call (a jitted function called twice in one program "
                 "is lowered once), which nothing orders against each other and nothing tells "
@@ -915,8 +922,8 @@ std::string take_turn(Comm& comm, Group& g, int group, int rank, Turn& turn, uin
   if (word == 0) return tp.error();
   const uint32_t lead = uint32_t(word);
   if ((word >> 32) == seq && lead == turn.site) {
-    // The same call number and site. Each program numbers its sites from 1, so processes that
-    // run different programs can agree on both while the calls differ; they would pair a psum
+    // The same call number and site. Programs of one name number their sites alike, so
+    // processes that run different programs can agree on both while the calls differ; they would pair a psum
     // with a pmax, or buffers of different sizes. Rank 0's state block says what it started
     // (stored before its turn words, read after this rank saw one; rank 0 cannot leave this
     // call before this rank takes part).
@@ -945,8 +952,10 @@ std::string take_turn(Comm& comm, Group& g, int group, int rank, Turn& turn, uin
     return std::string();
   }
   Text what, advice;
-  what << "started call #" << seq << " as the program's jax_gin call " << turn.site
-       << ", but rank 0 started call #" << (word >> 32) << " as its call " << lead;
+  what << "started call #" << seq << " as the program's jax_gin call " << site_number(turn.site)
+       << ", but rank 0 started call #" << (word >> 32) << " as "
+       << (same_module(lead, turn.site) ? "its" : "another module's") << " call "
+       << site_number(lead);
   advice << ". The ranks of a group make the same calls on a communicator, in rank 0's order, "
             "or they would pair different calls. ";
   if (turn.waited)

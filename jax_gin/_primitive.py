@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import zlib
 
 import numpy as np
 
@@ -579,15 +580,26 @@ def resolve_call(ctx, avals, axes, op, algorithm, platform, api: str | None = No
 
 def site_attrs(ctx, platform: str) -> dict:
     """The custom call's "site" attribute on CPU devices: a number of its own in the module
-    being lowered, in lowering order, so the same in every process that lowers the program.
-    The CPU backend's ranks run a group's calls in the order its rank 0 runs them, and tell
-    the calls apart by it: XLA's CPU runtime may hand a rank the calls of two independent
-    blocks at once, in either order (csrc/cpu_backend.h: Turn). No attribute on GPUs, which
-    run a device's calls in program order."""
+    being lowered, so the same in every process that lowers the program. The CPU backend's
+    ranks run a group's calls in the order its rank 0 runs them, and tell the calls apart by
+    it: XLA's CPU runtime may hand a rank the calls of two independent blocks at once, in
+    either order (csrc/cpu_backend.h: Turn). No attribute on GPUs, which run a device's calls
+    in program order.
+
+    Its low 16 bits count the module's calls from 1, in lowering order (the number that error
+    messages give); the high bits are a hash of the module's name, so that a module lowered
+    elsewhere and called from this one (a deserialized jax.export) numbers its calls apart
+    from this module's own. Both parts depend only on the program, so JAX's persistent
+    compilation cache finds its text again."""
     if platform != "cpu":
         return {}
-    sites = ctx.module_context.cached_primitive_lowerings.setdefault(
-        ("jax_gin", "sites"), itertools.count(1))
+    mc = ctx.module_context
+    sites = mc.cached_primitive_lowerings.get(("jax_gin", "sites"))
+    if sites is None:
+        name = str(mc.module.operation.attributes["sym_name"])  # '"jit_step"'
+        tag = zlib.crc32(name.encode()) & 0x7FFF  # the int32 attribute stays positive
+        sites = mc.cached_primitive_lowerings[("jax_gin", "sites")] = (
+            (tag << 16) | (n % 0xFFFF + 1) for n in itertools.count())
     return {"site": np.int32(next(sites))}
 
 

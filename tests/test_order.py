@@ -181,7 +181,7 @@ def test_psum_overlapping_in_checkpointed_layers():
 
 
 _UNLINKED_CHILD = r"""
-import os, sys
+import os, re, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 import jax_gin
@@ -193,21 +193,29 @@ def block(psum):
         return nr * w, nr
     return jax.shard_map(fn, mesh=mesh, in_specs=(P("i"), P("i"), P()), out_specs=(P("i"), P("i")))
 
-def program(psum, linked):
+# f as jax.export gives it to another program: a module lowered apart, whose calls number
+# their sites from 1 as this program's do
+def exported(f, *args):
+    names = set(re.findall(r"custom_call @(jax_gin_\w+)", f.lower(*args).as_text()))
+    checks = [jax.export.DisabledSafetyCheck.custom_call(name) for name in names]
+    return jax.export.export(f, disabled_checks=checks)(*args).call
+
+def program(psum, mode, args):
     sm = block(psum)
+    # the block beside the jacobian: this program's own, or a jitted copy exported apart
+    model = exported(jax.jit(sm), *args) if mode == "exported" else sm
     def f(x, r, w):
         jac = jax.jacfwd(lambda *a: sm(*a)[0], argnums=(0, 1, 2))(x, r, w)
-        if linked:  # the block takes a value of the jacobian's result: one order
+        if mode == "linked":  # the block takes a value of the jacobian's result: one order
             x = x + 0 * jac[0][0, 0, 0, 0]
-        return jac, sm(x, r, w)
+        return jac, model(x, r, w)
     return jax.jit(f)
 
 n = len(jax.devices())
 x = jnp.asarray(np.arange(n * 2 * 5).reshape(n * 2, 5) % 7, jnp.float32)
 args = (x, x + 1, jnp.ones(5))
-linked = sys.argv[1] == "linked"
-want = program(jax.lax.psum, linked)(*args)
-ours = program(lambda v, a: jax_gin.psum(v, a, algorithm="one_shot"), linked)
+want = program(jax.lax.psum, sys.argv[1], args)(*args)
+ours = program(lambda v, a: jax_gin.psum(v, a, algorithm="one_shot"), sys.argv[1], args)
 try:
     same = True
     for _ in range(5):  # the two blocks' calls come to a rank in either order, or at once
@@ -223,23 +231,23 @@ os._exit(0)
 """
 
 
-@pytest.mark.parametrize("linked", [False, True], ids=["unlinked", "linked"])
-def test_independent_blocks_of_one_program(tmp_path, linked):
+@pytest.mark.parametrize("mode", ["unlinked", "linked", "exported"])
+def test_independent_blocks_of_one_program(tmp_path, mode):
     """A jax.jacfwd of a shard_map block beside the block itself, in one program and on one
     communicator: nothing orders the two blocks' calls, and XLA's CPU runtime hands a rank
     both at once, in either order. Each rank runs them in the order of its group's rank 0:
     lax's numbers, as with the block taking a value of the jacobian's result, which orders
-    them. (A subprocess: a failed run leaves ranks in XLA's rendezvous, and XLA ends the
-    process.)"""
+    them, and with the block exported by jax.export (a module lowered apart, whose sites
+    count from 1 too, but under its own name). (A subprocess: a failed run leaves ranks in
+    XLA's rendezvous, and XLA ends the process.)"""
     if jax.default_backend() != "cpu":
         pytest.skip("XLA's CPU runtime: GPUs run a device's calls on one stream in order")
     needs_devices(2)
     (tmp_path / "child.py").write_text(_UNLINKED_CHILD)
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_GIN_TIMEOUT_S="20",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={ndev()}")
-    r = subprocess.run([sys.executable, str(tmp_path / "child.py"),
-                        "linked" if linked else "unlinked"], env=env, capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run([sys.executable, str(tmp_path / "child.py"), mode], env=env,
+                       capture_output=True, text=True, timeout=120)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith(("RESULT", "ERROR"))]
     assert r.returncode == 0 and len(lines) == 1, r.stdout + r.stderr[-3000:]
     assert lines[0] == "RESULT lax", lines[0]
@@ -290,6 +298,16 @@ def test_worker_refuses_twin_calls():
     with pytest.raises(RuntimeError, match=r"had two calls of the program's jax_gin call 1 at "
                                            r"once: copies of one function's call"):
         _worker_calls([[1, 1], [1, 1]])
+
+
+def test_worker_names_another_modules_call():
+    """A site's low 16 bits count its module's calls, its high bits hash the module's name
+    (_primitive.site_attrs): a message gives the number, and says where rank 0's call is of
+    another module (a function exported apart) than this rank's."""
+    with pytest.raises(RuntimeError) as info:
+        _worker_calls([[1, 2], [1, (7 << 16) | 2]], timeout_s=2.0)
+    assert re.search(r"started call #2 as the program's jax_gin call 2, but rank 0 started "
+                     r"call #2 as another module's call 2\.", str(info.value)), str(info.value)
 
 
 def test_worker_gives_up_on_a_call_that_never_comes():
