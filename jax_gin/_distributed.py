@@ -21,6 +21,10 @@ the same order, so they all get here):
    marked, then every process unlinks the name (the first one wins). From then on the memory
    lives only as long as the mappings: a process that dies later leaves nothing in /dev/shm.
    If set-up fails half-way, the names this process knows are unlinked at once, and at exit.
+5. settle: the processes agree, under a key of the key-value store that only its first writer
+   sets, that every one of them set it up, or that all give it up (_Bootstrap.commit): each
+   step waits with its own timeout, so one process could see a step done just as another
+   gave up on it, and keep a communicator that the others never come to again.
 
 <job> is a random token that the first process to need it publishes in the key-value store,
 so that two jobs on one host never share a name; <communicator> is a hash of where the
@@ -424,6 +428,7 @@ class _Bootstrap:
         self.client = distributed_client()
         if self.client is None:
             check_initialized(len(self.participants))
+        self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
         self.token = job_token(self.client, self.deadline)
         self.setup, self.me = setup, me
@@ -456,10 +461,76 @@ class _Bootstrap:
             # had failed before this process got there, so the others gave up on this
             # generation (their markers may not be written yet) and will try the next.
             if not missing and time.monotonic() < self.deadline:
+                self.abort()
                 setup.abandon()
                 setup.late = True
                 continue
             raise self.missing_error(missing, late=setup.late or not missing)
+
+    # The end of a set-up. Its steps wait each with its own timeout, so one process could see
+    # a step done (every rank joined, say) just as another gave up on it: the first would keep
+    # a communicator that the others abandoned, and never meet them again. So the processes
+    # settle the outcome under one key of the key-value store, which only its first writer
+    # sets: the lowest participant writes "commit" once every process says it is done; a
+    # process whose set-up fails, or that waits too long for the outcome, writes "abort <it>".
+    # Whatever a process reads there is what every process reads.
+
+    def _settle(self, verdict: str) -> str:
+        """Write `verdict` under the outcome's key unless one is there; the outcome."""
+        key = f"{self.prefix}/outcome"
+        try:
+            self.client.key_value_set(key, verdict)
+            return verdict
+        except Exception as e:  # noqa: BLE001 - jax.errors.JaxRuntimeError
+            if not str(e).startswith("ALREADY_EXISTS"):
+                err = _kv_error(e, self.doing)
+                raise err if err is not None else _Deadline(str(e)) from e
+        return _kv(self.doing, self.client.blocking_key_value_get, key, 10_000)
+
+    def abort(self) -> None:
+        """This process's set-up failed: every process's fails (best effort: its own error,
+        which the caller raises, says more)."""
+        if self.prefix is not None:
+            try:
+                self._settle(f"abort {self.me}")
+            except Exception:  # noqa: BLE001
+                pass
+
+    def commit(self) -> None:
+        """This process's set-up went well: returns once every process's did; raises
+        BootstrapTimeoutError where one failed, or a process did not say in time."""
+        client, me, doing, prefix = self.client, self.me, self.doing, self.prefix
+        _kv(doing, client.key_value_set, f"{prefix}/done/{me}", "1")
+        if me == self.participants[0]:
+            done = set()
+            try:
+                for p in self.participants:
+                    _kv(doing, client.blocking_key_value_get, f"{prefix}/done/{p}",
+                        _ms(self.deadline))
+                    done.add(p)
+                verdict = self._settle("commit")
+            except _Deadline:
+                verdict = self._settle(f"abort {me}")
+                if verdict != "commit":
+                    raise self.missing_error(
+                        [p for p in self.participants if p not in done]) from None
+        else:
+            # The lowest participant decides by its own deadline, which is at most a timeout
+            # after this one's (it came to the arrival barrier before this process left it).
+            try:
+                verdict = _kv(doing, client.blocking_key_value_get, f"{prefix}/outcome",
+                              _ms(self.deadline + self.timeout_s))
+            except _Deadline:
+                verdict = self._settle(f"abort {me}")
+                if verdict != "commit":
+                    raise self.missing_error([self.participants[0]]) from None
+        if verdict != "commit":
+            p = int(verdict.split()[1])
+            raise BootstrapTimeoutError(
+                f"jax_gin: process {p} gave up setting up {self._error_args[0]}, which this "
+                f"process had set up, so every process gives it up (JAX_GIN_TIMEOUT_S="
+                f"{self.timeout_s:g}); its own error says why. Running the program again in "
+                f"every process sets it up again. (communicator {self.tag}, job {self.token})")
 
     def _arrived(self) -> dict:
         return {int(k.rsplit("/", 1)[1]): v for k, v in
@@ -490,7 +561,11 @@ def group_workspaces(layout, procs: list, me: int, lane_bytes: int, setup: SetUp
         return out
     boot = _Bootstrap(layout, proc_of, spanning, me, setup, timeout_s, what)
     # 1. arrive, saying which /dev/shm this process sees
-    hosts = boot.arrive(_host_identity())
+    try:
+        hosts = boot.arrive(_host_identity())
+    except BaseException:
+        boot.abort()
+        raise
     client, deadline, token, tag = boot.client, boot.deadline, boot.token, boot.tag
     prefix, doing, missing_error = boot.prefix, boot.doing, boot.missing_error
     for g in mine:
@@ -545,6 +620,12 @@ def group_workspaces(layout, procs: list, me: int, lane_bytes: int, setup: SetUp
             missing = shared[g].wait_joined(max(0.0, deadline - time.monotonic()))
             if missing:
                 raise missing_error({proc_of[g][r] for r in missing})
+    except BaseException:
+        boot.abort()
+        raise
+    else:
+        # 6. every process's set-up went well, or all of them fail (_Bootstrap.commit)
+        boot.commit()
     finally:
         # Every process unlinks every name it knows (the first one wins): on success because
         # all have mapped it, on failure so that nothing stays in /dev/shm.

@@ -151,6 +151,22 @@ def test_retry_after_missed_setup():
     assert r0["checked"] == r1["checked"] == 3, (r0, r1)
 
 
+def test_setup_given_up_in_one_process():
+    """Process 0 gives up on a set-up just after process 1 has seen every rank join: process 1
+    gives it up too (one outcome for every process, _Bootstrap.commit), rather than keep a
+    communicator that process 0 left; both run the program again, meet, and sum as lax."""
+    reports = _reports(_launch("given_up", timeout=90, env_extra={"JAX_GIN_TIMEOUT_S": "5"}),
+                       "given_up")
+    for i, (rc, rep, out) in enumerate(reports):
+        assert rc == 0 and rep["ok"], f"process {i} rc {rc}:\n{_tail(out)}"
+    (_, r0, _), (_, r1, _) = reports
+    assert r0["first"].startswith("BootstrapTimeoutError: jax_gin: timed out after 5 s"), r0
+    assert r1["first"].startswith("BootstrapTimeoutError: jax_gin: process 0 gave up setting up "
+                                  "the CPU communicator"), r1
+    assert r0["retry"] == r1["retry"] == "no error", (r0, r1)
+    assert r0["checked"] == r1["checked"] == 1, (r0, r1)
+
+
 def test_killed_peer_process():
     """A peer process killed between calls: the survivor's next call fails within about a
     second, long before its 60 s timeout, and names the process that is gone and its ranks."""
@@ -527,6 +543,25 @@ def _worker(scenario: str, pid: int, port: int) -> None:
                 k[4] == (axes,)]
             print("REPORT " + json.dumps(report), flush=True)
             client.wait_at_barrier(f"test/retried_{case}", 60_000)
+        report["ok"] = True
+        print("REPORT " + json.dumps(report), flush=True)
+    elif scenario == "given_up":
+        # Process 0 gives up on the set-up (its own wait timing out) just after process 1 has
+        # seen every rank join: both must fail, then meet when they run the program again.
+        check = _distributed._check_peer_settings
+
+        def give_up(client, prefix, proc_of, mine, me, settings, deadline, doing, missing_error,
+                    what):
+            _distributed._check_peer_settings = check
+            client.blocking_key_value_get(f"{prefix}/done/1", 60_000)
+            raise missing_error({1})
+        if pid == 0:
+            _distributed._check_peer_settings = give_up
+        f = jax.jit(jax.shard_map(lambda v: (jax_gin.psum(v, "i"), lax.psum(v, "i")),
+                                  mesh=mesh1, in_specs=P("i"), out_specs=P("i")))
+        x = global_input(mesh1, P("i"), 37, "float32", 0)
+        report["first"] = error_of(lambda: f.lower(x))
+        report["retry"] = error_of(lambda: same_bits(*f(x), "after the set-up given up"))
         report["ok"] = True
         print("REPORT " + json.dumps(report), flush=True)
     elif scenario == "killed":
