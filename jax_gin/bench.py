@@ -279,6 +279,38 @@ def parse_args(argv) -> argparse.Namespace:
     return args
 
 
+# How long a process started with --coordinator waits for the others to join (JAX's own
+# default: 300 s, without a word).
+JOIN_TIMEOUT_S = 60
+
+
+def join_job(coordinator: str, num_processes: int, process_id: int) -> None:
+    """jax.distributed.initialize with add_process_arguments' flags, saying so on stderr first;
+    JoinError where it raises. Where the others do not join within JOIN_TIMEOUT_S, JAX 0.11.2
+    ends the process itself (abort, "the JAX distributed service detected fatal errors")."""
+    print(f"process {process_id} of {num_processes}: joining the job at {coordinator}; JAX "
+          f"ends this process if the others have not joined within {JOIN_TIMEOUT_S} s",
+          file=sys.stderr, flush=True)
+    try:
+        jax.distributed.initialize(coordinator, num_processes=num_processes,
+                                   process_id=process_id, initialization_timeout=JOIN_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 - jax.errors.JaxRuntimeError and the like
+        first = (str(e).splitlines() or [type(e).__name__])[0][:300]
+        raise JoinError(
+            f"process {process_id} of {num_processes} could not join the job at {coordinator} "
+            f"within {JOIN_TIMEOUT_S} s ({first})",
+            "start every process with the same --coordinator and --num-processes and its own "
+            "--process-id, where all of them reach the coordinator's address") from e
+
+
+class JoinError(RuntimeError):
+    """join_job's failure: `problem`, then its `fix`."""
+
+    def __init__(self, problem: str, fix: str):
+        super().__init__(f"{problem}: {fix}")
+        self.problem, self.fix = problem, fix
+
+
 def init_distributed(args) -> None:
     """jax.distributed.initialize() for a run over several processes (before any device use).
     On CPU, lax's cross-process collectives need gloo; the setting is ignored on GPUs."""
@@ -288,8 +320,7 @@ def init_distributed(args) -> None:
     if args.distributed:
         jax.distributed.initialize()
     else:
-        jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
-                                   process_id=args.process_id)
+        join_job(args.coordinator, args.num_processes, args.process_id)
 
 
 # ---------------------------------------------------------------------------------------

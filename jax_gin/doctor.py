@@ -58,7 +58,7 @@ import jax_gin
 from . import _distributed, _native, _runtime, _scatter_gather, _select
 from ._bench_inputs import format_size
 from ._trace import _check_writable
-from .bench import add_process_arguments, check_processes, parse_size
+from .bench import JoinError, add_process_arguments, check_processes, join_job, parse_size
 
 DEFAULT_SIZES = (1 << 10, 1 << 20)  # bytes per device
 RUNS = 5  # timed calls per measurement (the median is printed); --quick: 1
@@ -396,15 +396,21 @@ def main(argv=None) -> int:
             p.error(str(e))
     invalid = _runtime.invalid_variables()  # before anything reads the settings
     r = Report()
+    joined = True  # the job of --coordinator, where one is given
     if args.coordinator:
         if jax.config.jax_platforms in (None, "", "cpu") and not os.environ.get("JAX_PLATFORMS", "").startswith("cuda"):
             jax.config.update("jax_cpu_collectives_implementation", "gloo")  # lax.psum across processes
-        jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
-                                   process_id=args.process_id)
-        # the self-test's programs are run by every process together: they must agree
-        _distributed.check_same_command(p.prog, {"sizes": args.sizes, "quick": args.quick})
+        try:
+            join_job(args.coordinator, args.num_processes, args.process_id)
+        except JoinError as e:
+            r.fail(e.problem, e.fix)
+            joined = False
+        else:
+            # the self-test's programs are run by every process together: they must agree
+            _distributed.check_same_command(p.prog, {"sizes": args.sizes, "quick": args.quick})
     try:
-        devices = jax.devices() if args.coordinator else jax.local_devices()
+        # (no devices to check where the process could not join its job)
+        devices = [] if not joined else jax.devices() if args.coordinator else jax.local_devices()
     except RuntimeError as e:
         devices = []
         r.fail(f"JAX found no devices: {e}", "check JAX_PLATFORMS and the jax install")

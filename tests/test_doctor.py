@@ -196,9 +196,32 @@ def test_two_processes_pass():
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outs = [p.communicate(timeout=150)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
-    for out in outs:
+    for i, out in enumerate(outs):
         assert out.rstrip().splitlines()[-1] == "PASS", out
         assert "psum_scatter ring" in out and "all_gather one_shot" in out, out
+        # the wait for the others is said before it starts (a peer that never comes: JAX
+        # ends the process after bench.JOIN_TIMEOUT_S)
+        assert (f"process {i} of 2: joining the job at 127.0.0.1:{port}; JAX ends this process "
+                f"if the others have not joined within 60 s") in out, out
+
+
+def test_join_error_names_the_job(monkeypatch, capsys):
+    """Where jax.distributed.initialize raises, the doctor's verdict is a FAIL that names the
+    job and says how to start its processes."""
+    def initialize(*args, **kw):
+        raise RuntimeError("UNAVAILABLE: failed to connect")
+    monkeypatch.setattr(jax.distributed, "initialize", initialize)
+    gloo = jax.config.jax_cpu_collectives_implementation  # the doctor sets it for its job
+    try:
+        rc = doctor.main(["--quick", "--coordinator", "127.0.0.1:1", "--num-processes", "2",
+                          "--process-id", "1"])
+    finally:
+        jax.config.update("jax_cpu_collectives_implementation", gloo)
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert ("FAIL: process 1 of 2 could not join the job at 127.0.0.1:1 within 60 s "
+            "(UNAVAILABLE: failed to connect)\n  fix: start every process with the same "
+            "--coordinator") in out, out
 
 
 def test_settings_that_differ_across_processes():
