@@ -36,7 +36,9 @@ def size_steps(minbytes: int, maxbytes: int, factor: int) -> list:
 
 
 def put_global(a: np.ndarray, sharding: NamedSharding):
-    """A host array as a global jax.Array; in several processes each puts only its shards."""
+    """A host array as a global jax.Array; in several processes each puts only its shards
+    (jax.device_put would compare the array across processes, which fails where they hold
+    different numbers of devices)."""
     if jax.process_count() == 1:
         return jax.device_put(a, sharding)
     return jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
@@ -173,9 +175,24 @@ def count_wrong(out, ref: np.ndarray, nranks: int) -> int:
     if getattr(out, "is_fully_addressable", True):
         got = np.asarray(out).reshape(nranks, -1)
         return int(np.count_nonzero(got != want))
-    from jax.experimental import multihost_utils
     flat = want.reshape(-1)
     mine = sum(int(np.count_nonzero(np.asarray(sh.data) != flat[sh.index[0]]))
                for sh in out.addressable_shards)
-    return int(np.sum(multihost_utils.process_allgather(np.array([mine], np.int64))))
+    return _sum_over_processes(mine)
+
+
+_sums = [0]  # _sum_over_processes calls in this process: the same count in every process
+
+
+def _sum_over_processes(mine: int) -> int:
+    """The sum of every process's `mine`, through the jax.distributed key-value store (JAX's
+    multihost_utils.process_allgather fails where processes hold different numbers of
+    devices)."""
+    from . import _distributed
+    client = _distributed.distributed_client()
+    key = f"{_distributed.KV_PREFIX}/bench/sum{_sums[0]}"
+    _sums[0] += 1
+    client.key_value_set(f"{key}/{jax.process_index()}", str(mine))
+    return sum(int(client.blocking_key_value_get(f"{key}/{p}", 600_000))
+               for p in range(jax.process_count()))
 

@@ -56,7 +56,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_gin
 
 from . import _distributed, _native, _runtime, _scatter_gather, _select
-from ._bench_inputs import format_size
+from ._bench_inputs import format_size, put_global
 from ._trace import _check_writable
 from .bench import JoinError, add_process_arguments, check_processes, join_job, parse_size
 
@@ -260,8 +260,8 @@ def _exact_input(mesh, per_device: int):
     """float32 small integers, `per_device` on each device of `mesh`: every sum is exact, so
     every algorithm must equal lax bit for bit."""
     n = mesh.size
-    return jax.device_put((np.arange(n * per_device) % 13 - 6).astype(np.float32),
-                          NamedSharding(mesh, P("i")))
+    return put_global((np.arange(n * per_device) % 13 - 6).astype(np.float32),
+                      NamedSharding(mesh, P("i")))
 
 
 def _reference(r: Report, name: str, kind: str, fn, x, runs: int, shown: str):

@@ -205,6 +205,24 @@ def test_two_processes_pass():
                 f"if the others have not joined within 60 s") in out, out
 
 
+def test_two_processes_of_unlike_sizes_pass():
+    """Processes that hold different numbers of devices (1 and 2): the self-test puts each
+    process's shards and sums the wrong values through the key-value store (jax.device_put
+    and JAX's process_allgather compare arrays shaped by the local device count)."""
+    from multiproc import clean_env, free_port
+    port = free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "jax_gin.doctor", "--quick", "--coordinator", f"127.0.0.1:{port}",
+         "--num-processes", "2", "--process-id", str(i)],
+        env=clean_env(JAX_PLATFORMS="cpu",
+                      XLA_FLAGS=f"--xla_force_host_platform_device_count={i + 1}"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=150)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    for out in outs:
+        assert out.rstrip().splitlines()[-1] == "PASS", out
+
+
 def test_join_error_names_the_job(monkeypatch, capsys):
     """Where jax.distributed.initialize raises, the doctor's verdict is a FAIL that names the
     job and says how to start its processes."""
