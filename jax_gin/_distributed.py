@@ -16,12 +16,14 @@ the same order, so they all get here):
 2. create: the process that runs a group's rank 0 creates its segment
    /jax_gin.<job>.<communicator>.d<deadline>.g<group> (O_EXCL) and publishes the name under a
    key. Before that it sweeps /dev/shm (sweep_stale_segments).
-3. attach: the other processes read the name and map the segment.
-4. join: each process marks its ranks in the segment's header and waits until every rank is
+3. attach: the other processes read the name (and the creator's settings, which they compare
+   with their own) and map the segment.
+4. compare: the creator reads the others' settings too, so that both sides name a difference.
+5. join: each process marks its ranks in the segment's header and waits until every rank is
    marked, then every process unlinks the name (the first one wins). From then on the memory
    lives only as long as the mappings: a process that dies later leaves nothing in /dev/shm.
    If set-up fails half-way, the names this process knows are unlinked at once, and at exit.
-5. settle: the processes agree, under a key of the key-value store that only its first writer
+6. settle: the processes agree, under a key of the key-value store that only its first writer
    sets, that every one of them set it up, or that all give it up (_Bootstrap.commit): each
    step waits with its own timeout, so one process could see a step done just as another
    gave up on it, and keep a communicator that the others never come to again.
@@ -489,10 +491,12 @@ class _Bootstrap:
 
     def abort(self) -> None:
         """This process's set-up failed: every process's fails (best effort: its own error,
-        which the caller raises, says more)."""
+        which the caller raises, says more). Its done key says so too, so that the lowest
+        participant, which waits for the done keys, reads the outcome at once."""
         if self.prefix is not None:
             try:
                 self._settle(f"abort {self.me}")
+                self.client.key_value_set(f"{self.prefix}/done/{self.me}", "abort")
             except Exception:  # noqa: BLE001
                 pass
 
@@ -505,10 +509,12 @@ class _Bootstrap:
             done = set()
             try:
                 for p in self.participants:
-                    _kv(doing, client.blocking_key_value_get, f"{prefix}/done/{p}",
-                        _ms(self.deadline))
+                    if _kv(doing, client.blocking_key_value_get, f"{prefix}/done/{p}",
+                           _ms(self.deadline)) != "1":
+                        break  # p gave up (abort): the outcome names it
                     done.add(p)
-                verdict = self._settle("commit")
+                verdict = self._settle("commit" if len(done) == len(self.participants)
+                                       else f"abort {me}")
             except _Deadline:
                 verdict = self._settle(f"abort {me}")
                 if verdict != "commit":
@@ -615,17 +621,16 @@ def group_workspaces(layout, procs: list, me: int, lane_bytes: int, setup: SetUp
         # 4. the creator checks the others' settings too, so that both sides name a difference
         _check_peer_settings(client, prefix, proc_of, mine, me, settings, deadline, doing,
                              missing_error, what)
-        # 5. wait until every rank of every group has mapped its segment
+        # 5. join: wait until every rank of every group has mapped its segment
         for g in mine:
             missing = shared[g].wait_joined(max(0.0, deadline - time.monotonic()))
             if missing:
                 raise missing_error({proc_of[g][r] for r in missing})
-    except BaseException:
-        boot.abort()
-        raise
-    else:
         # 6. every process's set-up went well, or all of them fail (_Bootstrap.commit)
         boot.commit()
+    except BaseException:
+        boot.abort()  # (where commit read another outcome than "commit", it is that already)
+        raise
     finally:
         # Every process unlinks every name it knows (the first one wins): on success because
         # all have mapped it, on failure so that nothing stays in /dev/shm.
