@@ -902,9 +902,10 @@ std::string take_turn(Comm& comm, Group& g, int group, int rank, Turn& turn, uin
          << " at once";
     return fail(what.str(),
                 ": copies of one function's call (a jitted function called twice in one program "
-                "is lowered once), which nothing orders against each other and nothing tells "
-                "apart, so ranks could pair them crosswise. Make one copy take a value of the "
-                "other's results (docs/design.md, Ordering)");
+                "is lowered once, or a jax.export'ed function whose name is this program's), "
+                "which nothing orders against each other and nothing tells apart, so ranks "
+                "could pair them crosswise. Make one copy take a value of the other's results, "
+                "or export the function under another name (docs/design.md, Ordering)");
   }
   if (rank == 0) {
     const uint64_t word = (seq << 32) | turn.site;
@@ -923,10 +924,10 @@ std::string take_turn(Comm& comm, Group& g, int group, int rank, Turn& turn, uin
   const uint32_t lead = uint32_t(word);
   if ((word >> 32) == seq && lead == turn.site) {
     // The same call number and site. Programs of one name number their sites alike, so
-    // processes that run different programs can agree on both while the calls differ; they would pair a psum
-    // with a pmax, or buffers of different sizes. Rank 0's state block says what it started
-    // (stored before its turn words, read after this rank saw one; rank 0 cannot leave this
-    // call before this rank takes part).
+    // processes that run different programs can agree on both while the calls differ; they
+    // would pair a psum with a pmax, or buffers of different sizes. Rank 0's state block says
+    // what it started (stored before its turn words, read after this rank saw one; rank 0
+    // cannot leave this call before this rank takes part).
     const RecState& mine = ws.rec_state(rank);
     const RecState& lead_st = ws.rec_state(0);
     auto same = [&](auto member) { return load_relaxed(lead_st.*member) == mine.*member; };

@@ -184,8 +184,10 @@ struct Group {
 // against each other (two independent shard_map blocks of one program), each rank's worker
 // thus runs them in rank 0's order, whichever came first to it.
 struct Turn {
-  // The program's custom call (the lowering's "site" attribute: a number unique in its module,
-  // the same in every process); 0 where not known (the threads harness).
+  // The program's custom call (the lowering's "site" attribute, the same in every process: a
+  // hash of its module's name in the high 16 bits, the module's count of calls in the low 16,
+  // from 1, wrapping after 65535; _primitive.site_attrs); 0 where not known (the threads
+  // harness).
   uint32_t site = 0;
   // On the rank's worker: where rank 0 runs another call first, the call returns at once
   // without running (declined), naming that call's site, which the worker runs first.

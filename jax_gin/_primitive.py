@@ -587,10 +587,11 @@ def site_attrs(ctx, platform: str) -> dict:
     in program order.
 
     Its low 16 bits count the module's calls from 1, in lowering order (the number that error
-    messages give); the high bits are a hash of the module's name, so that a module lowered
-    elsewhere and called from this one (a deserialized jax.export) numbers its calls apart
-    from this module's own. Both parts depend only on the program, so JAX's persistent
-    compilation cache finds its text again."""
+    messages give; after 65535 calls the count starts again at 1); the high bits are a hash of
+    the module's name, so that a module lowered elsewhere and called from this one (a
+    deserialized jax.export) numbers its calls apart from this module's own, unless the two
+    share a name. Both parts depend only on the program, so JAX's persistent compilation cache
+    finds its text again."""
     if platform != "cpu":
         return {}
     mc = ctx.module_context
