@@ -298,9 +298,10 @@ def join_job(coordinator: str, num_processes: int, process_id: int) -> None:
         first = (str(e).splitlines() or [type(e).__name__])[0][:300]
         raise JoinError(
             f"process {process_id} of {num_processes} could not join the job at {coordinator} "
-            f"within {JOIN_TIMEOUT_S} s ({first})",
+            f"({first})",
             "start every process with the same --coordinator and --num-processes and its own "
-            "--process-id, where all of them reach the coordinator's address") from e
+            "--process-id, where all of them reach the coordinator's address; process 0 "
+            "serves it, on a port that nothing else holds") from e
 
 
 class JoinError(RuntimeError):
@@ -432,7 +433,11 @@ def main(argv=None, say_written: bool = True) -> int:
         return workloads.main(argv, prog=prog())
     args = parse_args(argv)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (docs/multi-node.md)
-    init_distributed(args)
+    try:
+        init_distributed(args)
+    except JoinError as e:
+        print(f"{prog()}: {e}", file=sys.stderr, flush=True)
+        return 1
     # every process runs the same programs: the options that make them must agree
     _distributed.check_same_command(prog(), {k: v for k, v in vars(args).items() if k not in (
         "coordinator", "num_processes", "process_id", "distributed", "json", "plot", "quiet")})

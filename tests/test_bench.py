@@ -226,6 +226,26 @@ def test_output_paths_are_checked_before_the_run(tmp_path, capsys):
     assert not (tmp_path / "nodir").exists()  # a missing directory is refused, not made
 
 
+def test_join_error_is_a_message(monkeypatch, capsys):
+    """Where jax.distributed.initialize raises (process 0's port taken), the benchmark says
+    which job it could not join and returns 1, without a traceback."""
+    import jax
+
+    def initialize(*args, **kw):
+        raise RuntimeError("UNKNOWN: Failed to start RPC server")
+    monkeypatch.setattr(jax.distributed, "initialize", initialize)
+    gloo = jax.config.jax_cpu_collectives_implementation  # init_distributed sets it
+    try:
+        rc = bench.main(["--coordinator", "127.0.0.1:1", "--num-processes", "2",
+                         "--process-id", "0"])
+    finally:
+        jax.config.update("jax_cpu_collectives_implementation", gloo)
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert ("python -m jax_gin.bench: process 0 of 2 could not join the job at 127.0.0.1:1 "
+            "(UNKNOWN: Failed to start RPC server): start every process") in err, err
+
+
 def test_workload_flag_abbreviated_runs_the_workload(monkeypatch):
     # the sweep's parser resolves --worklo as --workload: the workload runs, not the sweep
     monkeypatch.setattr(bench.workloads, "main", lambda argv, prog: ("workload", argv, prog))
