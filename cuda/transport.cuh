@@ -120,7 +120,7 @@ struct TablePeers {
 // stores, and an entry that fills folds there) and warp 1 of lane 0 stores it into the ring
 // at the end, a 16-byte piece a thread (rec_open_lane .. rec_close_lane): stored by one
 // thread, each piece's load waited for the store before it, about 0.3 us a call of 6 phases
-// on an H200 (2026-12-02, 2116b75). Kernels that mark none (LL, the fused norms,
+// on an H200 (2026-12-02, 1b1e9cc). Kernels that mark none (LL, the fused norms,
 // hierarchical) and the copy-engine path, whose call spans several kernels, write the ring's
 // entry in place (rec_open_lane with s = null; rec_begin with local = null, rec_current,
 // rec_end).
@@ -243,7 +243,7 @@ struct LaneRecord {
 // What the recording warp loads to open a call: the switch and the state block's call count,
 // both by the whole warp, before it diverges (issued one after the other, the two round trips
 // ran in sequence: one H200, recorder off, 4 KiB, 0.15-0.21 us more than without a recorder;
-// 2026-12-02, 972d67a).
+// 2026-12-02, 2116b75).
 // A kernel that first waits at a barrier for another load (LL's round counter) issues these
 // before it, so that the round trips overlap (one H200, 2 ranks as streams, LL at 4 KiB:
 // 0.05-0.06 us a call with no recorder or with it on; 2026-12-02, 357acde).
