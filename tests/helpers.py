@@ -1,5 +1,8 @@
 """Shared helpers: the lists the tests parametrize over, exact inputs, shard_map wrappers,
-bitwise comparison, the count of jax_gin's custom calls and the examples as modules."""
+bitwise comparison, the count of jax_gin's custom calls, the examples as modules and a job
+that cannot be joined."""
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,3 +74,21 @@ def load_example(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# What jax.distributed.initialize raises in process 0 where its port is taken.
+JOIN_ERROR = "UNKNOWN: Failed to start RPC server"
+
+
+@contextlib.contextmanager
+def join_fails(monkeypatch):
+    """jax.distributed.initialize raising JOIN_ERROR at once, for the tools' --coordinator;
+    the CPU collectives setting, which the tools set for their job, is restored after."""
+    def initialize(*args, **kw):
+        raise RuntimeError(JOIN_ERROR)
+    monkeypatch.setattr(jax.distributed, "initialize", initialize)
+    gloo = jax.config.jax_cpu_collectives_implementation
+    try:
+        yield
+    finally:
+        jax.config.update("jax_cpu_collectives_implementation", gloo)

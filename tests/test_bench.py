@@ -229,17 +229,9 @@ def test_output_paths_are_checked_before_the_run(tmp_path, capsys):
 def test_join_error_is_a_message(monkeypatch, capsys):
     """Where jax.distributed.initialize raises (process 0's port taken), the benchmark says
     which job it could not join and returns 1, without a traceback."""
-    import jax
-
-    def initialize(*args, **kw):
-        raise RuntimeError("UNKNOWN: Failed to start RPC server")
-    monkeypatch.setattr(jax.distributed, "initialize", initialize)
-    gloo = jax.config.jax_cpu_collectives_implementation  # init_distributed sets it
-    try:
+    with helpers.join_fails(monkeypatch):
         rc = bench.main(["--coordinator", "127.0.0.1:1", "--num-processes", "2",
                          "--process-id", "0"])
-    finally:
-        jax.config.update("jax_cpu_collectives_implementation", gloo)
     err = capsys.readouterr().err
     assert rc == 1
     assert ("python -m jax_gin.bench: process 0 of 2 could not join the job at 127.0.0.1:1 "

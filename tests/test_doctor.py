@@ -14,6 +14,7 @@ import jax_gin
 from jax_gin import doctor
 from jax_gin._select import COLLECTIVE_ALGORITHMS
 from conftest import ndev
+from helpers import join_fails
 
 SECTIONS = {"versions", "devices", "nccl", "settings", "self-test", "verdict"}
 
@@ -226,15 +227,9 @@ def test_two_processes_of_unlike_sizes_pass():
 def test_join_error_names_the_job(monkeypatch, capsys):
     """Where jax.distributed.initialize raises, the doctor's verdict is a FAIL that names the
     job and says how to start its processes."""
-    def initialize(*args, **kw):  # what process 0 gets where its port is taken
-        raise RuntimeError("UNKNOWN: Failed to start RPC server")
-    monkeypatch.setattr(jax.distributed, "initialize", initialize)
-    gloo = jax.config.jax_cpu_collectives_implementation  # the doctor sets it for its job
-    try:
+    with join_fails(monkeypatch):
         rc = doctor.main(["--quick", "--coordinator", "127.0.0.1:1", "--num-processes", "2",
                           "--process-id", "1"])
-    finally:
-        jax.config.update("jax_cpu_collectives_implementation", gloo)
     out = capsys.readouterr().out
     assert rc == 1
     assert ("FAIL: process 1 of 2 could not join the job at 127.0.0.1:1 (UNKNOWN: Failed to "
