@@ -566,25 +566,20 @@ def group_workspaces(layout, procs: list, me: int, lane_bytes: int, setup: SetUp
     if not mine:
         return out
     boot = _Bootstrap(layout, proc_of, spanning, me, setup, timeout_s, what)
-    # 1. arrive, saying which /dev/shm this process sees
-    try:
-        hosts = boot.arrive(_host_identity())
-    except BaseException:
-        boot.abort()
-        raise
-    client, deadline, token, tag = boot.client, boot.deadline, boot.token, boot.tag
-    prefix, doing, missing_error = boot.prefix, boot.doing, boot.missing_error
-    for g in mine:
-        where = {p: hosts.get(p) for p in sorted(set(proc_of[g]))}
-        if len(set(where.values())) > 1:
-            raise RuntimeError(
-                f"jax_gin: group {g} of {what} spans processes that do not share POSIX shared "
-                f"memory (on other hosts, or with another /dev/shm: "
-                f"{', '.join(f'process {p} on {h}' for p, h in where.items())}). On CPU, "
-                f"jax_gin supports several processes of one host only")
-
     shared: dict = {}
     try:
+        # 1. arrive, saying which /dev/shm this process sees
+        hosts = boot.arrive(_host_identity())
+        client, deadline, token, tag = boot.client, boot.deadline, boot.token, boot.tag
+        prefix, doing, missing_error = boot.prefix, boot.doing, boot.missing_error
+        for g in mine:
+            where = {p: hosts.get(p) for p in sorted(set(proc_of[g]))}
+            if len(set(where.values())) > 1:
+                raise RuntimeError(
+                    f"jax_gin: group {g} of {what} spans processes that do not share POSIX "
+                    f"shared memory (on other hosts, or with another /dev/shm: "
+                    f"{', '.join(f'process {p} on {h}' for p, h in where.items())}). On CPU, "
+                    f"jax_gin supports several processes of one host only")
         # 2. create (and publish) the segments of the groups whose rank 0 runs here
         if any(proc_of[g][0] == me for g in mine):
             sweep_stale_segments()
