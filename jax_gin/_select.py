@@ -41,24 +41,89 @@ def algorithms(collective: str) -> tuple:
     return ALGORITHMS if collective == ALL_REDUCE else COLLECTIVE_ALGORITHMS
 
 
-@functools.lru_cache(maxsize=None)
-def load_table(device_kind: str, nranks: int, collective: str = ALL_REDUCE):
-    """The tuning table of `collective` for this device kind and group size, or None."""
+def table_path(device_kind: str, nranks: int, collective: str = ALL_REDUCE) -> str | None:
+    """The file of `collective`'s tuning table for this device kind and group size that `auto`
+    reads: JAX_GIN_TUNING_DIR's where it holds one, else jax_gin's own; None where neither
+    does."""
     from .tune import TABLE_DIR, table_name
     name = table_name(device_kind, nranks, collective)
-    allowed = algorithms(collective) + (XLA_FALLBACK,)
     for d in (_runtime.settings.tuning_dir, TABLE_DIR):
         if d and os.path.exists(os.path.join(d, name)):
-            with open(os.path.join(d, name)) as f:
-                table = json.load(f)
-            if table.get("entries") and all(e["algorithm"] in allowed for e in table["entries"]):
-                return table
+            return os.path.join(d, name)
     return None
 
 
-_runtime._select_cache["load_table"] = load_table  # a new settings.tuning_dir clears it
+def load_table(device_kind: str, nranks: int, collective: str = ALL_REDUCE):
+    """The tuning table of `collective` for this device kind and group size, or None where
+    there is none; a ValueError naming the file where it is no valid table for them. A file
+    is read again when it changes (python -m jax_gin.tune rewrites it)."""
+    path = table_path(device_kind, nranks, collective)
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise _table_error(path, f"cannot be read ({e.strerror})") from None
+    return _read_table(path, st.st_mtime_ns, st.st_size, device_kind, nranks, collective)
 
 
+def _table_error(path: str, problem: str) -> ValueError:
+    return ValueError(f"jax_gin: the tuning table {path} {problem}; correct or remove it "
+                      "(python -m jax_gin.tune writes tables; JAX_GIN_TUNING_DIR names the "
+                      "folder searched first)")
+
+
+def _is_size(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+@functools.lru_cache(maxsize=None)
+def _read_table(path: str, mtime_ns: int, size: int, device_kind: str, nranks: int,
+                collective: str) -> dict:
+    """The checked table in `path` (mtime_ns and size: the file's version, part of the cache
+    key)."""
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except OSError as e:
+        raise _table_error(path, f"cannot be read ({e.strerror})") from None
+    except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
+        raise _table_error(path, f"is not JSON ({e})") from None
+    if not isinstance(table, dict):
+        raise _table_error(path, f"holds a JSON {type(table).__name__}, not an object")
+    # the file's name says whose table it is; its fields must say the same
+    expected = {"device_kind": device_kind, "nranks": nranks}
+    if "collective" in table:  # tables without one (older) are the all-reduce's
+        expected["collective"] = collective
+    for key, want in expected.items():
+        if table.get(key) != want or (key == "nranks" and isinstance(table.get(key), bool)):
+            raise _table_error(path, f"has {key} {table.get(key)!r}, but is read for "
+                                     f"{key} {want!r}")
+    entries = table.get("entries")
+    if not isinstance(entries, list) or not entries:
+        raise _table_error(path, "has no entries (a non-empty list)")
+    allowed = algorithms(collective) + (XLA_FALLBACK,)
+    last = 0
+    for k, e in enumerate(entries):
+        where = f"entry {k}"
+        if not isinstance(e, dict):
+            raise _table_error(path, f"has {where} {e!r}, not an object")
+        if e.get("algorithm") not in allowed:
+            raise _table_error(path, f"has {where}'s algorithm {e.get('algorithm')!r}; "
+                                     f"expected one of {', '.join(map(repr, allowed))}")
+        hi = e.get("max_bytes")
+        if not _is_size(hi) or hi <= last:
+            raise _table_error(path, f"has {where}'s max_bytes {hi!r}; expected an integer "
+                                     f"above {last} (the entries' max_bytes grow)")
+        lo = e.get("at_bytes", hi)
+        if not _is_size(lo) or lo > hi:
+            raise _table_error(path, f"has {where}'s at_bytes {lo!r}; expected an integer "
+                                     f"from 1 to its max_bytes {hi}")
+        last = hi
+    return table
+
+
+load_table.cache_clear = _read_table.cache_clear  # type: ignore[attr-defined]
 def _from_table(table: dict, nbytes: int, xla_text: str) -> tuple[str, str]:
     entries = table["entries"]
     i = next((k for k, e in enumerate(entries) if nbytes <= e["max_bytes"]), None)
@@ -72,7 +137,7 @@ def _from_table(table: dict, nbytes: int, xla_text: str) -> tuple[str, str]:
     else:
         span = f"at {lo} B" if lo == hi else f"at {lo} - {hi} B"
     where = (f"{span} in the tuning table for {table['device_kind']} x {table['nranks']} "
-             f"({table.get('measured', '?')[:10]})")
+             f"({str(table.get('measured', '?'))[:10]})")
     if pick["algorithm"] == XLA_FALLBACK:
         return XLA_FALLBACK, f"{xla_text} was faster than every jax_gin algorithm {where}"
     return pick["algorithm"], f"fastest measured {where}"

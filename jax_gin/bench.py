@@ -69,7 +69,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_gin
 from jax_gin import workloads
 
-from . import _distributed, _runtime
+from . import _distributed, _runtime, _select
 from ._bench_inputs import (COLLECTIVE_OPS, RESTORE_STEP, SIZE_UNITS, chain_step_for,
                             f16_scale_exp, make_collective_inputs, make_inputs, put_global,
                             size_steps)
@@ -398,6 +398,12 @@ def run_table(mesh, dtype: str, op: str, sizes: list, args, platform, progress, 
     itemsize = jnp.dtype(dtype).itemsize
     kind = mesh.devices.flat[0].device_kind
     sharding = NamedSharding(mesh, P(AXIS))
+    table_kind = _select.table_kind(mesh, platform)
+    if "auto" in collective_algorithms(args, collective) and nranks > 1 and table_kind:
+        try:  # auto's rows would all fail on a table that is no valid one
+            _select.load_table(table_kind, nranks, collective)
+        except ValueError as e:
+            raise SystemExit(f"{prog()}: {e}") from None
     records = []
     emit("#")
     if args.collective != [ALL_REDUCE]:

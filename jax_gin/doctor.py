@@ -7,7 +7,7 @@ With --coordinator, run it in every process of a job: it joins them (jax.distrib
 the self-test runs over every process's devices, so that settings that differ between the
 processes, or a process that cannot reach the others, fail the check.
 
-It prints five sections, then the verdict:
+It prints six sections, then the verdict:
   versions    python, jax, jaxlib, jax_gin; on GPUs the NCCL loaded at run time and the NCCL
               headers jax_gin was built against (NCCL's device API is not ABI-stable: they must
               be equal), the CUDA platform and driver versions.
@@ -19,6 +19,9 @@ It prints five sections, then the verdict:
               variable; '*' marks a variable set in the environment. A JAX_GIN_* variable
               that no setting reads (a typo, or a build variable) is named, with the
               setting it may have meant.
+  tuning      the tuning table auto reads for each collective over a group of all the
+              devices, and the date of its measurement, or that none exists (then the model
+              of docs/performance.md decides).
   self-test   jax_gin.psum with each algorithm and "auto", and one overlap=True call, over a
               mesh of all local devices on exact float32 inputs: ok when bit for bit equal to
               lax.psum, WRONG otherwise; median microseconds of both. At the first size also
@@ -27,7 +30,8 @@ It prints five sections, then the verdict:
 The verdict is the last lines: PASS (exit code 0), or one 'FAIL: <problem>' line per problem,
 each followed by the fix (exit code 1). It fails on a GPU backend whose NCCL_NVLS_ENABLE is not
 0 (then the self-test is skipped; on CPU the variable is only reported), on loaded and
-built-against NCCL versions that differ, on an invalid JAX_GIN_* variable, and on any wrong
+built-against NCCL versions that differ, on an invalid JAX_GIN_* variable, on a tuning table
+that is invalid (then the self-test runs without "auto"), and on any wrong
 result or error in the self-test. A call that fails stops the mesh's communicator, so the rows
 after it repeat that first error. An invalid JAX_GIN_* variable stops `import jax_gin` with a
 ValueError naming it, except under `python -m jax_gin.doctor`: there its setting keeps its
@@ -58,6 +62,7 @@ import jax_gin
 from . import _distributed, _native, _runtime, _scatter_gather, _select
 from ._bench_inputs import format_size, put_global
 from ._trace import _check_writable
+from .tune import TABLE_DIR
 from .bench import JoinError, add_process_arguments, check_processes, join_job, parse_size
 
 DEFAULT_SIZES = (1 << 10, 1 << 20)  # bytes per device
@@ -198,6 +203,38 @@ def check_settings(r: Report, invalid: dict, gpu_device) -> None:
                + (f" (did you mean {near}?)" if near else ""))
 
 
+def check_tuning(r: Report, devices: list) -> bool:
+    """The tuning tables `auto` reads for a group of `devices`, each collective's; False (and a
+    FAIL) where one is no valid table."""
+    f = r.section("tuning", "tuning tables (what auto reads for a group of these devices)")
+    n = len(devices)
+    kind = _select.table_kind(Mesh(np.array(devices), ("i",)), devices[0].platform)
+    ok = True
+    for collective in (_select.ALL_REDUCE,) + _scatter_gather.API_NAMES:
+        path = _select.table_path(kind, n, collective) if kind and n > 1 else None
+        if path is None:
+            f[collective] = None
+            why = "a group of one rank" if n <= 1 else f"none for {kind} x {n}" if kind else \
+                "none for CPU devices of several processes"
+            r.line(f"{collective:<13} {why}: the model decides (docs/performance.md)")
+            continue
+        try:
+            table = _select.load_table(kind, n, collective)
+        except ValueError as e:
+            ok = False
+            f[collective] = {"path": path, "error": str(e)}
+            r.line(f"{collective:<13} {path}: invalid")
+            r.fail(str(e).removeprefix("jax_gin: "),
+                   "correct or remove the file (auto fails until then), or unset "
+                   "JAX_GIN_TUNING_DIR where it is there")
+            continue
+        f[collective] = {"path": path, "measured": table.get("measured")}
+        shown = path if os.path.dirname(path) != TABLE_DIR else \
+            f"jax_gin/tuning/{os.path.basename(path)} (shipped)"
+        r.line(f"{collective:<13} {shown}, measured {str(table.get('measured', '?'))[:10]}")
+    return ok
+
+
 def unknown_variables() -> dict:
     """Each JAX_GIN_* variable of the environment that no setting reads (a typo, or a build
     variable such as JAX_GIN_CUDA, which pyproject.toml hands to CMake when jax_gin is built):
@@ -304,7 +341,8 @@ def _case(r: Report, row: dict, label: str, shown: str, fn, x, runs: int, want, 
                f"report it with this output; meanwhile avoid {avoid}")
 
 
-def self_test(r: Report, devices: list, sizes: list, runs: int) -> None:
+def self_test(r: Report, devices: list, sizes: list, runs: int, auto: bool = True) -> None:
+    """auto: whether to run algorithm="auto" too (not where its tuning table is invalid)."""
     timed = f"median of {runs} calls" if runs > 1 else "one call"
     rows = r.section("self-test", "self-test (float32; size per device, psum_scatter's output "
                      f"and all_gather's input; µs: {timed})").setdefault("rows", [])
@@ -323,10 +361,14 @@ def self_test(r: Report, devices: list, sizes: list, runs: int) -> None:
         if ref is None:
             continue
         want, lax_us = ref
-        auto = jax_gin.explain(jax.ShapeDtypeStruct((count,), jnp.float32), nranks=n)
-        cases = [(a, False) for a in jax_gin.ALGORITHMS + ("auto",)]
-        for algo, overlap in cases + ([("auto", True)] if size == sizes[0] else []):
-            label = algo + (f" ({auto.split(':')[0]})" if algo == "auto" else "") + \
+        cases = [(a, False) for a in jax_gin.ALGORITHMS]
+        if auto:
+            chosen = jax_gin.explain(jax.ShapeDtypeStruct((count,), jnp.float32), nranks=n)
+            cases += [("auto", False)] + ([("auto", True)] if size == sizes[0] else [])
+        elif size == sizes[0]:
+            r.line("auto: not run (its tuning table is invalid: tuning, above)")
+        for algo, overlap in cases:
+            label = algo + (f" ({chosen.split(':')[0]})" if algo == "auto" else "") + \
                 (" overlap" if overlap else "")
             row = {"algorithm": algo, "overlap": overlap, "bytes": count * 4, "lax_us": lax_us}
             rows.append(row)
@@ -420,12 +462,13 @@ def main(argv=None) -> int:
         check_devices(r, devices, gpu)
     check_nccl(r, gpu)
     check_settings(r, invalid, devices[0] if gpu else None)
+    tables_ok = check_tuning(r, devices) if devices else True
     if gpu and os.environ.get("NCCL_NVLS_ENABLE") != "0":
         r.section("self-test").update(skipped="NCCL_NVLS_ENABLE is not 0")
         r.line("skipped: NCCL_NVLS_ENABLE must be 0 first")
     elif devices:
         self_test(r, devices, args.sizes[:1] if args.quick else args.sizes,
-                  1 if args.quick else RUNS)
+                  1 if args.quick else RUNS, auto=tables_ok)
     print(flush=True)
     for item in r.problems:
         print(f"FAIL: {item['problem']}\n  fix: {item['fix']}", flush=True)

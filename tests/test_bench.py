@@ -536,3 +536,20 @@ def test_devices_below_one_is_a_usage_error(count, capsys):
         bench.main(["--devices", count])
     assert info.value.code == 2
     assert f"error: --devices {count}: must be at least 1" in capsys.readouterr().err
+
+
+def test_invalid_tuning_table_stops_the_sweep(tmp_path, monkeypatch, capsys):
+    """A sweep with auto over a group whose tuning table is no valid one stops before any
+    measurement, with the file and its problem (auto's rows would all fail)."""
+    import jax
+    import jax_gin
+    from jax_gin import tune
+    needs_devices(2)
+    path = tmp_path / tune.table_name(jax.devices()[0].device_kind, ndev())
+    path.write_text('{"device_kind": "cpu"')
+    monkeypatch.setattr(jax_gin.runtime.settings, "tuning_dir", str(tmp_path))
+    with pytest.raises(SystemExit) as e:
+        bench.main(TINY + ["-e", "1K", "-a", "auto,lax"])
+    assert str(e.value).startswith(f"python -m jax_gin.bench: jax_gin: the tuning table {path} "
+                                   "is not JSON"), str(e.value)
+    assert bench.main(TINY + ["-e", "1K", "-a", "one_shot,lax"]) == 0  # no auto: no table read

@@ -16,7 +16,7 @@ from jax_gin._select import COLLECTIVE_ALGORITHMS
 from conftest import ndev
 from helpers import join_fails
 
-SECTIONS = {"versions", "devices", "nccl", "settings", "self-test", "verdict"}
+SECTIONS = {"versions", "devices", "nccl", "settings", "tuning", "self-test", "verdict"}
 
 
 def _section(text: str, title: str) -> list:
@@ -175,6 +175,50 @@ def test_tuning_dir_that_is_no_directory(monkeypatch, capsys, tmp_path):
     out = capsys.readouterr().out
     assert f"tuning_dir {str(tmp_path / 'tables')!r} is no directory, so auto reads no table " \
            "there" in out, out
+    assert r.problems == []
+
+
+def test_invalid_tuning_table_fails(monkeypatch, capsys, tmp_path):
+    """A tuning table auto would read that is no valid one: the tuning section names it, the
+    verdict fails with the file and its problem, and the self-test runs every named algorithm
+    but not auto (whose calls would all raise that error)."""
+    from jax_gin import tune
+    if ndev() < 2:
+        pytest.skip("a group of one rank reads no table")
+    path = tmp_path / tune.table_name(jax.devices()[0].device_kind, ndev())
+    path.write_text("[1, 2]")
+    monkeypatch.setattr(jax_gin.runtime.settings, "tuning_dir", str(tmp_path))
+    rc = doctor.main(["--quick", "--sizes", "4K"])
+    text = capsys.readouterr().out
+    assert rc == 1, text
+    assert f"  all_reduce    {path}: invalid" in _section(text, "tuning"), text
+    assert f"FAIL: the tuning table {path} holds a JSON list, not an object" in text, text
+    rows = _section(text, "self-test")
+    assert "  auto: not run (its tuning table is invalid: tuning, above)" in rows, text
+    algos = [row.split()[0] for row in rows[2:]]
+    assert algos[:len(jax_gin.ALGORITHMS)] == list(jax_gin.ALGORITHMS) and "auto" not in algos
+    assert text.count("FAIL:") == 1, text
+
+
+def test_tuning_names_each_collectives_table(monkeypatch, capsys, tmp_path):
+    """The table each collective's auto reads: JAX_GIN_TUNING_DIR's before jax_gin's own, with
+    its date; none where no file exists."""
+    import json
+    from jax_gin import tune
+    if ndev() < 2:
+        pytest.skip("a group of one rank reads no table")
+    kind, n = jax.devices()[0].device_kind, ndev()
+    table = {"device_kind": kind, "nranks": n, "collective": "all_gather",
+             "measured": "2026-12-05T10:00:00", "entries": [{"max_bytes": 1, "algorithm": "ring"}]}
+    path = tmp_path / tune.table_name(kind, n, "all_gather")
+    path.write_text(json.dumps(table))
+    monkeypatch.setattr(jax_gin.runtime.settings, "tuning_dir", str(tmp_path))
+    r = doctor.Report()
+    assert doctor.check_tuning(r, jax.devices())
+    lines = capsys.readouterr().out.splitlines()
+    assert f"  all_gather    {path}, measured 2026-12-05" in lines, lines
+    assert f"  psum_scatter  none for {kind} x {n}: the model decides (docs/performance.md)" in lines
+    assert r.facts["tuning"]["all_gather"] == {"path": str(path), "measured": table["measured"]}
     assert r.problems == []
 
 

@@ -712,7 +712,95 @@ def test_collective_table_is_consulted(cpu_collective_tables):
     assert s.startswith("xla:") and "XLA's own psum_scatter (what lax.psum_scatter runs)" in s
 
 
-def test_collective_table_with_a_wrong_algorithm_is_ignored(tmp_path, monkeypatch):
+_FAKE_TABLE = {"device_kind": "Fake GPU", "nranks": 8, "measured": "2026-12-05",
+               "entries": [{"max_bytes": 1024, "algorithm": "tree"},
+                           {"max_bytes": 1 << 40, "algorithm": "ring"}]}
+
+
+def _broken(**changes):
+    import copy
+    t = copy.deepcopy(_FAKE_TABLE)
+    for k, v in changes.items():
+        if v is None:
+            del t[k]
+        else:
+            t[k] = v
+    return t
+
+
+@pytest.mark.parametrize("text,problem", [
+    ("{", "is not JSON"),
+    ("[]", "holds a JSON list"),
+    (_broken(device_kind=None), "has device_kind None, but is read for device_kind 'Fake GPU'"),
+    (_broken(device_kind="NVIDIA H200"), "has device_kind 'NVIDIA H200'"),
+    (_broken(nranks=2), "has nranks 2, but is read for nranks 8"),
+    (_broken(collective="psum_scatter"), "has collective 'psum_scatter'"),
+    (_broken(entries=[]), "has no entries"),
+    (_broken(entries={"max_bytes": 1}), "has no entries"),
+    (_broken(entries=[{"max_bytes": 1024}]), "has entry 0's algorithm None"),
+    (_broken(entries=[{"max_bytes": 1024, "algorithm": "Ring"}]), "has entry 0's algorithm 'Ring'"),
+    (_broken(entries=[{"max_bytes": 1024, "algorithm": "auto"}]), "has entry 0's algorithm 'auto'"),
+    (_broken(entries=[{"algorithm": "ring"}]), "has entry 0's max_bytes None"),
+    (_broken(entries=[{"max_bytes": "1K", "algorithm": "ring"}]), "has entry 0's max_bytes '1K'"),
+    (_broken(entries=[{"max_bytes": 1 << 30, "algorithm": "tree"},
+                      {"max_bytes": 1024, "algorithm": "ring"}]), "has entry 1's max_bytes 1024"),
+    (_broken(entries=[{"max_bytes": 1024, "at_bytes": 4096, "algorithm": "ring"}]),
+     "has entry 0's at_bytes 4096"),
+    (_broken(entries=["ring"]), "has entry 0 'ring', not an object"),
+])
+def test_invalid_tuning_table_is_refused_naming_the_file(tmp_path, monkeypatch, text, problem):
+    """A table auto would read that is no valid table for its device kind and group size:
+    explain and a psum's lowering both raise a ValueError that names the file and the problem
+    (not a KeyError or TypeError from inside, and not the shipped table instead)."""
+    import json
+    from jax_gin import _select, tune
+
+    path = tmp_path / tune.table_name("Fake GPU", 8)
+    path.write_text(text if isinstance(text, str) else json.dumps(text))
+    monkeypatch.setattr(jax_gin.runtime.settings, "tuning_dir", str(tmp_path))
+    with pytest.raises(ValueError) as e:
+        jax_gin.explain(jax.ShapeDtypeStruct((100,), jnp.float32), nranks=8, platform="cuda",
+                        device_kind="Fake GPU")
+    assert f"the tuning table {path} {problem}" in str(e.value), str(e.value)
+    assert "correct or remove it" in str(e.value)
+
+
+def test_invalid_tuning_table_fails_the_lowering(tmp_path, monkeypatch):
+    """On CPU devices: auto's lowering raises the table's error; a named algorithm, which
+    reads no table, runs."""
+    from jax_gin import tune
+
+    needs_devices(2)
+    n = ndev()
+    path = tmp_path / tune.table_name(jax.devices()[0].device_kind, n)
+    path.write_text('{"entries": []}')
+    monkeypatch.setattr(jax_gin.runtime.settings, "tuning_dir", str(tmp_path))
+    mesh = mesh_1d()
+    x = exact_input((8,), n, jnp.float32)
+    f = lambda algo: jax.jit(jax.shard_map(lambda v: jax_gin.psum(v, "i", algorithm=algo),
+                                           mesh=mesh, in_specs=P("i"), out_specs=P()))
+    with pytest.raises(ValueError, match=f"the tuning table {path} has device_kind None"):
+        f("auto")(x)
+    assert_bitwise(f("one_shot")(x), jax.jit(jax.shard_map(
+        lambda v: lax.psum(v, "i"), mesh=mesh, in_specs=P("i"), out_specs=P()))(x))
+
+
+def test_rewritten_tuning_table_is_read_again(tmp_path, monkeypatch):
+    """A table rewritten in place (as python -m jax_gin.tune does) decides the next choice:
+    the cache is keyed by the file's version."""
+    import json, os
+    from jax_gin import _select, tune
+
+    path = tmp_path / tune.table_name("Fake GPU", 8)
+    path.write_text(json.dumps(_FAKE_TABLE))
+    monkeypatch.setattr(jax_gin.runtime.settings, "tuning_dir", str(tmp_path))
+    assert _select.choose("cuda", 512, 8, "Fake GPU")[0] == "tree"
+    path.write_text(json.dumps(_broken(entries=[{"max_bytes": 1 << 40, "algorithm": "two_shot"}])))
+    os.utime(path, ns=(1, 1))  # a new version even where the clock's grain would hide it
+    assert _select.choose("cuda", 512, 8, "Fake GPU")[0] == "two_shot"
+
+
+def test_collective_table_with_a_wrong_algorithm_is_refused(tmp_path, monkeypatch):
     import json
     from jax_gin import _select, tune
 
@@ -720,13 +808,9 @@ def test_collective_table_with_a_wrong_algorithm_is_ignored(tmp_path, monkeypatc
         {"max_bytes": 1 << 40, "algorithm": "two_shot"}]}  # an all-reduce algorithm
     (tmp_path / tune.table_name("Fake GPU", 8, "all_gather")).write_text(json.dumps(table))
     monkeypatch.setattr(jax_gin.runtime.settings, "tuning_dir", str(tmp_path))
-    _select.load_table.cache_clear()
-    try:
-        assert _select.load_table("Fake GPU", 8, "all_gather") is None
-        assert _select.choose_collective("cuda", 4096, 8, "Fake GPU", api="all_gather")[0] == \
-            "one_shot"
-    finally:
-        _select.load_table.cache_clear()
+    with pytest.raises(ValueError, match="entry 0's algorithm 'two_shot'; expected one of "
+                                         "'one_shot', 'ring', 'xla'"):
+        _select.choose_collective("cuda", 4096, 8, "Fake GPU", api="all_gather")
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
