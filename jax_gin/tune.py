@@ -115,8 +115,19 @@ def _load_results(paths: list) -> tuple[list, dict]:
             raise SystemExit(f"jax_gin.tune: {p} is not the JSON of an op sweep "
                              "(`python -m jax_gin.bench --json`, not --workload): it has no "
                              "list of results")
+        m = d.get("meta")
+        kind = m.get("device_kind") if isinstance(m, dict) else None
+        n = m.get("nranks", m.get("ndevices")) if isinstance(m, dict) else None
+        if not isinstance(kind, str) or not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise SystemExit(f"jax_gin.tune: {p} names no device kind and group size (its "
+                             "meta's device_kind and ndevices, as the benchmark writes them), "
+                             "which a table is for")
+        if meta and (kind, n) != (meta["device_kind"], meta["nranks"]):
+            raise SystemExit(f"jax_gin.tune: {p} was measured on {kind} x {n}, but {paths[0]} "
+                             f"on {meta['device_kind']} x {meta['nranks']}; a table is of one "
+                             "device kind and group size")
         results += d["results"]
-        meta = {**d.get("meta", {}), **meta} if not meta else meta
+        meta = meta or {**m, "nranks": n}
     return results, meta
 
 
@@ -148,15 +159,22 @@ def main(argv=None) -> int:
     from . import bench
     from ._bench_inputs import format_size
     maxbytes = bench.DEFAULT_MAXBYTES
-    ap.add_argument("-b", "--minbytes", type=bench.parse_size, default="4K",
+    ap.add_argument("-b", "--minbytes", type=bench.parse_size, default=None,
                     help="smallest size per device, as the benchmark's -b (default 4K)")
     ap.add_argument("-e", "--maxbytes", type=bench.parse_size, default=None,
                     help="largest size per device, as the benchmark's -e (default "
                          f"{format_size(maxbytes['gpu'])} on GPUs, "
                          f"{format_size(maxbytes['cpu'])} on CPU devices)")
-    ap.add_argument("-n", "--iters", type=int, default=30,
+    ap.add_argument("-n", "--iters", type=int, default=None,
                     help="timed repeats per size, whose median decides (default 30)")
     args = ap.parse_args(argv)
+    measuring = [o for o, v in (("-b", args.minbytes), ("-e", args.maxbytes), ("-n", args.iters))
+                 if v is not None]
+    if args.from_json and measuring:
+        ap.error(f"--from-json builds the table from the files' sizes and runs; "
+                 f"{', '.join(measuring)} (what tune measures) cannot be given with it")
+    args.minbytes = 4096 if args.minbytes is None else args.minbytes
+    args.iters = 30 if args.iters is None else args.iters
     bench.check_size_range(ap, args.minbytes, args.maxbytes)
     if args.iters < 1:
         ap.error("-n/--iters must be at least 1")
@@ -167,6 +185,9 @@ def main(argv=None) -> int:
     try:
         if args.out:
             _check_writable(args.out, "--out")
+        elif os.path.exists(out_dir) and not os.path.isdir(out_dir):
+            ap.error(f"cannot write a table into {out_dir}: it is no directory; give --out, or "
+                     "set JAX_GIN_TUNING_DIR to a directory")
         else:
             os.makedirs(out_dir, exist_ok=True)
             with tempfile.TemporaryFile(dir=out_dir):
@@ -202,10 +223,12 @@ def main(argv=None) -> int:
     meta.setdefault("date", datetime.datetime.now(datetime.timezone.utc).isoformat())
     table = build_table(results, meta, collective=args.collective)
     if not table["entries"]:
-        print(f"jax_gin.tune: no usable measurements of {args.collective}", file=sys.stderr)
+        print(f"jax_gin.tune: no usable measurements of {args.collective}: a table is built "
+              f"from float32 records{' of op sum' if args.collective == ALL_REDUCE else ''} "
+              f"of its algorithms ({', '.join(algorithms(args.collective))}), without "
+              "errors or wrong results", file=sys.stderr)
         return 1
-    out = args.out or os.path.join(out_dir, table_name(table["device_kind"] or "unknown",
-                                                       int(table["nranks"] or 0),
+    out = args.out or os.path.join(out_dir, table_name(table["device_kind"], table["nranks"],
                                                        args.collective))
     replaced = _describe(out) if os.path.exists(out) else None
     with open(out, "w") as f:

@@ -473,6 +473,44 @@ def test_tune_refuses_bad_input(tmp_path, capsys):
         tune.main(["--from-json", str(tmp_path / "missing.json")])
 
 
+def test_tune_from_json_refuses_files_of_no_or_unlike_machines(tmp_path, capsys, monkeypatch):
+    """A table is of one device kind and group size: --from-json refuses files that name none
+    (which would make a table no machine reads) or unlike ones (whose medians would mix
+    machines), and the measurement's own options; and a tuning dir that is a file."""
+    import json
+    from jax_gin import tune
+
+    rows = [{"size": 4096, "dtype": "float32", "op": "sum", "algorithm": "ring", "time_us": 3.0}]
+    def sweep(name, meta):
+        path = tmp_path / name
+        path.write_text(json.dumps({"results": rows, **({"meta": meta} if meta else {})}))
+        return str(path)
+    a = sweep("a.json", {"device_kind": "Kind X", "ndevices": 2})
+    b = sweep("b.json", {"device_kind": "Kind X", "ndevices": 8})
+    c = sweep("c.json", {"device_kind": "Kind Y", "ndevices": 2})
+    none = sweep("none.json", None)
+    out = str(tmp_path / "t.json")
+    with pytest.raises(SystemExit, match=f"{b} was measured on Kind X x 8, but {a} on Kind X x 2; "
+                                         "a table is of one device kind and group size"):
+        tune.main(["--from-json", a, b, "--out", out])
+    with pytest.raises(SystemExit, match=f"{c} was measured on Kind Y x 2, but {a} on Kind X x 2"):
+        tune.main(["--from-json", a, c, "--out", out])
+    with pytest.raises(SystemExit, match=f"{none} names no device kind and group size"):
+        tune.main(["--from-json", none, "--out", out])
+    assert tune.main(["--from-json", a, a, "--out", out]) == 0  # two runs of one machine
+    assert json.loads(open(out).read())["nranks"] == 2
+    for extra in (["-b", "1K"], ["-n", "3", "-e", "1M"]):
+        with pytest.raises(SystemExit):
+            tune.main(["--from-json", a, "--out", out] + extra)
+        assert "cannot be given with it" in capsys.readouterr().err
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    monkeypatch.setattr(jax_gin.runtime.settings, "tuning_dir", str(afile))
+    with pytest.raises(SystemExit):
+        tune.main(["--from-json", a])
+    assert f"cannot write a table into {afile}: it is no directory" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("algo", jax_gin.ALGORITHMS)
 def test_many_independent_calls_are_ordered(algo):
     # XLA's CPU runtime runs independent ops concurrently (more than 8 ops, buffers over 512
