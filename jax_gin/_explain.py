@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import tree_util
 
-from . import _native, _primitive, _runtime, _scatter_gather, _select
+from . import _compat, _native, _primitive, _runtime, _scatter_gather, _select
 from ._ops import OP_API_NAMES, reduced_dtype, refuse_keys, refuse_symbolic
 
 MAX_RANKS = int(_native.cpu.MAX_RANKS)  # the largest group jax_gin runs (common.h kMaxRanks)
@@ -41,7 +41,10 @@ def explain(x, axis_name=None, *, nranks: int | None = None, platform: str | Non
     device, as nccl-tests' `size`: psum_scatter's input, all_gather's output (N times `x`),
     with each of the N blocks padded to 16 bytes as jax_gin lays them out.
     A pytree is one call per dtype and bucket of at most `bucket_bytes` (as the collective
-    takes it), and the answer has a line per call.
+    takes it), and the answer has a line per call. psum, pmax and pmin reduce a constant
+    without a call, as lax does, so its leaves make none: a Python scalar, and inside
+    shard_map also a NumPy or concrete jax array (outside, an array stands for one device's
+    input).
     """
     if collective not in COLLECTIVES:
         raise ValueError(f"jax_gin.explain: unknown collective {collective!r}; expected one of "
@@ -58,7 +61,6 @@ def explain(x, axis_name=None, *, nranks: int | None = None, platform: str | Non
         raise TypeError(f"jax_gin.explain: device_kind must be a string (a Device.device_kind, "
                         f"such as 'NVIDIA H200'), got {device_kind!r}")
     if axis_name is not None:
-        from . import _compat
         try:
             axes = _primitive._normalize_axes(axis_name, "explain")
         except NameError as err:
@@ -83,11 +85,14 @@ def explain(x, axis_name=None, *, nranks: int | None = None, platform: str | Non
         device_kind = _local_device_kind(platform)
     nranks = int(nranks)
     try:
-        calls = _calls(x, collective, nranks, bucket_bytes)
+        calls = _calls(x, collective, nranks, bucket_bytes, traced=axis_name is not None)
     except TypeError as err:  # the collective's own refusal (a dtype it does not take)
         text = str(err)
         raise TypeError(text if text.startswith("jax_gin.explain") else
                         f"jax_gin.explain: {text}") from None
+    if not calls:
+        return (f"no call: every leaf is a constant, which {collective} reduces without "
+                f"communication, as lax does (platform {platform}, {_ranks(nranks)})")
     lines = []
     for dtype, leaves, nbytes in calls:
         if nbytes == 0:
@@ -129,9 +134,21 @@ def _local_device_kind(platform: str) -> str | None:
         return None
 
 
-def _calls(x, collective: str, nranks: int, bucket_bytes: int) -> list:
+def _is_constant(leaf, collective: str, traced: bool) -> bool:
+    """Whether the all-reduces take `leaf` as a constant, which they reduce without a call
+    (_primitive.constants_apart): a Python scalar always; inside shard_map (`traced`) also a
+    NumPy or concrete jax array, as there. Outside, an array stands for one device's input."""
+    if collective in _scatter_gather.API_NAMES:
+        return False  # psum_scatter and all_gather move constants too
+    if isinstance(leaf, (bool, int, float, complex)):
+        return True
+    return traced and not isinstance(leaf, jax.ShapeDtypeStruct) and not _compat.is_tracer(leaf)
+
+
+def _calls(x, collective: str, nranks: int, bucket_bytes: int, traced: bool = False) -> list:
     """The calls the collective makes for pytree `x`: (dtype moved, leaf indices, the bytes
-    `auto` decides on), in the order the collective groups and buckets the leaves."""
+    `auto` decides on), in the order the collective groups and buckets the leaves; none for
+    the leaves the all-reduces take as constants."""
     leaves = tree_util.tree_leaves(x)
     if not leaves:
         raise ValueError("jax_gin.explain: the value has no leaves, so no call to explain")
@@ -139,6 +156,8 @@ def _calls(x, collective: str, nranks: int, bucket_bytes: int) -> list:
     for i, leaf in enumerate(leaves):
         shape, dtype = _shape_dtype(leaf, collective)
         refuse_symbolic(shape, "explain")
+        if _is_constant(leaf, collective, traced):
+            continue
         count = int(np.prod(shape, dtype=np.int64))
         weak = False
         if collective in _scatter_gather.API_NAMES:

@@ -331,6 +331,43 @@ def test_explain():
     assert s.startswith("two_shot")
 
 
+@pytest.mark.parametrize("collective", ["psum", "pmax", "psum_scatter", "all_gather"])
+def test_explain_counts_the_calls_the_collective_makes(collective):
+    """explain says as many calls, of the bytes of the leaves that communicate, as the
+    collective lowers to: the all-reduces take a Python scalar, and inside shard_map a NumPy
+    array, as a constant, which they reduce without a call (lax's way); psum_scatter and
+    all_gather move them. Outside shard_map an array stands for one device's input."""
+    needs_devices(2)
+    n = ndev()
+    mesh = mesh_1d()
+    fn = getattr(jax_gin, collective)
+    kw = {"tiled": True} if collective in ("psum_scatter", "all_gather") else {}
+    scatter_gather = collective in ("psum_scatter", "all_gather")
+    for const in ((2.0,) if not scatter_gather else ()) + (np.arange(n * 2, dtype=np.float32),):
+        said = []
+
+        def body(v, const=const):
+            said.append(jax_gin.explain([const, v], "i", collective=collective))
+            return fn([const, v], "i", **kw)
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P(),
+                                  check_vma=False))
+        calls = jax_gin_calls(f, jnp.zeros(n * 64, jnp.float32))
+        lines = said[0].splitlines()
+        assert calls == 1 and len(said[0].splitlines()) == 1, (const, said)
+        # the all-reduces: v alone (64 float32); psum_scatter and all_gather: both leaves
+        # in one call, as nccl-tests' size (psum_scatter's input, all_gather's output)
+        # (N blocks of each leaf, each padded to 16 bytes)
+        pad = lambda b: -(-b // 16) * 16
+        block = {"psum_scatter": lambda k: pad(k // n * 4), "all_gather": lambda k: pad(k * 4)}
+        nbytes = 64 * 4 if not scatter_gather else n * sum(
+            block[collective](k) for k in (64, const.size))
+        assert f"{nbytes} bytes per device" in said[0], said
+    assert jax_gin.explain(3.0, nranks=8, platform="cpu").startswith(
+        "no call: every leaf is a constant, which psum reduces without communication")
+    assert jax_gin.explain(np.ones(3, np.float32), nranks=8, platform="cpu").endswith(
+        "12 bytes per device)")
+
+
 def test_auto_uses_the_tuning_table(tmp_path, monkeypatch):
     import json
     from jax_gin import _select, tune
@@ -625,12 +662,12 @@ def test_explain_collectives():
 def test_explain_takes_the_dtypes_and_pytrees_the_collective_takes():
     S = jax.ShapeDtypeStruct
     kw = dict(nranks=8, platform="cuda", device_kind="none")  # the model, not a table
-    # bool is summed as int32; float64 is float32 without x64; a Python scalar is its
-    # default type; complex as its (real, imaginary) parts
+    # bool is summed as int32; float64 is float32 without x64; a Python scalar is a constant
+    # (no call); complex as its (real, imaginary) parts
     assert "4096 bytes per device" in jax_gin.explain(S((1024,), jnp.bool_), **kw)
     if not jax.config.jax_enable_x64:
         assert "4096 bytes per device" in jax_gin.explain(np.ones(1024), **kw)
-    assert "4 bytes per device" in jax_gin.explain(2.0, **kw)
+    assert jax_gin.explain(2.0, **kw).startswith("no call: every leaf is a constant")
     assert "8 bytes per device" in jax_gin.explain(S((1,), jnp.complex64), **kw)
     # a pytree: a call per dtype and bucket, as psum makes them, the line of each
     tree = {"a": S((1000,), jnp.float32), "b": S((3,), jnp.bfloat16), "c": S((70000,), jnp.float32)}
