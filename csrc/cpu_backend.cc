@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <chrono>
 #include <climits>
+#include <cstdint>
 #include <cstddef>
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -515,6 +516,14 @@ void Workspace::lay_out() {
   windows_off_ = round_up(rec_ring_off_ + size_t(nranks_) * size_t(record_entries_) * sizeof(RecEntry),
                           kPageBytes);
   window_stride_ = round_up(lane_bytes_ == 0 ? 1 : lane_bytes_, kPageBytes);
+  // A window per rank must fit beside the rest in a size_t: unchecked, 8 windows of 2**61
+  // bytes wrap the total to a few pages, and the calls write past the mapping.
+  if (window_stride_ > (SIZE_MAX - windows_off_) / size_t(nranks_)) {
+    throw std::invalid_argument(
+        "jax_gin: a workspace of " + std::to_string(lane_bytes_) + " bytes per rank (" +
+        "JAX_GIN_WORKSPACE_BYTES, settings.cpu_workspace_bytes) over " + std::to_string(nranks_) +
+        " ranks exceeds the address space");
+  }
   total_ = windows_off_ + size_t(nranks_) * window_stride_;
 }
 

@@ -95,6 +95,21 @@ def test_positional_axis_rejected():
         _trace(lambda v: jax_gin.psum(v, 0), x)
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU backend's workspace")
+def test_workspace_past_the_address_space(monkeypatch):
+    """A workspace per rank that is a valid setting (below 2**63) but whose windows, one per
+    rank, exceed a size_t together: a ValueError naming the setting (the total wrapped to a
+    few pages, and the call wrote past them: a segmentation fault)."""
+    needs_devices(2)
+    monkeypatch.setattr(jax_gin.runtime.settings, "cpu_workspace_bytes", (1 << 63) - 1)
+    x = exact_input((4,), ndev(), "float32")
+    f = smap(lambda v: jax_gin.psum(v, "i", algorithm="ring"), mesh_1d(), P("i"))
+    with pytest.raises(ValueError, match=r"a workspace of 9223372036854775807 bytes per rank "
+                       r"\(JAX_GIN_WORKSPACE_BYTES, settings.cpu_workspace_bytes\) over "
+                       f"{ndev()} ranks exceeds the address space"):
+        f(x)
+
+
 def test_workspace_too_small(monkeypatch):
     needs_devices(2)  # a group of one device needs no workspace
     # one_shot needs a 16-byte slot per rank: 16 bytes are too few for two ranks or more
