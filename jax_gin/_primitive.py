@@ -31,8 +31,8 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 
 from . import _compat, _native, _runtime, _select
-from ._ops import (ALGORITHM_CODES, ALGORITHMS, OP_API_NAMES, OP_CODES, check_dtype,
-                   reduced_dtype, refuse_keys, refuse_symbolic)
+from ._ops import (ALGORITHM_CODES, ALGORITHMS, OP_API_NAMES, OP_CODES, SUPPORTED_DTYPES,
+                   check_dtype, reduced_dtype, refuse_keys, refuse_symbolic)
 
 allreduce_p = Primitive("jax_gin_allreduce")
 allreduce_p.multiple_results = True
@@ -357,7 +357,30 @@ def _bind_like(xs, params, **override):
 # Rules
 
 
+def _check_params(avals, op, algorithm) -> None:
+    """What jax_gin's functions bind by construction, checked for a rule of the user's own
+    that binds allreduce_p (the public primitive) itself: a TypeError or ValueError at trace
+    time rather than at lowering or run time."""
+    if op not in OP_API_NAMES:
+        raise ValueError(f"jax_gin.allreduce_p: unknown op {op!r}; expected one of "
+                         f"{', '.join(map(repr, OP_API_NAMES))}")
+    if algorithm != "auto" and algorithm not in ALGORITHMS:
+        raise ValueError(f"jax_gin.allreduce_p: unknown algorithm {algorithm!r}; expected "
+                         f"'auto' or one of {', '.join(map(repr, ALGORITHMS))}")
+    dtypes = [np.dtype(a.dtype) for a in avals]
+    for i, dt in enumerate(dtypes):
+        if dt not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"jax_gin.allreduce_p: operand {i} has dtype {dt}; the primitive takes "
+                f"{', '.join(map(str, SUPPORTED_DTYPES))} (jax_gin's functions take bool, "
+                "complex and uint64 as one of these)")
+        if dt != dtypes[0]:
+            raise TypeError(f"jax_gin.allreduce_p: the operands of one call share a dtype; "
+                            f"operand 0 has {dtypes[0]}, operand {i} {dt}")
+
+
 def _abstract_eval(*avals, axes, op, algorithm, invariant, overlap):
+    _check_params(avals, op, algorithm)
     for a in axes:
         if not _compat.axis_exists(a):
             raise NameError(f"jax_gin.{OP_API_NAMES[op]}: unknown axis name {a!r}")

@@ -543,3 +543,28 @@ def test_boolean_settings_take_the_same_values(field):
     for bad in (2, "1", 0.0):
         with pytest.raises(ValueError, match=rf"settings\.{field} = {re.escape(repr(bad))}"):
             setattr(settings, field, bad)
+
+
+@pytest.mark.parametrize("change,error,message", [
+    ({"dtype": jnp.int8}, TypeError, "operand 0 has dtype int8; the primitive takes float32"),
+    ({"second": jnp.int32}, TypeError, "the operands of one call share a dtype; operand 0 has "
+                                       "float32, operand 1 int32"),
+    ({"op": "prod"}, ValueError, "unknown op 'prod'; expected one of 'sum', 'max', 'min'"),
+    ({"algorithm": "bogus"}, ValueError, "unknown algorithm 'bogus'; expected 'auto' or one of"),
+])
+def test_allreduce_p_bound_wrongly_fails_at_trace_time(change, error, message):
+    """jax_gin.allreduce_p, public for rules of one's own, checks what jax_gin's functions
+    bind by construction: an int8 operand and operands of two dtypes failed only when the
+    program ran, an unknown op or algorithm with a KeyError from inside."""
+    params = dict(axes=("i",), op=change.get("op", "sum"),
+                  algorithm=change.get("algorithm", "one_shot"), invariant=False, overlap=False)
+
+    def body(v):
+        ops = [v.astype(change.get("dtype", jnp.float32))]
+        if "second" in change:
+            ops.append(v.astype(change["second"]))
+        return jax_gin.allreduce_p.bind(*ops, **params)[0].astype(jnp.float32)
+    f = jax.jit(jax.shard_map(body, mesh=mesh_1d(), in_specs=P("i"), out_specs=P("i"),
+                              check_vma=False))
+    with pytest.raises(error, match="jax_gin.allreduce_p: " + re.escape(message)):
+        f.trace(jnp.arange(ndev() * 4.0))
