@@ -181,6 +181,16 @@ def _mode(api, leaf, axes, to) -> str:
         if to == "reduced" and not _compat.check_vma_enabled():
             raise ValueError("jax_gin.all_gather: to='reduced' types the result reduced over "
                              "the axes, which needs shard_map's check_vma=True (as lax's does)")
+        if to == "reduced":  # lax's all_gather_reduced: Varying -> Reduced
+            aval = jax.typeof(_as_array(leaf, api))
+            vma, reduced = _compat.varying_axes(aval), _compat.reduced_axes(aval) & set(axes)
+            if not vma & set(axes):
+                raise ValueError(f"jax_gin.all_gather: to='reduced' gathers a value that varies "
+                                 f"over the axes {axes} (as lax's does); it varies over "
+                                 f"{sorted(vma)}")
+            if reduced:
+                raise ValueError(f"jax_gin.all_gather: to='reduced' takes no input reduced over "
+                                 f"the axes (as lax's); it is reduced over {sorted(reduced)}")
         if (to == "invarying" and _compat.ALL_GATHER_TO_NEEDS_CHECK_VMA
                 and not _compat.check_vma_enabled()):
             return "varying"  # as the installed lax.all_gather: _compat

@@ -467,6 +467,35 @@ def test_all_gather_to_refusals():
         run("reduced", check_vma=False)
 
 
+@pytest.mark.parametrize("spec,axes", [(P(), "x"), (P("x"), "y"), (P("x"), ("x", "y"))])
+def test_all_gather_to_reduced_takes_what_lax_takes(spec, axes):
+    """to="reduced" is Varying -> Reduced: like lax's, it refuses an input that varies over
+    none of the gathered axes (invariant, or varying over another axis), and takes one that
+    varies over some of them, with lax's type (its numbers: test_unreduced)."""
+    mesh = mesh_2d()
+    x = exact_input((8,), mesh.size, "float32")
+
+    def run(mod):
+        types = []
+
+        def body(v):
+            types.append(jax.typeof(mod.all_gather(v, axes, tiled=True, to="reduced")))
+            return v
+        f = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=True)
+        jax.jit(f).trace(x)
+        return types
+
+    try:
+        want_types = run(lax)
+    except ValueError as e:
+        assert "all_gather_reduced" in str(e), e
+        with pytest.raises(ValueError, match=r"jax_gin.all_gather: to='reduced' gathers a value "
+                                             r"that varies over the axes .* \(as lax's does\)"):
+            run(jax_gin)
+    else:
+        assert run(jax_gin) == want_types
+
+
 def test_vmap_inside_shard_map():
     n = ndev()
     x = exact_input((5, 3, 2 * n), n, "float32", 9).reshape(n, 5, 3, 2 * n)
