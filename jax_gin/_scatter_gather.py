@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import numpy as np
 
@@ -93,9 +94,13 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, algorithm: s
 
 def _apply(api, x, axis_name, dim, tiled, algorithm, bucket_bytes, to="varying"):
     algorithm = _select.validate(algorithm, api, _select.COLLECTIVE_ALGORITHMS)
-    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
+    try:  # an integer, or a concrete integer array (lax's canonicalize_axis takes it too)
+        if isinstance(dim, bool) or _compat.is_tracer(dim):
+            raise TypeError
+        dim = operator.index(dim)
+    except TypeError:
         name = "scatter_dimension" if api == "psum_scatter" else "axis"
-        raise TypeError(f"jax_gin.{api}: {name} must be an integer, got {dim!r}")
+        raise TypeError(f"jax_gin.{api}: {name} must be an integer, got {dim!r}") from None
     # lax takes None as False, and 0 or 1
     if not (tiled is None or isinstance(tiled, (bool, np.bool_))
             or _runtime._is_int(tiled) and tiled in (0, 1)):

@@ -455,6 +455,25 @@ def test_all_gather_to(to, tiled, check_vma):
     jax.tree.map(assert_bitwise, got, want)
 
 
+@pytest.mark.parametrize("dim", [jnp.int32(-1), np.int64(0)])
+def test_dimension_as_a_concrete_integer_array(dim):
+    """scatter_dimension and axis take a concrete integer array, as lax's do; a bool, a
+    float or a traced value is refused by name."""
+    n = ndev()
+    x = exact_input((n, 2 * n), n, "float32")
+    run = lambda mod: smap(lambda v: (mod.psum_scatter(v, "i", scatter_dimension=dim, tiled=True),
+                                      mod.all_gather(v, "i", axis=dim, tiled=True)),
+                           mesh_1d(), P("i"))(x)
+    jax.tree.map(assert_bitwise, run(jax_gin), run(lax))
+    for bad in (True, 0.0, jnp.float32(0)):
+        with pytest.raises(TypeError, match="jax_gin.all_gather: axis must be an integer"):
+            smap(lambda v: jax_gin.all_gather(v, "i", axis=bad), mesh_1d(), P("i"))(x)
+    with pytest.raises(TypeError, match="jax_gin.psum_scatter: scatter_dimension must be an "
+                                        "integer, got .*Tracer"):
+        jax.jit(lambda d: smap(lambda v: jax_gin.psum_scatter(v, "i", scatter_dimension=d),
+                               mesh_1d(), P("i"))(x))(0)
+
+
 def test_all_gather_to_refusals():
     """A `to` that lax does not know, and to="reduced" without check_vma (no type to mark,
     which lax refuses too), are named at trace time."""
