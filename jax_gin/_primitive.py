@@ -113,8 +113,13 @@ def check_no_groups(axis_index_groups, api: str) -> None:
 def _normalize_axes(axis_name, api: str) -> tuple:
     axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
     for a in axes:
-        if isinstance(a, int):
+        if isinstance(a, (int, np.integer)):
             raise TypeError(f"jax_gin.{api}: positional (integer) axes are not supported: {axis_name!r}")
+        try:
+            hash(a)
+        except TypeError:  # a set or a dict: no axis name, nor a sequence of them
+            raise TypeError(f"jax_gin.{api}: axis_name must be an axis name (a string) or a "
+                            f"tuple of them, got {axis_name!r}") from None
     if len(set(axes)) != len(axes):
         raise ValueError(f"jax_gin.{api}: repeated axis name in {axis_name!r}")
     for a in axes:

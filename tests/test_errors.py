@@ -89,10 +89,20 @@ def test_unknown_algorithm(algo):
         _trace(lambda v: jax_gin.psum(v, "i", algorithm=algo), x)
 
 
-def test_positional_axis_rejected():
+@pytest.mark.parametrize("axis", [0, np.int64(0), ("i", 0)])
+def test_positional_axis_rejected(axis):
     x = exact_input((4,), ndev(), "float32")
     with pytest.raises(TypeError, match="positional"):
-        _trace(lambda v: jax_gin.psum(v, 0), x)
+        _trace(lambda v: jax_gin.psum(v, axis), x)
+
+
+@pytest.mark.parametrize("axis", [{"i"}, {"i": 1}, ("i", ["i"])])
+def test_axis_name_of_no_name_is_named(axis):
+    """A set or a dict as axis_name: a TypeError that names the argument (it was Python's
+    'unhashable type', from inside)."""
+    x = exact_input((4,), ndev(), "float32")
+    with pytest.raises(TypeError, match="jax_gin.psum: axis_name must be an axis name"):
+        _trace(lambda v: jax_gin.psum(v, axis), x)
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU backend's workspace")
