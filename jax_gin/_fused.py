@@ -92,6 +92,11 @@ def _fused(kind, x, residual, params, axis_name, eps, algorithm):
     api = kind.api
     algorithm = _select.validate(algorithm, api)
     eps = _check_eps(eps, api)
+    names = ("x", "residual") + (("weight",) if kind is RMS else ("weight", "bias"))
+    for name, v in zip(names, (x, residual, *params)):
+        if v is None:  # (jnp.asarray(None) names no argument)
+            raise TypeError(f"jax_gin.{api}: {name} is None; pass an array (a weight of ones "
+                            "and a bias of zeros leave the norm as it is)")
     x, residual, *params = (v if hasattr(v, "dtype") else jnp.asarray(v)
                             for v in (x, residual, *params))
     _check_operands(kind, x, residual, params)

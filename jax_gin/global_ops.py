@@ -260,7 +260,11 @@ def _parse_einsum(subscripts: str):
     if len(ins) != 2:
         raise ValueError(f"jax_gin.einsum takes exactly two operands; got {subscripts!r}")
     for s in (*ins, out):
-        if len(set(s)) != len(s) or not builtins.all(c in string.ascii_letters for c in s):
+        other = [c for c in s if c not in string.ascii_letters]
+        if other:
+            raise ValueError(f"jax_gin.einsum: subscripts are letters (a-z, A-Z); "
+                             f"{other[0]!r} is none, in {subscripts!r}")
+        if len(set(s)) != len(s):
             raise ValueError(
                 f"jax_gin.einsum: each operand and the output need distinct letters "
                 f"(no traces or diagonals); got {subscripts!r}")

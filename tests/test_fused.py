@@ -355,6 +355,19 @@ def test_bad_shapes(case, match):
     assert re.search(match, f"{info.type.__name__}: {info.value}"), info.value
 
 
+@pytest.mark.parametrize("api, none", [("psum_add_rmsnorm", "weight"),
+                                       ("psum_add_layernorm", "weight"),
+                                       ("psum_add_layernorm", "bias")])
+def test_none_for_an_array_is_named(api, none):
+    x, res, w = _good()
+    args = {"weight": w, "bias": jnp.zeros_like(w)} if api == "psum_add_layernorm" else {"weight": w}
+    args[none] = None
+    f = jax.shard_map(lambda x, r: getattr(jax_gin, api)(x, r, *args.values(), "i"),
+                      mesh=mesh_1d(), in_specs=P("i"), out_specs=P("i"), check_vma=False)
+    with pytest.raises(TypeError, match=f"jax_gin.{api}: {none} is None; pass an array"):
+        jax.jit(f).trace(x, res)
+
+
 @pytest.mark.parametrize("dtype, err, match", [
     ("int32", TypeError, "x must be a floating-point array"),
     ("float64", TypeError, "unsupported dtype float64; supported dtypes are float32, bfloat16, float16"),

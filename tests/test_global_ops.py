@@ -596,6 +596,10 @@ def test_errors():
         jax_gin.einsum("ij,jk", x, x)
     with pytest.raises(ValueError, match="one operand only"):
         jax_gin.einsum("ij,kl->il", x, x)
+    with pytest.raises(ValueError, match="subscripts are letters \\(a-z, A-Z\\); '1' is none"):
+        jax_gin.einsum("i1,1n->in", x, x)
+    with pytest.raises(ValueError, match="need distinct letters \\(no traces or diagonals\\)"):
+        jax_gin.einsum("ii,ij->ij", x, x)
     with pytest.raises(ValueError, match="w \\(k, n\\)"):
         jax_gin.matmul(x, x[0])
     with pytest.raises(TypeError, match="unsupported dtype int8"):
