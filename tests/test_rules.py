@@ -1148,3 +1148,11 @@ def test_exit_with_workers(tmp_path, mode):
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("EXITING")]
     assert r.returncode == 0 and lines, r.stdout + r.stderr[-3000:]
     assert end - float(lines[-1].split()[1]) < 30, r.stderr[-3000:]  # not the timeout
+
+
+def test_call_labels_give_exact_sizes():
+    """Profilers' labels (jax_gin.psum[one_shot 4 KiB float32]) give a call's size exactly:
+    in bytes where no short figure of a unit does (16388 B read '16 KiB')."""
+    from jax_gin._primitive import size_text
+    assert [size_text(b) for b in (100, 1024, 1536, 16388, 3 << 29, 1000000)] == [
+        "100 B", "1 KiB", "1.5 KiB", "16388 B", "1.5 GiB", "1000000 B"]
