@@ -341,8 +341,10 @@ def select_devices(n: int | None) -> list:
     devices = jax.devices()
     if n is None:
         return devices
-    if not 1 <= n <= len(devices):
-        raise SystemExit(f"--devices {n}: between 1 and {len(devices)} devices are available")
+    if not 1 <= n <= len(devices):  # a usage error, as --devices 0 is (known only now)
+        print(f"{prog()}: error: --devices {n}: between 1 and {len(devices)} devices are "
+              "available", file=sys.stderr)
+        raise SystemExit(2)
     return devices[:n]
 
 

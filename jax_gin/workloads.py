@@ -1076,9 +1076,9 @@ def main(argv=None, prog: str = "python -m jax_gin.workloads") -> int:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (docs/multi-node.md)
     devices = jax.devices()
     if args.devices is not None:
-        if not 1 <= args.devices <= len(devices):
-            raise SystemExit(f"--devices {args.devices}: between 1 and {len(devices)} "
-                             "are available")
+        if not 1 <= args.devices <= len(devices):  # a usage error, known only now
+            parser.error(f"--devices {args.devices}: between 1 and {len(devices)} devices "
+                         "are available")
         devices = devices[:args.devices]
     platform = "cpu" if devices[0].platform == "cpu" else "gpu"
     given = {name: getattr(args, name) for name in SIZE_OPTIONS}

@@ -553,3 +553,14 @@ def test_invalid_tuning_table_stops_the_sweep(tmp_path, monkeypatch, capsys):
     assert str(e.value).startswith(f"python -m jax_gin.bench: jax_gin: the tuning table {path} "
                                    "is not JSON"), str(e.value)
     assert bench.main(TINY + ["-e", "1K", "-a", "one_shot,lax"]) == 0  # no auto: no table read
+
+
+@pytest.mark.parametrize("devices", ["0", "9999"])
+def test_devices_out_of_range_is_a_usage_error(devices, capsys):
+    """--devices below 1 or above the devices present: exit status 2 and the command's name,
+    as argparse's usage errors (known only once JAX has its devices, for the second)."""
+    with pytest.raises(SystemExit) as info:
+        bench.main(TINY + ["--devices", devices])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"python -m jax_gin.bench: error: --devices {devices}:" in err, err
