@@ -416,6 +416,29 @@ def einsum(subscripts: str, x, w, *, algorithm: str = "auto", precision=None,
                            out_sharding, "einsum")
 
 
+def _broadcast_letters(subscripts, x, w, api):
+    """x and w with each dimension of size 1 whose letter has another size in the other
+    operand broadcast to it, as jnp.einsum broadcasts them: the partitioned contraction
+    takes one size per letter (a letter's dimensions are sharded alike), and JAX's own
+    gradient of the broadcast sums the cotangent back. A ValueError for sizes that differ
+    otherwise, or an operand whose rank its subscripts do not give."""
+    xs, ws, _ = _parse_einsum(subscripts)
+    for letters, v, name in ((xs, x, "x"), (ws, w, "w")):
+        if len(letters) != v.ndim:
+            raise ValueError(f"jax_gin.{api}: subscripts {letters!r} give {name} "
+                             f"{len(letters)} dimensions, but it has shape {v.shape}")
+    size = {}
+    for letters, v in ((xs, x), (ws, w)):
+        for c, n in zip(letters, v.shape):
+            if size.get(c, 1) not in (1, n) and n != 1:
+                raise ValueError(f"jax_gin.{api}: letter {c!r} has sizes {size[c]} and {n} in "
+                                 f"{subscripts!r} (only a size of 1 broadcasts)")
+            size[c] = builtins.max(size.get(c, 1), n)
+    return tuple(v if all(n == size[c] for c, n in zip(letters, v.shape)) else
+                 jnp.broadcast_to(v, tuple(size[c] for c in letters))
+                 for letters, v in ((xs, x), (ws, w)))
+
+
 def _einsum_checked(subscripts, x, w, algorithm, precision, preferred_element_type,
                     out_sharding, api):
     """einsum after the checks that name `api` (einsum, or matmul, which calls it)."""
@@ -424,6 +447,7 @@ def _einsum_checked(subscripts, x, w, algorithm, precision, preferred_element_ty
     x, w = jnp.asarray(x), jnp.asarray(w)
     dtype = jnp.result_type(x, w)
     x, w = x.astype(dtype), w.astype(dtype)
+    x, w = _broadcast_letters(subscripts.replace(" ", ""), x, w, api)
     preferred = None if preferred_element_type is None else np.dtype(preferred_element_type)
     check_dtype(dtype if preferred is None else preferred, "psum", api)
     subscripts = subscripts.replace(" ", "")
@@ -564,7 +588,7 @@ def _reduction(x, axis, keepdims, op, algorithm, out_sharding, api):
     return y
 
 
-def sum(x, axis=None, keepdims: bool = False, *, algorithm: str = "auto", out_sharding=None):
+def sum(x, axis=None, *, keepdims: bool = False, algorithm: str = "auto", out_sharding=None):
     """``jnp.sum(x, axis, keepdims=...)``, all-reduced with jax_gin when `axis` is sharded.
 
     Each device sums its block, and jax_gin.psum adds the partial sums over the mesh axes
@@ -574,7 +598,7 @@ def sum(x, axis=None, keepdims: bool = False, *, algorithm: str = "auto", out_sh
     return _reduction(x, axis, keepdims, "sum", algorithm, out_sharding, "sum")
 
 
-def mean(x, axis=None, keepdims: bool = False, *, algorithm: str = "auto", out_sharding=None):
+def mean(x, axis=None, *, keepdims: bool = False, algorithm: str = "auto", out_sharding=None):
     """``jnp.mean``: a jax_gin `sum` divided by the global count, with jnp.mean's dtypes."""
     _select.validate(algorithm, "mean")
     x = jnp.asarray(x)
@@ -591,12 +615,12 @@ def mean(x, axis=None, keepdims: bool = False, *, algorithm: str = "auto", out_s
     return jax.lax.div(s, jnp.asarray(count, comp_dtype)).astype(result_dtype)
 
 
-def max(x, axis=None, keepdims: bool = False, *, algorithm: str = "auto", out_sharding=None):
+def max(x, axis=None, *, keepdims: bool = False, algorithm: str = "auto", out_sharding=None):
     """``jnp.max``, all-reduced with jax_gin.pmax when `axis` is sharded; ties share the
     gradient equally, as in jnp."""
     return _reduction(x, axis, keepdims, "max", algorithm, out_sharding, "max")
 
 
-def min(x, axis=None, keepdims: bool = False, *, algorithm: str = "auto", out_sharding=None):
+def min(x, axis=None, *, keepdims: bool = False, algorithm: str = "auto", out_sharding=None):
     """``jnp.min``, all-reduced with jax_gin.pmin when `axis` is sharded."""
     return _reduction(x, axis, keepdims, "min", algorithm, out_sharding, "min")

@@ -286,8 +286,8 @@ def _reduce_case(mesh, spec, name, axis, keepdims, x):
     ref_f = getattr(jnp, name)
 
     def ours(v):
-        loss = lambda v: jnp.sum(ours_f(v, axis, keepdims) * 3)  # noqa: E731
-        return ours_f(v, axis, keepdims), jax.grad(loss)(v)
+        loss = lambda v: jnp.sum(ours_f(v, axis, keepdims=keepdims) * 3)  # noqa: E731
+        return ours_f(v, axis, keepdims=keepdims), jax.grad(loss)(v)
 
     def ref(v):
         loss = lambda v: jnp.sum(ref_f(v, axis, keepdims=keepdims) * 3)  # noqa: E731
@@ -344,7 +344,7 @@ def test_reduction_over_no_axis_takes_out_sharding(name, keepdims):
     mesh = mesh_dt()
     xs = put(ints((8, 12)), mesh, P("data", "tensor"))
     with jax.set_mesh(mesh):
-        y = jax.jit(lambda v: getattr(jax_gin, name)(v, (), keepdims,
+        y = jax.jit(lambda v: getattr(jax_gin, name)(v, (), keepdims=keepdims,
                                                      out_sharding=P("tensor", "data")))(xs)
     # equivalent, not equal: JAX drops or keeps mesh axes of size 1 (1 x 2 on 2 GPUs)
     assert y.sharding.is_equivalent_to(NamedSharding(mesh, P("tensor", "data")), y.ndim), \
@@ -615,6 +615,51 @@ def test_errors():
         jax_gin.matmul(x, x, algorithm="fastest")
     with pytest.raises(TypeError, match="jax_gin.matmul: unsupported dtype int8"):
         jax_gin.matmul(x.astype(jnp.int8), x.astype(jnp.int8))
+
+
+@pytest.mark.parametrize("subscripts,xshape,wshape,wspec", [
+    ("ij,jk->ik", (2, 1), (None, 2), P("i")),          # a contracted letter of size 1 in x
+    ("bij,bjk->bik", (1, 2, 3), (None, 3, 5), P("i")),  # a batch letter of size 1 in x
+    ("ij,jk->ik", (3, None), (1, 4), P()),               # size 1 in w, x sharded on j
+])
+def test_einsum_broadcasts_size_one_letters(subscripts, xshape, wshape, wspec):
+    """A letter of size 1 in one operand broadcasts to its size in the other, as in
+    jnp.einsum, also where the other operand shards it: jnp's values and gradients (the
+    partitioned contraction gave one device's rows)."""
+    n = ndev()
+    mesh = mesh_1d()
+    xshape = tuple(n * 2 if d is None else d for d in xshape)
+    wshape = tuple(n * 2 if d is None else d for d in wshape)
+    # positive values: no sum is a zero, whose sign the order of the sum decides
+    x, w = ints(xshape, seed=1, lo=1), ints(wshape, seed=2, lo=1)
+    xspec = P(None, "i") if wspec == P() else P()
+    xs, ws = put(x, mesh, xspec), put(w, mesh, wspec)
+
+    def run(einsum):
+        loss = lambda a, b: jnp.sum(einsum(subscripts, a, b) ** 2)  # noqa: E731
+        return jax.jit(lambda a, b: (einsum(subscripts, a, b), jax.grad(loss, (0, 1))(a, b)))(xs, ws)
+    jax.tree.map(assert_bitwise, run(jax_gin.einsum), run(jnp.einsum))
+
+
+def test_einsum_refuses_sizes_that_do_not_broadcast():
+    with pytest.raises(ValueError, match="letter 'j' has sizes 3 and 4 in 'ij,jk->ik' \\(only "
+                                         "a size of 1 broadcasts\\)"):
+        jax_gin.einsum("ij,jk->ik", ints((2, 3)), ints((4, 2)))
+    with pytest.raises(ValueError, match="subscripts 'ijk' give x 3 dimensions, but it has "
+                                         "shape \\(2, 3\\)"):
+        jax_gin.einsum("ijk,jk->i", ints((2, 3)), ints((3, 2)))
+
+
+@pytest.mark.parametrize("name", ["sum", "mean", "max", "min"])
+def test_reductions_take_keepdims_by_keyword(name):
+    """jnp's third positional argument is dtype (sum, mean) or out (max, min): jax_gin's
+    keepdims is keyword-only, so a call written for jnp fails instead of reading its dtype
+    as keepdims."""
+    x = ints((4, 6))
+    with pytest.raises(TypeError, match="positional argument"):
+        getattr(jax_gin, name)(x, 0, jnp.float32)
+    assert_bitwise(getattr(jax_gin, name)(x, 0, keepdims=True),
+                   getattr(jnp, name)(x, 0, keepdims=True))
 
 
 @pytest.mark.parametrize("algo", jax_gin.ALGORITHMS)
