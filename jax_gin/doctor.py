@@ -20,8 +20,8 @@ It prints six sections, then the verdict:
               that no setting reads (a typo, or a build variable) is named, with the
               setting it may have meant.
   tuning      the tuning table auto reads for each collective over a group of all the
-              devices, and the date of its measurement, or that none exists (then the model
-              of docs/performance.md decides).
+              devices, and the date of its measurement, or that none exists (then a rule of
+              message sizes decides, which jax_gin.explain states).
   self-test   jax_gin.psum with each algorithm and "auto", and one overlap=True call, over a
               mesh of all local devices on exact float32 inputs: ok when bit for bit equal to
               lax.psum, WRONG otherwise; median microseconds of both. At the first size also
@@ -216,7 +216,7 @@ def check_tuning(r: Report, devices: list) -> bool:
             f[collective] = None
             why = "a group of one rank" if n <= 1 else f"none for {kind} x {n}" if kind else \
                 "none for CPU devices of several processes"
-            r.line(f"{collective:<13} {why}: the model decides (docs/performance.md)")
+            r.line(f"{collective:<13} {why}: a rule of message sizes decides (jax_gin.explain)")
             continue
         try:
             table = _select.load_table(kind, n, collective)

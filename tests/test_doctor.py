@@ -217,7 +217,8 @@ def test_tuning_names_each_collectives_table(monkeypatch, capsys, tmp_path):
     assert doctor.check_tuning(r, jax.devices())
     lines = capsys.readouterr().out.splitlines()
     assert f"  all_gather    {path}, measured 2026-12-05" in lines, lines
-    assert f"  psum_scatter  none for {kind} x {n}: the model decides (docs/performance.md)" in lines
+    assert f"  psum_scatter  none for {kind} x {n}: a rule of message sizes decides " \
+           "(jax_gin.explain)" in lines
     assert r.facts["tuning"]["all_gather"] == {"path": str(path), "measured": table["measured"]}
     assert r.problems == []
 
