@@ -701,14 +701,14 @@ def lowering_mesh(ctx, api: str):
 
 
 def size_text(nbytes: int) -> str:
-    """4096 -> '4 KiB', 1536 -> '1.5 KiB', 100 -> '100 B', 16388 -> '16388 B': exact (a
-    size that no short figure of a unit gives is in bytes)."""
+    """4096 -> '4 KiB', 1536 -> '1.5 KiB', 1049600 -> '1025 KiB', 100 -> '100 B',
+    16388 -> '16388 B': exact, in the largest unit whose short figure (4 digits) gives the
+    size, else in bytes."""
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if nbytes >= 1 << shift:
             text = f"{nbytes / (1 << shift):.4g}"
             if float(text) * (1 << shift) == nbytes:
                 return f"{text} {unit}"
-            break
     return f"{nbytes} B"
 
 

@@ -285,8 +285,6 @@ class Settings:
             return  # another Settings (read from the environment again) drives nothing
         if name == "record":
             _set_native_record(bool(value))
-        if name == "tuning_dir" and "load_table" in _select_cache:
-            _select_cache["load_table"].cache_clear()  # tables are read again from there
 
 
 def _set_native_record(on: bool) -> None:
@@ -357,7 +355,6 @@ def _settings_at_import() -> Settings:
 
 
 _FAULT_MODES = {"drop": 0, "absent": 1}  # CommConfig::fault_mode (csrc/cpu_backend.h)
-_select_cache: dict = {}  # _select.load_table, registered by _select (imported after us)
 settings = _settings_at_import()
 _set_native_record(settings.record)  # as read from the environment
 

@@ -124,6 +124,8 @@ def _read_table(path: str, mtime_ns: int, size: int, device_kind: str, nranks: i
 
 
 load_table.cache_clear = _read_table.cache_clear  # type: ignore[attr-defined]
+
+
 def _from_table(table: dict, nbytes: int, xla_text: str) -> tuple[str, str]:
     entries = table["entries"]
     i = next((k for k, e in enumerate(entries) if nbytes <= e["max_bytes"]), None)

@@ -203,14 +203,15 @@ def check_settings(r: Report, invalid: dict, gpu_device) -> None:
                + (f" (did you mean {near}?)" if near else ""))
 
 
-def check_tuning(r: Report, devices: list) -> bool:
-    """The tuning tables `auto` reads for a group of `devices`, each collective's; False (and a
-    FAIL) where one is no valid table."""
+def check_tuning(r: Report, devices: list) -> dict:
+    """The tuning tables `auto` reads for a group of `devices`, each collective's: whether
+    each is valid or absent, by collective (and a FAIL for each that is no valid table)."""
     f = r.section("tuning", "tuning tables (what auto reads for a group of these devices)")
     n = len(devices)
     kind = _select.table_kind(Mesh(np.array(devices), ("i",)), devices[0].platform)
-    ok = True
+    ok = {}
     for collective in (_select.ALL_REDUCE,) + _scatter_gather.API_NAMES:
+        ok[collective] = True
         path = _select.table_path(kind, n, collective) if kind and n > 1 else None
         if path is None:
             f[collective] = None
@@ -221,7 +222,7 @@ def check_tuning(r: Report, devices: list) -> bool:
         try:
             table = _select.load_table(kind, n, collective)
         except ValueError as e:
-            ok = False
+            ok[collective] = False
             f[collective] = {"path": path, "error": str(e)}
             r.line(f"{collective:<13} {path}: invalid")
             r.fail(str(e).removeprefix("jax_gin: "),
@@ -342,7 +343,8 @@ def _case(r: Report, row: dict, label: str, shown: str, fn, x, runs: int, want, 
 
 
 def self_test(r: Report, devices: list, sizes: list, runs: int, auto: bool = True) -> None:
-    """auto: whether to run algorithm="auto" too (not where its tuning table is invalid)."""
+    """auto: whether to run psum's algorithm="auto" too (not where the all-reduce's tuning
+    table is invalid)."""
     timed = f"median of {runs} calls" if runs > 1 else "one call"
     rows = r.section("self-test", "self-test (float32; size per device, psum_scatter's output "
                      f"and all_gather's input; µs: {timed})").setdefault("rows", [])
@@ -462,13 +464,14 @@ def main(argv=None) -> int:
         check_devices(r, devices, gpu)
     check_nccl(r, gpu)
     check_settings(r, invalid, devices[0] if gpu else None)
-    tables_ok = check_tuning(r, devices) if devices else True
+    # the self-test's auto is psum's, which reads the all-reduce's table
+    auto_ok = check_tuning(r, devices)[_select.ALL_REDUCE] if devices else True
     if gpu and os.environ.get("NCCL_NVLS_ENABLE") != "0":
         r.section("self-test").update(skipped="NCCL_NVLS_ENABLE is not 0")
         r.line("skipped: NCCL_NVLS_ENABLE must be 0 first")
     elif devices:
         self_test(r, devices, args.sizes[:1] if args.quick else args.sizes,
-                  1 if args.quick else RUNS, auto=tables_ok)
+                  1 if args.quick else RUNS, auto=auto_ok)
     print(flush=True)
     for item in r.problems:
         print(f"FAIL: {item['problem']}\n  fix: {item['fix']}", flush=True)

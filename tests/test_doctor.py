@@ -214,7 +214,8 @@ def test_tuning_names_each_collectives_table(monkeypatch, capsys, tmp_path):
     path.write_text(json.dumps(table))
     monkeypatch.setattr(jax_gin.runtime.settings, "tuning_dir", str(tmp_path))
     r = doctor.Report()
-    assert doctor.check_tuning(r, jax.devices())
+    assert doctor.check_tuning(r, jax.devices()) == dict.fromkeys(
+        ("all_reduce", "psum_scatter", "all_gather"), True)
     lines = capsys.readouterr().out.splitlines()
     assert f"  all_gather    {path}, measured 2026-12-05" in lines, lines
     assert f"  psum_scatter  none for {kind} x {n}: a rule of message sizes decides " \
@@ -351,3 +352,19 @@ def test_sizes_of_whole_float32_elements(sizes, capsys):
         doctor.main(["--quick", "--sizes", sizes])
     assert info.value.code == 2
     assert "each a multiple of 4 bytes (whole float32 elements)" in capsys.readouterr().err
+
+
+def test_invalid_table_of_another_collective_keeps_psums_auto(monkeypatch, capsys, tmp_path):
+    """An invalid all_gather table fails the verdict, but the self-test's auto, psum's, reads
+    the all-reduce's table and runs."""
+    from jax_gin import tune
+    if ndev() < 2:
+        pytest.skip("a group of one rank reads no table")
+    path = tmp_path / tune.table_name(jax.devices()[0].device_kind, ndev(), "all_gather")
+    path.write_text("{}")
+    monkeypatch.setattr(jax_gin.runtime.settings, "tuning_dir", str(tmp_path))
+    rc = doctor.main(["--quick", "--sizes", "4K"])
+    text = capsys.readouterr().out
+    assert rc == 1 and f"FAIL: the tuning table {path} has device_kind None" in text, text
+    algos = [row.split()[0] for row in _section(text, "self-test")[2:]]
+    assert algos.count("auto") == 2, text  # auto, and auto with overlap=True

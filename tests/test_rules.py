@@ -1152,7 +1152,8 @@ def test_exit_with_workers(tmp_path, mode):
 
 def test_call_labels_give_exact_sizes():
     """Profilers' labels (jax_gin.psum[one_shot 4 KiB float32]) give a call's size exactly:
-    in bytes where no short figure of a unit does (16388 B read '16 KiB')."""
+    in the largest unit whose short figure gives it, else in bytes."""
     from jax_gin._primitive import size_text
-    assert [size_text(b) for b in (100, 1024, 1536, 16388, 3 << 29, 1000000)] == [
-        "100 B", "1 KiB", "1.5 KiB", "16388 B", "1.5 GiB", "1000000 B"]
+    sizes = (100, 1024, 1536, 16388, 1025 << 10, 1537 << 20, 3 << 29, 1000000)
+    assert [size_text(b) for b in sizes] == [
+        "100 B", "1 KiB", "1.5 KiB", "16388 B", "1025 KiB", "1537 MiB", "1.5 GiB", "1000000 B"]
