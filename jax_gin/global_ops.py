@@ -417,12 +417,14 @@ def einsum(subscripts: str, x, w, *, algorithm: str = "auto", precision=None,
 
 
 def _broadcast_letters(subscripts, x, w, api):
-    """x and w with each dimension of size 1 whose letter has another size in the other
-    operand broadcast to it, as jnp.einsum broadcasts them: the partitioned contraction
-    takes one size per letter (a letter's dimensions are sharded alike), and JAX's own
-    gradient of the broadcast sums the cotangent back. A ValueError for sizes that differ
-    otherwise, or an operand whose rank its subscripts do not give."""
-    xs, ws, _ = _parse_einsum(subscripts)
+    """x and w with each dimension of size 1 whose letter the output keeps and the other
+    operand has at another size broadcast to it: jnp.einsum's broadcasting (the products are
+    the same), made explicit because the partitioned contraction takes one size per letter
+    (a letter's dimensions are sharded alike); JAX's gradient of the broadcast sums the
+    cotangent back. A ValueError for a contracted letter of two sizes, which jnp.einsum sums
+    out of the larger operand first, for other sizes that differ, and for an operand whose
+    rank its subscripts do not give."""
+    xs, ws, out = _parse_einsum(subscripts)
     for letters, v, name in ((xs, x, "x"), (ws, w, "w")):
         if len(letters) != v.ndim:
             raise ValueError(f"jax_gin.{api}: subscripts {letters!r} give {name} "
@@ -430,9 +432,15 @@ def _broadcast_letters(subscripts, x, w, api):
     size = {}
     for letters, v in ((xs, x), (ws, w)):
         for c, n in zip(letters, v.shape):
-            if size.get(c, 1) not in (1, n) and n != 1:
-                raise ValueError(f"jax_gin.{api}: letter {c!r} has sizes {size[c]} and {n} in "
-                                 f"{subscripts!r} (only a size of 1 broadcasts)")
+            if size.get(c, n) != n:
+                if 1 not in (n, size[c]):
+                    raise ValueError(f"jax_gin.{api}: letter {c!r} has sizes {size[c]} and {n} "
+                                     f"in {subscripts!r} (only a size of 1 broadcasts)")
+                if c not in out:
+                    raise ValueError(
+                        f"jax_gin.{api}: contracted letter {c!r} has sizes {size[c]} and {n} "
+                        f"in {subscripts!r}; sum the larger operand over it first "
+                        f"(jax_gin.sum) and drop the letter from both, as jnp.einsum does")
             size[c] = builtins.max(size.get(c, 1), n)
     return tuple(v if all(n == size[c] for c, n in zip(letters, v.shape)) else
                  jnp.broadcast_to(v, tuple(size[c] for c in letters))
@@ -447,13 +455,13 @@ def _einsum_checked(subscripts, x, w, algorithm, precision, preferred_element_ty
     x, w = jnp.asarray(x), jnp.asarray(w)
     dtype = jnp.result_type(x, w)
     x, w = x.astype(dtype), w.astype(dtype)
-    x, w = _broadcast_letters(subscripts.replace(" ", ""), x, w, api)
     preferred = None if preferred_element_type is None else np.dtype(preferred_element_type)
     check_dtype(dtype if preferred is None else preferred, "psum", api)
     subscripts = subscripts.replace(" ", "")
     if _in_shard_map():
         return _place(jnp.einsum(subscripts, x, w, precision=precision,
                                  preferred_element_type=preferred), out_sharding)
+    x, w = _broadcast_letters(subscripts, x, w, api)
     return _einsum(subscripts, x, w, algorithm, precision, preferred, out_sharding, api)
 
 

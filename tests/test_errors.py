@@ -98,8 +98,7 @@ def test_positional_axis_rejected(axis):
 
 @pytest.mark.parametrize("axis", [{"i"}, {"i": 1}, ("i", ["i"])])
 def test_axis_name_of_no_name_is_named(axis):
-    """A set or a dict as axis_name: a TypeError that names the argument (it was Python's
-    'unhashable type', from inside)."""
+    """A set or a dict as axis_name: a TypeError that names the argument."""
     x = exact_input((4,), ndev(), "float32")
     with pytest.raises(TypeError, match="jax_gin.psum: axis_name must be an axis name"):
         _trace(lambda v: jax_gin.psum(v, axis), x)
@@ -108,8 +107,8 @@ def test_axis_name_of_no_name_is_named(axis):
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU backend's workspace")
 def test_workspace_past_the_address_space(monkeypatch):
     """A workspace per rank that is a valid setting (below 2**63) but whose windows, one per
-    rank, exceed a size_t together: a ValueError naming the setting (the total wrapped to a
-    few pages, and the call wrote past them: a segmentation fault)."""
+    rank, exceed a size_t together: a ValueError naming the setting, before anything is
+    mapped (a total that wrapped would map a few pages that the calls write past)."""
     needs_devices(2)
     monkeypatch.setattr(jax_gin.runtime.settings, "cpu_workspace_bytes", (1 << 63) - 1)
     x = exact_input((4,), ndev(), "float32")
@@ -563,9 +562,8 @@ def test_boolean_settings_take_the_same_values(field):
     ({"algorithm": "bogus"}, ValueError, "unknown algorithm 'bogus'; expected 'auto' or one of"),
 ])
 def test_allreduce_p_bound_wrongly_fails_at_trace_time(change, error, message):
-    """jax_gin.allreduce_p, public for rules of one's own, checks what jax_gin's functions
-    bind by construction: an int8 operand and operands of two dtypes failed only when the
-    program ran, an unknown op or algorithm with a KeyError from inside."""
+    """jax_gin.allreduce_p, public for rules of one's own, checks at trace time what jax_gin's
+    functions bind by construction: dtypes, one dtype per call, op and algorithm."""
     params = dict(axes=("i",), op=change.get("op", "sum"),
                   algorithm=change.get("algorithm", "one_shot"), invariant=False, overlap=False)
 

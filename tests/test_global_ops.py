@@ -618,21 +618,21 @@ def test_errors():
 
 
 @pytest.mark.parametrize("subscripts,xshape,wshape,wspec", [
-    ("ij,jk->ik", (2, 1), (None, 2), P("i")),          # a contracted letter of size 1 in x
     ("bij,bjk->bik", (1, 2, 3), (None, 3, 5), P("i")),  # a batch letter of size 1 in x
-    ("ij,jk->ik", (3, None), (1, 4), P()),               # size 1 in w, x sharded on j
+    ("bij,bjk->bik", (None, 2, 3), (1, 3, 5), P()),     # ... in w, x sharded on it
+    ("bij,bjk->bik", (1, 2, 3), (None, 3, None), P(None, None, "i")),
 ])
 def test_einsum_broadcasts_size_one_letters(subscripts, xshape, wshape, wspec):
-    """A letter of size 1 in one operand broadcasts to its size in the other, as in
-    jnp.einsum, also where the other operand shards it: jnp's values and gradients (the
-    partitioned contraction gave one device's rows)."""
+    """A letter the output keeps, of size 1 in one operand, broadcasts to its size in the
+    other, as in jnp.einsum, also where the other operand shards it: jnp's values and
+    gradients."""
     n = ndev()
     mesh = mesh_1d()
     xshape = tuple(n * 2 if d is None else d for d in xshape)
     wshape = tuple(n * 2 if d is None else d for d in wshape)
     # positive values: no sum is a zero, whose sign the order of the sum decides
     x, w = ints(xshape, seed=1, lo=1), ints(wshape, seed=2, lo=1)
-    xspec = P(None, "i") if wspec == P() else P()
+    xspec = P("i") if wspec == P() else P()
     xs, ws = put(x, mesh, xspec), put(w, mesh, wspec)
 
     def run(einsum):
@@ -642,6 +642,12 @@ def test_einsum_broadcasts_size_one_letters(subscripts, xshape, wshape, wspec):
 
 
 def test_einsum_refuses_sizes_that_do_not_broadcast():
+    """Sizes that differ and are not 1, an operand's rank that its subscripts do not give,
+    and a contracted letter of size 1 in one operand only (jnp.einsum sums the other operand
+    over it first, whose order of additions a contraction would not keep)."""
+    with pytest.raises(ValueError, match="contracted letter 'j' has sizes 1 and 8 in "
+                                         "'ij,jk->ik'; sum the larger operand over it first"):
+        jax_gin.einsum("ij,jk->ik", ints((2, 1)), ints((8, 2)))
     with pytest.raises(ValueError, match="letter 'j' has sizes 3 and 4 in 'ij,jk->ik' \\(only "
                                          "a size of 1 broadcasts\\)"):
         jax_gin.einsum("ij,jk->ik", ints((2, 3)), ints((4, 2)))
