@@ -515,6 +515,24 @@ def test_all_gather_to_reduced_takes_what_lax_takes(spec, axes):
         assert run(jax_gin) == want_types
 
 
+def test_all_gather_to_reduced_refuses_a_reduced_input():
+    """An input varying over one of the gathered axes but typed reduced over another: lax's
+    all_gather_reduced refuses it, and so does jax_gin's."""
+    mesh = mesh_2d()
+
+    def body(v):
+        r = lax.pcast(v, ("x",), to="reduced")  # varying over y, reduced over x
+        with pytest.raises(ValueError, match="all_gather_reduced's input cannot be reduced"):
+            lax.all_gather(r, ("x", "y"), tiled=True, to="reduced")
+        with pytest.raises(ValueError, match=r"jax_gin.all_gather: to='reduced' takes no input "
+                                             r"reduced over the axes \(as lax's\); it is "
+                                             r"reduced over \['x'\]"):
+            jax_gin.all_gather(r, ("x", "y"), tiled=True, to="reduced")
+        return v
+    jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("y"), out_specs=P("y"))).trace(
+        jnp.ones(8))
+
+
 def test_vmap_inside_shard_map():
     n = ndev()
     x = exact_input((5, 3, 2 * n), n, "float32", 9).reshape(n, 5, 3, 2 * n)
