@@ -2,6 +2,7 @@
 jax_gin has its CUDA build and a GPU is present, otherwise 8 CPU devices; must run before JAX
 initializes its backends), timing, and the options of the step examples."""
 import os
+import re
 
 
 def default_to_cpu_devices(count: int = 8) -> None:
@@ -14,10 +15,12 @@ def default_to_cpu_devices(count: int = 8) -> None:
         if not has_gpu:
             os.environ["JAX_PLATFORMS"] = "cpu"
     flags = os.environ.get("XLA_FLAGS", "")
-    if os.environ.get("JAX_PLATFORMS", "") == "cpu" and "device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    if os.environ.get("JAX_PLATFORMS", "") == "cpu":
+        given = re.search(r"--xla_force_host_platform_device_count=(\d+)", flags)
+        if given is None:
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
         from jax_gin import _runtime  # XLA's CPU threads for them (docs/debugging.md)
-        _runtime.provide_xla_cpu_threads(count)
+        _runtime.provide_xla_cpu_threads(int(given.group(1)) if given else count)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (docs/multi-node.md)
 
 

@@ -95,7 +95,7 @@ def main():
     rows = []
     grads = local_grads(mesh)(params, x, y)
     # What auto runs for the gradients (one call: a dtype, under the bucket size). Where its
-    # tuning table gives them to XLA's own all-reduce (8 CPU devices do, above 64 KiB), the
+    # tuning table gives them to XLA's own all-reduce (8 CPU devices do, above 32 KiB), the
     # demo also runs jax_gin's two_shot, so that jax_gin's own all-reduce is the one checked.
     auto = jax_gin.explain(jax.tree.map(lambda g: g[0], grads), nranks=n)
     variants = [("jax_gin.psum", jax_gin.psum)]
