@@ -124,7 +124,8 @@ def _normalize_axes(axis_name, api: str) -> tuple:
         raise ValueError(f"jax_gin.{api}: repeated axis name in {axis_name!r}")
     for a in axes:
         if not _compat.axis_exists(a):
-            scope = _compat.axes_in_scope()
+            # (a pmap without axis_name binds an axis of JAX's own name, which no user wrote)
+            scope = [s for s in _compat.axes_in_scope() if s != "_internal_pmap_axis_name"]
             # The first sentence is lax's own for this mistake, word for word.
             raise NameError(
                 f"jax_gin.{api}: Found an unbound axis name: {a}. To fix this, please call "

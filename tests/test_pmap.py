@@ -28,3 +28,11 @@ def test_pmap_grad_and_pytree():
     got = jax.pmap(lambda v: jax_gin.psum(tree(v), "i"), axis_name="i")(x)
     want = jax.pmap(lambda v: lax.psum(tree(v), "i"), axis_name="i")(x)
     jax.tree.map(assert_bitwise, got, want)
+
+
+def test_unbound_axis_under_a_pmap_without_axis_name():
+    """A pmap given no axis_name binds an axis of JAX's internal name: the NameError lists no
+    axis in scope rather than that name."""
+    x = exact_input((4,), ndev(), "float32").reshape(ndev(), 4)
+    with pytest.raises(NameError, match="Found an unbound axis name: i.*Axes in scope: none"):
+        jax.pmap(lambda v: jax_gin.psum(v, "i"))(x)
