@@ -19,6 +19,7 @@ import collections
 import contextlib
 import hashlib
 import json
+import math
 import os
 import socket
 import sys
@@ -342,7 +343,9 @@ def _sources(p, doc) -> set:
     meta = _meta(doc)
     if "sources" in meta:
         src = meta["sources"]
-        if not isinstance(src, list) or not all(isinstance(x, list) for x in src):
+        if not isinstance(src, list) or not all(
+                isinstance(x, list) and len(x) == 2
+                and all(v is None or isinstance(v, (str, int, float)) for v in x) for x in src):
             raise MergeError(f"{p}: metadata.jax_gin.sources is not a list of [clock, host]")
         return {tuple(x) for x in src}
     if isinstance(meta.get("clock"), list):  # merges before "sources" wrote their clocks so
@@ -363,6 +366,10 @@ def _parts(doc) -> list:
     return [hashlib.sha256(json.dumps(ev, sort_keys=True).encode()).hexdigest()]
 
 
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def _read(p) -> dict:
     try:
         with open(p, "rb") as f:
@@ -376,8 +383,9 @@ def _read(p) -> dict:
     ev = doc["traceEvents"]
     if not isinstance(ev, list) or not all(isinstance(e, dict) for e in ev):
         raise MergeError(f"{p}: not a trace (traceEvents is not a list of events)")
-    if any(not isinstance(e.get("ts", 0), (int, float)) for e in ev):
-        raise MergeError(f"{p}: not a trace (an event's ts is not a number)")
+    for key in ("ts", "dur"):  # finite: one NaN would make every merged time NaN
+        if any(not _finite(e.get(key, 0)) for e in ev):
+            raise MergeError(f"{p}: not a trace (an event's {key} is not a finite number)")
     # a pid is an integer (Chrome's trace format), which merge renumbers
     if any(isinstance(e.get("pid", 0), bool) or not isinstance(e.get("pid", 0), int)
            for e in ev):

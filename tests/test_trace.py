@@ -424,6 +424,13 @@ def test_merge_refusals(tmp_path, capsys):
     (tmp_path / "oops.json").write_text('{"traceEvents": "oops"}')
     (tmp_path / "pid.json").write_text('{"traceEvents": [{"name": "a", "ph": "X", "ts": 1, '
                                        '"pid": [0]}]}')
+    for name, ts in (("nan", "NaN"), ("inf", "Infinity"), ("true", "true")):
+        (tmp_path / f"{name}.json").write_text('{"traceEvents": [{"name": "a", "ph": "X", '
+                                               f'"ts": {ts}, "pid": 0}}]}}')
+    (tmp_path / "dur.json").write_text('{"traceEvents": [{"name": "a", "ph": "X", "ts": 1, '
+                                       '"dur": NaN, "pid": 0}]}')
+    (tmp_path / "src.json").write_text(json.dumps({"traceEvents": [], "metadata": {
+        "jax_gin": {"sources": [[["a"], "h"]], "merged": []}}}))
     (tmp_path / "old.json").write_text(json.dumps({"traceEvents": [], "metadata": {
         "jax_gin": {"clock": ["('CLOCK_MONOTONIC', 'h')"], "origin_us": 0, "merged": []}}}))
     out = tmp_path / "out.json"
@@ -435,6 +442,14 @@ def test_merge_refusals(tmp_path, capsys):
              ((tmp_path / "pid.json",), "pid.json: not a trace (an event's pid is not an "
                                         "integer)"),
              ((tmp_path / "old.json",), "old.json: merged by an older jax_gin")]
+    # a time that is no finite number (one NaN would make every merged time NaN), and sources
+    # that are no [clock, host] pairs
+    cases += [((tmp_path / f"{n}.json", a), f"{n}.json: not a trace (an event's ts is not a "
+                                            "finite number)") for n in ("nan", "inf", "true")]
+    cases += [((a, tmp_path / "dur.json"), "dur.json: not a trace (an event's dur is not a "
+                                           "finite number)"),
+              ((tmp_path / "src.json",), "src.json: metadata.jax_gin.sources is not a list of "
+                                         "[clock, host]")]
     for files, msg in cases:
         rc, got = _merge(capsys, *files, "-o", out)
         assert rc == 2 and msg in got.err and got.err.count("\n") == 1, (files, got.err)
