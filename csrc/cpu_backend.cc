@@ -366,8 +366,9 @@ class HostTransport {
     wait << "waiting for peer " << peer;
     if (step == kTurnStep) {
       // the turn word: (call number << 32) | site
-      wait << " to start call #" << (expected >> 32) << " (it set the group's order of calls up "
-           << "to call #" << (seen >> 32) << ")";
+      wait << " to start call #" << (expected >> 32);
+      if ((seen >> 32) == 0) wait << " (it has started no call of the group)";
+      else wait << " (it set the group's order of calls up to call #" << (seen >> 32) << ")";
     } else {
       const uint64_t round = round_of_wait(expected, step);
       if (step < 0) wait << " to release its window (credit) before round " << round;
