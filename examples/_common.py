@@ -16,11 +16,12 @@ def default_to_cpu_devices(count: int = 8) -> None:
             os.environ["JAX_PLATFORMS"] = "cpu"
     flags = os.environ.get("XLA_FLAGS", "")
     if os.environ.get("JAX_PLATFORMS", "") == "cpu":
-        given = re.search(r"--xla_force_host_platform_device_count=(\d+)", flags)
-        if given is None:
+        # (XLA takes a flag's last value)
+        given = re.findall(r"--xla_force_host_platform_device_count=(\d+)", flags)
+        if not given:
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
         from jax_gin import _runtime  # XLA's CPU threads for them (docs/debugging.md)
-        _runtime.provide_xla_cpu_threads(int(given.group(1)) if given else count)
+        _runtime.provide_xla_cpu_threads(int(given[-1]) if given else count)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (docs/multi-node.md)
 
 

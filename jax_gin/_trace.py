@@ -350,7 +350,10 @@ def _sources(p, doc) -> set:
         return {tuple(x) for x in src}
     if isinstance(meta.get("clock"), list):  # merges before "sources" wrote their clocks so
         raise MergeError(f"{p}: merged by an older jax_gin; merge its inputs instead")
-    return {(meta.get("clock"), meta.get("host"))}
+    pair = (meta.get("clock"), meta.get("host"))
+    if not all(v is None or isinstance(v, (str, int, float)) for v in pair):
+        raise MergeError(f"{p}: metadata.jax_gin's clock and host are not strings")
+    return {pair}
 
 
 def _parts(doc) -> list:
@@ -386,6 +389,8 @@ def _read(p) -> dict:
     for key in ("ts", "dur"):  # finite: one NaN would make every merged time NaN
         if any(not _finite(e.get(key, 0)) for e in ev):
             raise MergeError(f"{p}: not a trace (an event's {key} is not a finite number)")
+    if "merged" in _meta(doc) and not _finite(_meta(doc).get("origin_us", 0)):
+        raise MergeError(f"{p}: metadata.jax_gin.origin_us is not a finite number")
     # a pid is an integer (Chrome's trace format), which merge renumbers
     if any(isinstance(e.get("pid", 0), bool) or not isinstance(e.get("pid", 0), int)
            for e in ev):

@@ -441,7 +441,7 @@ def _broadcast_letters(subscripts, x, w, api):
                         f"jax_gin.{api}: contracted letter {c!r} has sizes {size[c]} and {n} "
                         f"in {subscripts!r}; sum the larger operand over it first "
                         f"(jax_gin.sum) and drop the letter from both, as jnp.einsum does")
-            size[c] = builtins.max(size.get(c, 1), n)
+            size[c] = n if size.get(c, 1) == 1 else size[c]  # (1 broadcasts, to 0 too)
     return tuple(v if all(n == size[c] for c, n in zip(letters, v.shape)) else
                  jnp.broadcast_to(v, tuple(size[c] for c in letters))
                  for letters, v in ((xs, x), (ws, w)))

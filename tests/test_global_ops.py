@@ -641,6 +641,22 @@ def test_einsum_broadcasts_size_one_letters(subscripts, xshape, wshape, wspec):
     jax.tree.map(assert_bitwise, run(jax_gin.einsum), run(jnp.einsum))
 
 
+def test_einsum_size_zero_and_inside_shard_map_as_jnp():
+    """A kept letter of size 1 broadcasts to size 0 as in jnp; inside shard_map the call is
+    jnp.einsum's as it is, a contracted letter of size 1 included (jnp sums the other operand
+    over it first: its bits on inexact values)."""
+    x, w = jnp.ones((1, 2, 3)), jnp.ones((0, 3, 4))
+    assert_bitwise(jax.jit(lambda a, b: jax_gin.einsum("bij,bjk->bik", a, b))(x, w),
+                   jnp.einsum("bij,bjk->bik", x, w))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((4, 1)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((64, 8)), jnp.float32)
+    run = lambda e: jax.jit(jax.shard_map(lambda a, b: e("ij,jk->ik", a, b), mesh=mesh_1d(),
+                                          in_specs=(P(), P()), out_specs=P(),
+                                          check_vma=False))(x, w)
+    assert_bitwise(run(jax_gin.einsum), run(jnp.einsum))
+
+
 def test_einsum_refuses_sizes_that_do_not_broadcast():
     """Sizes that differ and are not 1, an operand's rank that its subscripts do not give,
     and a contracted letter of size 1 in one operand only (jnp.einsum sums the other operand

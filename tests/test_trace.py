@@ -431,6 +431,10 @@ def test_merge_refusals(tmp_path, capsys):
                                        '"dur": NaN, "pid": 0}]}')
     (tmp_path / "src.json").write_text(json.dumps({"traceEvents": [], "metadata": {
         "jax_gin": {"sources": [[["a"], "h"]], "merged": []}}}))
+    (tmp_path / "clock.json").write_text(json.dumps({"traceEvents": [], "metadata": {
+        "jax_gin": {"clock": {"a": 1}, "host": "h"}}}))
+    (tmp_path / "origin.json").write_text('{"traceEvents": [], "metadata": {"jax_gin": '
+                                          '{"sources": [], "merged": [], "origin_us": NaN}}}')
     (tmp_path / "old.json").write_text(json.dumps({"traceEvents": [], "metadata": {
         "jax_gin": {"clock": ["('CLOCK_MONOTONIC', 'h')"], "origin_us": 0, "merged": []}}}))
     out = tmp_path / "out.json"
@@ -449,7 +453,11 @@ def test_merge_refusals(tmp_path, capsys):
     cases += [((a, tmp_path / "dur.json"), "dur.json: not a trace (an event's dur is not a "
                                            "finite number)"),
               ((tmp_path / "src.json",), "src.json: metadata.jax_gin.sources is not a list of "
-                                         "[clock, host]")]
+                                         "[clock, host]"),
+              ((tmp_path / "clock.json",), "clock.json: metadata.jax_gin's clock and host are "
+                                           "not strings"),
+              ((a, tmp_path / "origin.json"), "origin.json: metadata.jax_gin.origin_us is not "
+                                              "a finite number")]
     for files, msg in cases:
         rc, got = _merge(capsys, *files, "-o", out)
         assert rc == 2 and msg in got.err and got.err.count("\n") == 1, (files, got.err)
