@@ -433,6 +433,8 @@ class HostTransport {
     for (const std::string& p : stopped)
       os << "\nnote: " << p << " is stopped (by a signal such as SIGSTOP, or a debugger): its "
          << "ranks take no part in a call until it resumes";
+    if (size_t(group_) < cfg_.group_text.size() && !cfg_.group_text[size_t(group_)].empty())
+      os << "\n" << cfg_.group_text[size_t(group_)];
     error_ = os.str();
     fail_group(g_, rank_, what, error_);
   }

@@ -53,6 +53,10 @@ struct CommConfig {
   // The communicator's id, which the custom calls name (ffi_common.h), as jax_gin.runtime
   // chooses it (_runtime._free_id); 0: the next free one of a counter.
   int64_t id = 0;
+  // Per group: the last line of a report from its ranks (empty or missing: none), in which
+  // jax_gin.runtime names the group's mesh axes and devices, since the report's ranks and
+  // call numbers are the group's own.
+  std::vector<std::string> group_text;
 };
 
 // The first bytes of a workspace. Attaching processes check it against what they expect.

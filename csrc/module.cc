@@ -293,7 +293,8 @@ NB_MODULE(_jax_gin, m) {
   m.def("cpu_comm_create",
         [](int nranks, std::vector<int32_t> group_of, std::vector<int32_t> rank_of,
            size_t lane_bytes, double timeout_s, int fault_rank, nb::object workspaces,
-           int fault_mode, int record_entries, std::string absent_note, int64_t id) {
+           int fault_mode, int record_entries, std::string absent_note, int64_t id,
+           std::vector<std::string> group_text) {
           if (nranks < 1 || nranks > kMaxRanks)
             throw nb::value_error(("jax_gin supports 1 to " + std::to_string(kMaxRanks) +
                                    " ranks per group, got " + std::to_string(nranks)).c_str());
@@ -309,6 +310,7 @@ NB_MODULE(_jax_gin, m) {
           cfg.record_entries = record_entries;
           cfg.absent_note = std::move(absent_note);
           cfg.id = id;
+          cfg.group_text = std::move(group_text);
           if (workspaces.is_none()) return cpu::create_comm(cfg);
           // One Workspace (or None: no rank of that group runs here) per group.
           std::vector<std::shared_ptr<cpu::Workspace>> ws;
@@ -323,7 +325,8 @@ NB_MODULE(_jax_gin, m) {
         nb::arg("nranks"), nb::arg("group_of"), nb::arg("rank_of"), nb::arg("lane_bytes"),
         nb::arg("timeout_s"), nb::arg("fault_rank") = -1, nb::arg("workspaces") = nb::none(),
         nb::arg("fault_mode") = 0, nb::arg("record_entries") = kRecDefaultEntries,
-        nb::arg("absent_note") = std::string(), nb::arg("id") = 0);
+        nb::arg("absent_note") = std::string(), nb::arg("id") = 0,
+        nb::arg("group_text") = std::vector<std::string>());
 
   // Flight recorder (include/jax_gin/recorder.h).
   m.def("set_record", &cpu::set_record, nb::arg("on"), "write the recorder's ring (process-wide)");

@@ -624,6 +624,27 @@ def _xla_cpu_threads_note() -> str:
             f"(docs/debugging.md)")
 
 
+def group_texts(mesh, axes: tuple, devices: list, layout: GroupLayout) -> list:
+    """Per group, the last line of a hang report from its ranks, whose ranks and call numbers
+    are the group's own: "group 1 of the communicator over mesh axes ('b',), where a = 1: its
+    ranks 0-3 are devices 4, 5, 6, 7 (JAX device ids)"."""
+    names = tuple(mesh.axis_names)
+    shape = tuple(int(mesh.shape[n]) for n in names)
+    others = [n for n in names if n not in axes]
+    members: list = [[None] * layout.nranks for _ in range(layout.ngroups)]
+    coords: list = [None] * layout.ngroups
+    for logical, d in enumerate(devices):  # logical ids: the mesh's devices in row-major order
+        g = layout.group_of[logical]
+        members[g][layout.rank_of[logical]] = int(d.id)
+        at = np.unravel_index(logical, shape)
+        coords[g] = ", ".join(f"{n} = {int(at[names.index(n)])}" for n in others)
+    return [f"group {g} of the communicator over mesh axes {tuple(axes)!r}"
+            + (f", where {coords[g]}" if coords[g] else "")
+            + f": its ranks 0-{layout.nranks - 1} are devices "
+            + ", ".join(map(str, members[g])) + " (JAX device ids)"
+            for g in range(layout.ngroups)]
+
+
 def _create_cpu_comm(mesh, devices, layout: GroupLayout, ws: int, key, comm_id: int = 0) -> int:
     procs = [int(d.process_index) for d in devices]
     workspaces = None  # every group in private memory: all devices run in this process
@@ -638,7 +659,7 @@ def _create_cpu_comm(mesh, devices, layout: GroupLayout, ws: int, key, comm_id: 
     comm = _native.cpu.cpu_comm_create(
         layout.nranks, list(layout.group_of), list(layout.rank_of), ws, settings.timeout_s,
         settings.fault_rank, workspaces, _FAULT_MODES[settings.fault_mode], settings.record_entries,
-        _xla_cpu_threads_note(), comm_id)
+        _xla_cpu_threads_note(), comm_id, group_texts(mesh, key[4], devices, layout))
     comm_devices[comm] = (tuple(int(d.id) for d in devices), layout)
     return comm
 

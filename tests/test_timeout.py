@@ -170,6 +170,31 @@ def test_recovery_after_a_failure(monkeypatch):
     assert_bitwise(out, smap(lambda v: lax.psum(v, "i"), mesh_1d(), P("i"))(x))
 
 
+def test_report_names_the_groups_axes_and_devices(monkeypatch):
+    """A report's ranks and call numbers are its group's: its last line names the group's
+    mesh axes, the other axes' coordinates and its ranks' JAX device ids (a reversed 2-D
+    mesh: ranks are not device ids)."""
+    n = ndev()
+    if jax.default_backend() != "cpu" or n < 4 or n % 2:
+        pytest.skip("CPU; a 2-D mesh of an even number >= 4 of devices")
+    from jax.sharding import Mesh
+    devices = np.array(jax.devices())[::-1].reshape(2, n // 2)
+    mesh = Mesh(devices, ("a", "b"))
+    monkeypatch.setattr(jax_gin.runtime.settings, "timeout_s", 0.32)
+    monkeypatch.setattr(jax_gin.runtime.settings, "fault_rank", 1)
+    monkeypatch.setattr(jax_gin.runtime.settings, "fault_mode", "absent")
+    f = jax.jit(jax.shard_map(lambda v: jax_gin.psum(v, "b", algorithm="one_shot"), mesh=mesh,
+                              in_specs=P(("a", "b")), out_specs=P("a")))
+    with pytest.raises(Exception) as info:
+        jax.block_until_ready(f(exact_input((16,), n, "float32")))
+    msg = str(info.value)
+    g = int(re.search(r"rank \d+ of group (\d) ", msg).group(1))
+    ids = ", ".join(str(d.id) for d in devices[g])
+    assert msg.rstrip().splitlines()[-1] == (
+        f"group {g} of the communicator over mesh axes ('b',), where a = {g}: its ranks "
+        f"0-{n // 2 - 1} are devices {ids} (JAX device ids)"), msg
+
+
 def test_fault_only_affects_its_communicator(monkeypatch):
     needs_devices(2)  # a fault needs a peer to wait for
     if jax.default_backend() != "cpu":
