@@ -138,6 +138,49 @@ std::vector<Seen> rank_states(const Workspace& ws) {
   return s;
 }
 
+// For each rank of `group` in communicator `cfg` that `states` show behind the reporting rank
+// (fewer calls entered than `seq`), where its device is in a call of another communicator of
+// this process: a line saying which and what it waits for there. A rank that never entered a
+// call here may be held in another communicator's call by the rank a report there would name
+// (a cond that skipped a call on one device).
+std::string elsewhere_text(const CommConfig& cfg, int group, const std::vector<Seen>& states,
+                           uint64_t seq) {
+  if (cfg.device_id.size() != cfg.group_of.size()) return std::string();
+  std::vector<std::shared_ptr<Comm>> others;
+  {
+    std::shared_lock<std::shared_mutex> lock(g_registry_mu);
+    for (const auto& kv : g_registry)
+      if (kv.first != cfg.id) others.push_back(kv.second);
+  }
+  Text os;
+  int lines = 0;
+  for (size_t l = 0; l < cfg.group_of.size() && lines < 4; ++l) {
+    if (cfg.group_of[l] != group) continue;
+    const int r = cfg.rank_of[l];
+    if (r < 0 || size_t(r) >= states.size() || states[size_t(r)].seq >= seq) continue;
+    const int32_t device = cfg.device_id[l];
+    for (const auto& c : others) {
+      const CommConfig& oc = c->config;
+      if (oc.device_id.size() != oc.group_of.size()) continue;
+      auto at = std::find(oc.device_id.begin(), oc.device_id.end(), device);
+      if (at == oc.device_id.end()) continue;
+      const size_t ol = size_t(at - oc.device_id.begin());
+      const int og = oc.group_of[ol], orank = oc.rank_of[ol];
+      if (og < 0 || size_t(og) >= c->groups.size() || !c->groups[size_t(og)]->ws) continue;
+      const Seen x = rank_states(*c->groups[size_t(og)]->ws)[size_t(orank)];
+      if (!x.in_call()) continue;
+      os << "\nnote: rank " << r << " (device " << device << ") is in another communicator's "
+         << laggard_detail::call_name(x.seq, x.op, x.algo) << " as its rank " << orank
+         << (x.waiting() ? ", " + laggard_detail::wait_text(x) : std::string(", running"));
+      if (size_t(og) < oc.group_text.size() && !oc.group_text[size_t(og)].empty())
+        os << " (" << oc.group_text[size_t(og)] << ")";
+      ++lines;
+      break;
+    }
+  }
+  return os.str();
+}
+
 // Writes `what` (how `rank` failed: "timed out after 2 s waiting for ...") as the group's
 // first failure, unless another rank's came first; the ranks that give up after it repeat it.
 void note_first_failure(WorkspaceHeader& h, int rank, const std::string& what) {
@@ -419,6 +462,7 @@ class HostTransport {
                       last_calls_text(states, group_)
                 : laggard_text(states, group_, rank_, late ? peer : -1));
     const uint64_t seq = load_acquire(ws_.rec_state(rank_).seq);
+    if (!gone) os << elsewhere_text(cfg_, group_, states, seq);
     if (!gone && !cfg_.absent_note.empty() &&
         std::any_of(states.begin(), states.end(), [&](const Seen& x) { return x.seq < seq; }))
       os << "\n" << cfg_.absent_note;

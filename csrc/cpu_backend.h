@@ -57,6 +57,9 @@ struct CommConfig {
   // jax_gin.runtime names the group's mesh axes and devices, since the report's ranks and
   // call numbers are the group's own.
   std::vector<std::string> group_text;
+  // The JAX device id of each logical device id (empty: not known), by which a report finds
+  // where a rank that is behind here is in another communicator of this process.
+  std::vector<int32_t> device_id;
 };
 
 // The first bytes of a workspace. Attaching processes check it against what they expect.

@@ -294,7 +294,7 @@ NB_MODULE(_jax_gin, m) {
         [](int nranks, std::vector<int32_t> group_of, std::vector<int32_t> rank_of,
            size_t lane_bytes, double timeout_s, int fault_rank, nb::object workspaces,
            int fault_mode, int record_entries, std::string absent_note, int64_t id,
-           std::vector<std::string> group_text) {
+           std::vector<std::string> group_text, std::vector<int32_t> device_id) {
           if (nranks < 1 || nranks > kMaxRanks)
             throw nb::value_error(("jax_gin supports 1 to " + std::to_string(kMaxRanks) +
                                    " ranks per group, got " + std::to_string(nranks)).c_str());
@@ -311,6 +311,7 @@ NB_MODULE(_jax_gin, m) {
           cfg.absent_note = std::move(absent_note);
           cfg.id = id;
           cfg.group_text = std::move(group_text);
+          cfg.device_id = std::move(device_id);
           if (workspaces.is_none()) return cpu::create_comm(cfg);
           // One Workspace (or None: no rank of that group runs here) per group.
           std::vector<std::shared_ptr<cpu::Workspace>> ws;
@@ -326,7 +327,8 @@ NB_MODULE(_jax_gin, m) {
         nb::arg("timeout_s"), nb::arg("fault_rank") = -1, nb::arg("workspaces") = nb::none(),
         nb::arg("fault_mode") = 0, nb::arg("record_entries") = kRecDefaultEntries,
         nb::arg("absent_note") = std::string(), nb::arg("id") = 0,
-        nb::arg("group_text") = std::vector<std::string>());
+        nb::arg("group_text") = std::vector<std::string>(),
+        nb::arg("device_id") = std::vector<int32_t>());
 
   // Flight recorder (include/jax_gin/recorder.h).
   m.def("set_record", &cpu::set_record, nb::arg("on"), "write the recorder's ring (process-wide)");

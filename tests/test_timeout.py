@@ -195,6 +195,47 @@ def test_report_names_the_groups_axes_and_devices(monkeypatch):
         f"0-{n // 2 - 1} are devices {ids} (JAX device ids)"), msg
 
 
+def test_report_names_where_a_rank_behind_is_held_in_another_communicator(monkeypatch):
+    """Device 1 skips a psum over "b" (a cond); every device then sums over "a" what its psum
+    over "b" gave. The psum over "a" of column b = 0 times out first (its communicator's
+    timeout is the shorter): its rank 0, device 0, never entered it, held in the psum over
+    "b" by device 1. The report says where device 0 is and what it waits for there."""
+    n = ndev()
+    if jax.default_backend() != "cpu" or n != 8:
+        pytest.skip("CPU; a 2 x 4 mesh of 8 devices")
+    from jax.sharding import Mesh
+    from jax_gin import _runtime
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+    create = _runtime.communicator
+
+    def communicator(platform, mesh, axes):  # the psum over "b" waits the longer
+        with monkeypatch.context() as m:
+            m.setattr(_runtime.settings, "timeout_s", 2.0 if tuple(axes) == ("b",) else 0.5)
+            return create(platform, mesh, axes)
+    monkeypatch.setattr(_runtime, "communicator", communicator)
+
+    def body(v):
+        skip = (lax.axis_index("a") == 0) & (lax.axis_index("b") == 1)
+        y = lax.cond(skip, lambda u: u, lambda u: jax_gin.psum(u, "b", algorithm="one_shot"), v)
+        return jax_gin.psum(y, "a", algorithm="one_shot")
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(("a", "b")), out_specs=P(("a", "b")),
+                              check_vma=False))
+    with pytest.raises(Exception) as info:
+        jax.block_until_ready(f(exact_input((16,), n, "float32")))
+    msg = str(info.value)
+    # which column's error JAX raises varies: b = 0, 2 or 3 (column 1's sum completes)
+    b = int(re.search(r"rank \d of group (\d) \(2 ranks\)", msg).group(1))
+    assert b in (0, 2, 3), msg
+    assert "diagnosis: rank 0 never entered call #1 (psum, one_shot)" in msg, msg
+    assert (f"note: rank 0 (device {b}) is in another communicator's call #1 (psum, one_shot) "
+            f"as its rank {b}, waiting for rank 1 at step 0 of round 1 (group 0 of the "
+            "communicator over mesh axes ('b',), where a = 0: its ranks 0-3 are devices 0, 1, "
+            "2, 3 (JAX device ids))") in msg, msg
+    assert msg.rstrip().splitlines()[-1] == (
+        f"group {b} of the communicator over mesh axes ('a',), where b = {b}: its ranks 0-1 "
+        f"are devices {b}, {b + 4} (JAX device ids)"), msg
+
+
 def test_fault_only_affects_its_communicator(monkeypatch):
     needs_devices(2)  # a fault needs a peer to wait for
     if jax.default_backend() != "cpu":
