@@ -276,6 +276,23 @@ class trace(contextlib.ContextDecorator):
         block, self._block = self._block, None
         return block.__exit__(*exc)
 
+    def _recreate_cm(self):
+        # as a decorator, a block of its own per call: a function that calls itself nests them
+        return type(self)(self._path)
+
+    @staticmethod
+    def dump(path):
+        """Write the calls that the flight recorder keeps now to `path`, as a block's trace:
+        each rank's last JAX_GIN_RECORD_ENTRIES calls, of every communicator of this process
+        (where they ran with the recorder on: JAX_GIN_RECORD=1, or inside a block), with an
+        instant "N earlier calls not kept" where a ring wrapped. For after a failure: it waits
+        for no computation. Returns the number of calls written."""
+        from . import _runtime
+        _check_writable(path, "jax_gin.trace.dump")
+        events, _ = collect({})
+        write(path, events, **({"clock": GPU_CLOCK} if _runtime.gpu_comm_devices else {}))
+        return sum(1 for e in events if e.get("ph") == "X" and "seq" in e.get("args", {}))
+
 
 @contextlib.contextmanager
 def _block(path):

@@ -2,7 +2,8 @@
 
 Importing this subpackage (`import jax_gin.trace`) makes it the package's attribute `trace`,
 in place of the context manager jax_gin.trace(path); so the module is callable as that
-context manager, and `with jax_gin.trace(path):` works either way."""
+context manager, and `with jax_gin.trace(path):` and `jax_gin.trace.dump(path)` work either
+way."""
 import sys
 import types
 
@@ -14,4 +15,5 @@ class _CallableModule(types.ModuleType):
         return _trace(*args, **kwargs)
 
 
+dump = _trace.dump
 sys.modules[__name__].__class__ = _CallableModule
