@@ -7,6 +7,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
@@ -234,6 +235,33 @@ def test_report_names_where_a_rank_behind_is_held_in_another_communicator(monkey
     assert msg.rstrip().splitlines()[-1] == (
         f"group {b} of the communicator over mesh axes ('a',), where b = {b}: its ranks 0-1 "
         f"are devices {b}, {b + 4} (JAX device ids)"), msg
+
+
+@pytest.mark.parametrize("extra", [1, -1])
+def test_report_of_a_loop_that_runs_another_count_on_one_device(monkeypatch, extra):
+    """Device 3's loop makes one call more (or fewer) than the others': the ranks that never
+    entered the call are in none, and the diagnosis says that their programs have not come to
+    it, or that the ranks in it make a call theirs do not."""
+    needs_devices(4)
+    if jax.default_backend() != "cpu":
+        pytest.skip("CPU")
+    monkeypatch.setattr(jax_gin.runtime.settings, "timeout_s", 0.34 + 0.01 * extra)
+
+    def body(g):
+        count = jnp.where(lax.axis_index("i") == 3, 3 + extra, 3)
+        return lax.fori_loop(0, count, lambda k, g: jax_gin.psum(g, "i", algorithm="ring") / 8, g)
+    f = jax.jit(jax.shard_map(body, mesh=mesh_1d(), in_specs=P("i"), out_specs=P("i"),
+                              check_vma=False))
+    with pytest.raises(Exception) as info:
+        jax.block_until_ready(f(exact_input((64,), ndev(), "float32")))
+    msg = str(info.value)
+    if extra > 0:
+        assert "none of them is in a call: their programs have not come to call #4 yet, or " \
+               "rank 3 entered a call that theirs do not make (a loop or a cond that differs " \
+               "between devices)" in msg, msg
+    else:
+        assert "diagnosis: rank 3 never entered call #3 (psum, ring)" in msg, msg
+        assert "it is in no call: its program has not come to call #3 yet, or ranks " in msg, msg
 
 
 def test_fault_only_affects_its_communicator(monkeypatch):

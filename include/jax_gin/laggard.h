@@ -120,7 +120,8 @@ inline std::string last_calls_text(const std::vector<Seen>& s, int group) {
 // "diagnosis: rank 3 never entered call #1842 (psum, one_shot); ranks 0-2 wait for it at step 0.
 // last calls of group 0: ..." for the ranks' states `s`, as rank `self` of `group` reports it
 // (where more ranks never entered the call, the diagnosis ends "; ranks 4-5 never entered call
-// #1842 either").
+// #1842 either"; where every rank that never entered it is in no call, it adds that their
+// programs have not come to it yet, or that the ranks in it make a call theirs do not).
 // `late_peer` >= 0: the signal that `self` waited for, from that rank, was there when `self`
 // read its flag again after reading the states. It arrived late, not never: the ranks were
 // about a timeout apart, and the states, read as that rank went on, would name it as a rank
@@ -255,6 +256,23 @@ inline std::string laggard_text(const std::vector<Seen>& s, int group, int self,
       if (r != behind && s[size_t(r)].seq < k) absent.push_back(r);
     if (!absent.empty())
       os << "; " << ranks_word(absent) << " never entered call #" << k << " either";
+    // Every rank that never entered it has made calls here and is in none: their programs
+    // may not have come to it yet, or those in it make a call that theirs do not.
+    absent.push_back(behind);
+    std::vector<int> in_k;
+    for (int r = 0; r < n; ++r)
+      if (s[size_t(r)].seq == k) in_k.push_back(r);
+    const bool idle = std::all_of(absent.begin(), absent.end(), [&](int r) {
+      const Seen& x = s[size_t(r)];
+      return x.seq > 0 && !x.in_call() && !x.failed;
+    });
+    const bool one = absent.size() == 1;
+    if (idle)
+      os << "; " << (one ? "it is in no call: its program has" : "none of them is in a call: "
+                                                                  "their programs have")
+         << " not come to call #" << k << " yet, or " << ranks_word(in_k) << " entered a call "
+         << "that " << (one ? "its program does" : "theirs do") << " not make (a loop or a "
+         << "cond that differs between devices)";
   } else {
     // Every rank entered call k. A rank waited for that has finished the call (it returned,
     // or is in a later call) did not deliver its signals; else follow the waits from this rank
