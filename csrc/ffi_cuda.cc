@@ -49,7 +49,8 @@ ffi::Error live_rank(int64_t comm, int32_t device, const gpu::RankState** st) {
   // A kernel of this rank timed out earlier (and trapped): say so instead of launching again.
   if ((*st)->diag_host->diag.valid) {
     return ffi::Error::Internal(
-        "jax_gin: an earlier call failed: " + gpu::describe(*(*st)->diag_host, (*st)->nranks) +
+        "jax_gin: an earlier call failed: " +
+        gpu::describe(*(*st)->diag_host, (*st)->nranks, (*st)->group_text) +
         " A kernel that timed out aborted this GPU's CUDA context: restart the process (CUDA "
         "cannot recover a context after a device-side trap)");
   }

@@ -127,6 +127,8 @@ NB_MODULE(_jax_gin_cuda, m) {
   });
   m.def("comm_set_fingerprint", &gpu::set_fingerprint, nb::arg("comm"), nb::arg("fingerprint"),
         "the fingerprint that the custom calls' comm attribute carries (ffi_common.h)");
+  m.def("comm_set_group_text", &gpu::set_group_text, nb::arg("comm"), nb::arg("texts"),
+        "the last line of the hang reports of each group (by index): its mesh axes and devices");
   m.def("comm_ranks_per_node", &gpu::comm_ranks_per_node, nb::arg("comm"),
         "Ranks per node if the communicator's groups span nodes (hierarchical only), else 0.");
   m.def("diagnostics", &gpu::diagnostics, nb::arg("comm") = -1,

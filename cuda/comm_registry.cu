@@ -119,7 +119,7 @@ void watchdog_loop() {
                      "context of device %d is lost: this process's next CUDA call fails with "
                      "an unspecified launch failure, and it cannot continue. Restart it, and "
                      "its peers.\n",
-                     describe(d, s.nranks).c_str(), s.device);
+                     describe(d, s.nranks, s.group_text).c_str(), s.device);
         std::fflush(stderr);
       }
   }
@@ -229,6 +229,14 @@ bool comm_exists(int64_t id, uint32_t fingerprint) {
          it->second->ranks[0].fingerprint == fingerprint;
 }
 
+void set_group_text(int64_t id, const std::vector<std::string>& texts) {
+  std::unique_lock<std::shared_mutex> lock(g_mu);
+  auto it = g_comms.find(id);
+  if (it == g_comms.end()) throw std::invalid_argument("jax_gin: no communicator " + std::to_string(id));
+  for (RankState& s : it->second->ranks)
+    if (s.group >= 0 && size_t(s.group) < texts.size()) s.group_text = texts[size_t(s.group)];
+}
+
 void set_fingerprint(int64_t id, uint32_t fingerprint) {
   std::unique_lock<std::shared_mutex> lock(g_mu);
   auto it = g_comms.find(id);
@@ -236,7 +244,7 @@ void set_fingerprint(int64_t id, uint32_t fingerprint) {
   for (RankState& s : it->second->ranks) s.fingerprint = fingerprint;
 }
 
-std::string describe(const HangReport& r, int nranks) {
+std::string describe(const HangReport& r, int nranks, const std::string& group_text) {
   const Diagnostic& d = r.diag;
   Text os;
   os << "jax_gin " << call_op_name(d.op) << " (" << algorithm_name(Algorithm(d.algorithm))
@@ -256,6 +264,7 @@ std::string describe(const HangReport& r, int nranks) {
     os << "\n" << laggard_text(seen, d.group, d.rank, r.late ? d.peer : -1,
                                   /*turn_checked=*/false);
   }
+  if (!group_text.empty()) os << "\n" << group_text;
   return os.str();
 }
 
@@ -267,7 +276,7 @@ std::vector<std::string> diagnostics(int64_t id) {
     for (auto& s : c->ranks) {
       HangReport d;
       std::memcpy(&d, const_cast<const HangReport*>(s.diag_host), sizeof d);
-      if (d.diag.valid) out.push_back(describe(d, s.nranks));
+      if (d.diag.valid) out.push_back(describe(d, s.nranks, s.group_text));
     }
   }
   return out;

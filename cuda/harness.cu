@@ -276,7 +276,8 @@ int wait_all(std::vector<Rank>& rk, int N) {
   int reports = 0;
   for (int r = 0; r < N; ++r)
     if (rk[r].diag_host->diag.valid) {
-      std::printf("%s\n", gpu::describe(*rk[r].diag_host, N).c_str());
+      std::printf("%s\n", gpu::describe(*rk[r].diag_host, N,
+                                         "group 0 of the harness: its ranks are streams").c_str());
       ++reports;
     }
   if (reports == 0) {

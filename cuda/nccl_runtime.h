@@ -51,6 +51,9 @@ struct RankState {
   // (LaunchConfig::rec_ring, rec_ctl).
   RecEntry* rec_ring = nullptr;
   uint64_t* rec_ctl = nullptr;
+  // The last line of its hang reports (empty: none): jax_gin.runtime names the group's mesh
+  // axes and devices there (set_group_text), since a report's ranks are the group's own.
+  std::string group_text;
 };
 
 // The launch settings of a communicator's ranks, from jax_gin.runtime.settings (Python reads
@@ -109,11 +112,14 @@ const RankState* find_rank(int64_t id, int device);
 bool comm_exists(int64_t id, uint32_t fingerprint);
 // Sets communicator `id`'s fingerprint, before any program that uses it is lowered.
 void set_fingerprint(int64_t id, uint32_t fingerprint);
+// Sets the last line of the hang reports of each group of communicator `id` (by group index),
+// before any program that uses it is lowered.
+void set_group_text(int64_t id, const std::vector<std::string>& texts);
 // Messages of every timed-out wait recorded for communicator `id` (all if id < 0).
 std::vector<std::string> diagnostics(int64_t id);
-// A timed-out wait's report as text: the wait, and the diagnosis of who is behind (from the
-// ranks' state blocks, where it has them).
-std::string describe(const HangReport& r, int nranks);
+// A timed-out wait's report as text: the wait, the diagnosis of who is behind (from the
+// ranks' state blocks, where it has them), and `group_text` as the last line where not empty.
+std::string describe(const HangReport& r, int nranks, const std::string& group_text = std::string());
 void shutdown();
 // The flight recorder of every rank of this process, now and for communicators created later:
 // on or off. Waits for each rank's side stream (not for XLA's streams).

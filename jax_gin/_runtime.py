@@ -485,6 +485,8 @@ def communicator(platform: str, mesh, axes: tuple) -> int:
         else:
             comm = _create_cuda_comm(mesh, layout, ws, meet, comm_id)
             _native.cuda.comm_set_fingerprint(comm, fingerprint)
+            _native.cuda.comm_set_group_text(comm, group_texts(mesh, tuple(axes), devices,
+                                                               layout))
             gpu_comm_devices[comm] = (tuple(int(d.id) for d in devices), layout)
         _fingerprints[(platform == "cpu", comm)] = fingerprint
         _cache[cache_key] = comm
@@ -625,8 +627,8 @@ def _xla_cpu_threads_note() -> str:
 
 
 def group_texts(mesh, axes: tuple, devices: list, layout: GroupLayout) -> list:
-    """Per group, the last line of a hang report from its ranks, whose ranks and call numbers
-    are the group's own: "group 1 of the communicator over mesh axes ('b',), where a = 1: its
+    """Per group, the last line of a hang report from its ranks (CPU and GPU), whose ranks and
+    call numbers are the group's own: "group 1 of the communicator over mesh axes ('b',), where a = 1: its
     ranks 0-3 are devices 4, 5, 6, 7 (JAX device ids)"."""
     names = tuple(mesh.axis_names)
     shape = tuple(int(mesh.shape[n]) for n in names)
