@@ -112,7 +112,7 @@ harness() {
   log "fault injection rc=$? (3 expected): $(grep -m1 'timed out' "$OUT/harness.log")"
   log "$(grep -m1 '^diagnosis' "$OUT/harness.log")"
   # every report ends with its group's line (describe's last argument)
-  log "reports ending with the group's line: $(grep -c '^group 0 of the harness' "$OUT/harness.log") of $(grep -c 'timed out' "$OUT/harness.log")"
+  log "reports ending with the group's line: $(grep -c '^group 0 of the harness' "$OUT/harness.log") of $(grep -c '^jax_gin .* timed out waiting' "$OUT/harness.log")"
   # many waits time out at once (every thread of an LL launch, thread 0 of every lane of a
   # ring): the first to claim the report must finish it before any traps, every run
   rcs=""
