@@ -168,7 +168,7 @@ std::string elsewhere_text(const CommConfig& cfg, int group, const std::vector<S
       const int og = oc.group_of[ol], orank = oc.rank_of[ol];
       if (og < 0 || size_t(og) >= c->groups.size() || !c->groups[size_t(og)]->ws) continue;
       const Seen x = rank_states(*c->groups[size_t(og)]->ws)[size_t(orank)];
-      if (!x.in_call()) continue;
+      if (!x.in_call() || x.failed) continue;  // (a failed call keeps its wait published)
       os << "\nnote: rank " << r << " (device " << device << ") is in another communicator's "
          << laggard_detail::call_name(x.seq, x.op, x.algo) << " as its rank " << orank
          << (x.waiting() ? ", " + laggard_detail::wait_text(x) : std::string(", running"));

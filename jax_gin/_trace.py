@@ -285,8 +285,9 @@ class trace(contextlib.ContextDecorator):
         """Write the calls that the flight recorder keeps now to `path`, as a block's trace:
         each rank's last JAX_GIN_RECORD_ENTRIES calls, of every communicator of this process
         (where they ran with the recorder on: JAX_GIN_RECORD=1, or inside a block), with an
-        instant "N earlier calls not kept" where a ring wrapped. For after a failure: it waits
-        for no computation. Returns the number of calls written."""
+        instant "N earlier calls not kept" before a rank's first kept call for the calls it
+        made before that (a ring that wrapped, or calls made with the recorder off). For after
+        a failure: it waits for no computation. Returns the number of calls written."""
         from . import _runtime
         _check_writable(path, "jax_gin.trace.dump")
         events, _ = collect({})
@@ -369,7 +370,7 @@ def _sources(p, doc) -> set:
         raise MergeError(f"{p}: merged by an older jax_gin; merge its inputs instead")
     pair = (meta.get("clock"), meta.get("host"))
     if not all(v is None or isinstance(v, (str, int, float)) for v in pair):
-        raise MergeError(f"{p}: metadata.jax_gin's clock and host are not strings")
+        raise MergeError(f"{p}: metadata.jax_gin's clock and host are not strings or numbers")
     return {pair}
 
 

@@ -237,6 +237,28 @@ def test_report_names_where_a_rank_behind_is_held_in_another_communicator(monkey
         f"are devices {b}, {b + 4} (JAX device ids)"), msg
 
 
+def test_report_notes_no_call_of_another_communicator_that_failed(monkeypatch):
+    """A communicator that failed earlier keeps its ranks' failed waits: a later hang on
+    another communicator of the same devices does not note them as calls its ranks are in."""
+    needs_devices(2)
+    if jax.default_backend() != "cpu":
+        pytest.skip("CPU")
+    from jax.sharding import Mesh
+    monkeypatch.setattr(jax_gin.runtime.settings, "timeout_s", 0.35)
+    monkeypatch.setattr(jax_gin.runtime.settings, "fault_mode", "absent")
+    msgs = []
+    for name, rank in (("j", 1), ("i", ndev() - 1)):
+        mesh = Mesh(np.array(jax.devices()), (name,))
+        monkeypatch.setattr(jax_gin.runtime.settings, "fault_rank", rank)
+        f = jax.jit(jax.shard_map(lambda g: jax_gin.psum(g, name, algorithm="ring"),
+                                  mesh=mesh, in_specs=P(name), out_specs=P()))
+        with pytest.raises(Exception) as info:
+            jax.block_until_ready(f(exact_input((64,), ndev(), "float32")))
+        msgs.append(str(info.value))
+    assert "never entered call #1 (psum, ring)" in msgs[1], msgs[1]
+    assert "note: rank" not in msgs[1], msgs[1]
+
+
 @pytest.mark.parametrize("extra", [1, -1])
 def test_report_of_a_loop_that_runs_another_count_on_one_device(monkeypatch, extra):
     """Device 3's loop makes one call more (or fewer) than the others': the ranks that never
@@ -256,12 +278,14 @@ def test_report_of_a_loop_that_runs_another_count_on_one_device(monkeypatch, ext
         jax.block_until_ready(f(exact_input((64,), ndev(), "float32")))
     msg = str(info.value)
     if extra > 0:
-        assert "none of them is in a call: their programs have not come to call #4 yet, or " \
-               "rank 3 entered a call that theirs do not make (a loop or a cond that differs " \
-               "between devices)" in msg, msg
+        assert "none of them is in a call of this communicator: their programs have not come " \
+               "to call #4 yet (it may be held in another communicator's call), or rank 3 " \
+               "entered a call that theirs do not make (a loop or a cond that differs between " \
+               "devices)" in msg, msg
     else:
         assert "diagnosis: rank 3 never entered call #3 (psum, ring)" in msg, msg
-        assert "it is in no call: its program has not come to call #3 yet, or ranks " in msg, msg
+        assert "it is in no call of this communicator: its program has not come to call #3 " \
+               "yet (it may be held in another communicator's call), or ranks " in msg, msg
 
 
 def test_fault_only_affects_its_communicator(monkeypatch):

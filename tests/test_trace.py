@@ -498,7 +498,7 @@ def test_merge_refusals(tmp_path, capsys):
               ((tmp_path / "src.json",), "src.json: metadata.jax_gin.sources is not a list of "
                                          "[clock, host]"),
               ((tmp_path / "clock.json",), "clock.json: metadata.jax_gin's clock and host are "
-                                           "not strings"),
+                                           "not strings or numbers"),
               ((a, tmp_path / "origin.json"), "origin.json: metadata.jax_gin.origin_us is not "
                                               "a finite number")]
     for files, msg in cases:

@@ -120,8 +120,9 @@ inline std::string last_calls_text(const std::vector<Seen>& s, int group) {
 // "diagnosis: rank 3 never entered call #1842 (psum, one_shot); ranks 0-2 wait for it at step 0.
 // last calls of group 0: ..." for the ranks' states `s`, as rank `self` of `group` reports it
 // (where more ranks never entered the call, the diagnosis ends "; ranks 4-5 never entered call
-// #1842 either"; where every rank that never entered it is in no call, it adds that their
-// programs have not come to it yet, or that the ranks in it make a call theirs do not).
+// #1842 either"; where every rank that never entered it is in no call of this communicator,
+// it adds that their programs have not come to it yet, held in another communicator's call
+// maybe, or that the ranks in it make a call theirs do not).
 // `late_peer` >= 0: the signal that `self` waited for, from that rank, was there when `self`
 // read its flag again after reading the states. It arrived late, not never: the ranks were
 // about a timeout apart, and the states, read as that rank went on, would name it as a rank
@@ -268,11 +269,12 @@ inline std::string laggard_text(const std::vector<Seen>& s, int group, int self,
     });
     const bool one = absent.size() == 1;
     if (idle)
-      os << "; " << (one ? "it is in no call: its program has" : "none of them is in a call: "
-                                                                  "their programs have")
-         << " not come to call #" << k << " yet, or " << ranks_word(in_k) << " entered a call "
-         << "that " << (one ? "its program does" : "theirs do") << " not make (a loop or a "
-         << "cond that differs between devices)";
+      os << "; " << (one ? "it is in no call of this communicator: its program has"
+                         : "none of them is in a call of this communicator: their programs have")
+         << " not come to call #" << k << " yet (it may be held in another communicator's "
+         << "call), or " << ranks_word(in_k) << " entered a call that "
+         << (one ? "its program does" : "theirs do") << " not make (a loop or a cond that "
+         << "differs between devices)";
   } else {
     // Every rank entered call k. A rank waited for that has finished the call (it returned,
     // or is in a later call) did not deliver its signals; else follow the waits from this rank
