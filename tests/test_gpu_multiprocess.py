@@ -82,6 +82,11 @@ def test_bootstrap_two_processes():
     assert r0["made"]["2d_y"] == 2 and r1["made"]["2d_y"] == 2
     # Over "x": 2 groups of 4, each across both processes.
     assert [s[0] for s in r0["cases"]["2d_x"]] == [0, 1] == [s[0] for s in r1["cases"]["2d_x"]]
+    # Each group's report line names its axes and global device ids, alike in both processes.
+    ids = r0["mesh2_ids"]  # (4, 2): the JAX ids of process 1's devices are not 4-7
+    assert r0["texts"]["2d_x"] == r1["texts"]["2d_x"] == [
+        f"group {g} of the communicator over mesh axes ('x',), where y = {g}: its ranks 0-3 are "
+        f"devices {', '.join(str(row[g]) for row in ids)} (JAX device ids)" for g in (0, 1)]
     # A second communicator of the same key (after reset) gets fresh ids.
     assert r0["cases"]["1d_again"][0][2] == r1["cases"]["1d_again"][0][2]
     assert r0["cases"]["1d_again"][0][2] != r0["cases"]["1d"][0][2]
@@ -193,22 +198,27 @@ def _bootstrap_worker(pid, devices, report, _distributed, _native, _runtime):
         def comm_set_fingerprint(self, comm, fingerprint):
             pass
 
+        def comm_set_group_text(self, comm, texts):
+            self.texts = list(texts)
+
         def comm_destroy(self, comm):
             pass
 
     fake = FakeCuda()
     _native.cuda = fake
-    report["cases"], report["made"] = {}, {}
+    report["cases"], report["made"], report["texts"] = {}, {}, {}
 
     def case(name, mesh, axes):
         fake.made, fake.specs = 0, None
         _runtime.communicator("cuda", mesh, axes)
         report["cases"][name] = fake.specs
         report["made"][name] = fake.made
+        report["texts"][name] = getattr(fake, "texts", None)
 
     mesh1 = Mesh(devices, ("i",))
     mesh1_rev = Mesh(devices[::-1].copy(), ("i",))
     mesh2 = Mesh(devices.reshape(4, 2), ("x", "y"))
+    report["mesh2_ids"] = [[int(d.id) for d in row] for row in mesh2.devices]
     case("1d", mesh1, ("i",))
     case("1d_rev", mesh1_rev, ("i",))
     case("2d_x", mesh2, ("x",))
