@@ -34,6 +34,7 @@ from __future__ import annotations
 import builtins
 import functools
 import math
+import operator
 import string
 
 import numpy as np
@@ -499,10 +500,13 @@ def _normalize_axis(axis, ndim: int, api: str) -> tuple:
     axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
     out = []
     for a in axes:
-        if isinstance(a, (bool, np.bool_)) or not isinstance(a, (int, np.integer)):
+        try:  # an integer, or a concrete integer array, as jnp's reductions take them
+            if isinstance(a, (bool, np.bool_)) or _compat.is_tracer(a):
+                raise TypeError
+            a = operator.index(a)
+        except TypeError:
             raise TypeError(f"jax_gin.{api}: axis must be an integer or a tuple of integers, "
-                            f"got {axis!r}")
-        a = int(a)
+                            f"got {axis!r}") from None
         if not -ndim <= a < ndim:
             raise ValueError(f"jax_gin.{api}: axis {a} is out of bounds for {ndim} dimensions")
         out.append(a % ndim)

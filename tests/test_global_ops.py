@@ -749,12 +749,23 @@ def test_complex_sums_and_contractions():
         jax_gin.max(xs)
 
 
-@pytest.mark.parametrize("axis", [1.0, 1.7, True, "0", (0, 1.0)])
+@pytest.mark.parametrize("axis", [1.0, 1.7, True, "0", (0, 1.0), jnp.float32(1)])
 def test_axis_must_be_integers(axis):
     x = ints((4, 4))
     for fn in (jax_gin.sum, jax_gin.mean, jax_gin.max):
         with pytest.raises(TypeError, match=r"axis must be an integer or a tuple of integers"):
             fn(x, axis=axis)
+
+
+def test_axis_as_a_concrete_integer_array():
+    """As jnp's reductions: an axis given as a concrete integer array (a traced one is
+    refused by name)."""
+    x = ints((4, 6))
+    for name in ("sum", "mean", "max", "min"):
+        for axis in (jnp.int32(1), (np.int64(0), jnp.int32(-1))):
+            _assert_bitwise(getattr(jax_gin, name)(x, axis=axis), getattr(jnp, name)(x, axis=axis))
+    with pytest.raises(TypeError, match=r"jax_gin.sum: axis must be an integer"):
+        jax.jit(lambda v, a: jax_gin.sum(v, axis=a))(x, 1)
 
 
 # vmap and jacrev: each op on a (8, 12) block whose 12 (contracted or reduced) is sharded over
