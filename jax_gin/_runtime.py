@@ -402,21 +402,33 @@ def workspace_bytes(platform: str) -> int:
     return settings.cpu_workspace_bytes if platform == "cpu" else settings.gpu_workspace_bytes
 
 
-def check_workspace(platform: str, algorithm: str, nranks: int, itemsize: int, api: str,
-                    collective: bool = False) -> None:
-    """Raise (at lowering) if one round of `algorithm` cannot fit in the workspace: a round of
-    the all-reduce (schedule.h), or with `collective` one of psum_scatter or all_gather
-    (collectives.h)."""
-    if nranks <= 1:
-        return
+def _lane_bytes(platform: str) -> int:
     lane = workspace_bytes(platform)
     if platform != "cpu" and _native.cuda is not None:
         lane = _native.cuda.lane_bytes(lane)
-    code = ALGORITHM_CODES[algorithm]
+    return lane
+
+
+def workspace_fits(platform: str, algorithm: str, nranks: int, itemsize: int,
+                   collective: bool = False) -> bool:
+    """Whether one round of `algorithm` fits in the workspace: a round of the all-reduce
+    (schedule.h), or with `collective` one of psum_scatter or all_gather (collectives.h)."""
+    if nranks <= 1:
+        return True
     schedule = _native.cpu.schedule
-    slot_elems, slots = ((schedule.coll_slot_elems, schedule.coll_slots) if collective
-                         else (schedule.slot_elems, schedule.num_slots))
-    if slot_elems(code, nranks, lane, itemsize) == 0:
+    slot_elems = schedule.coll_slot_elems if collective else schedule.slot_elems
+    return slot_elems(ALGORITHM_CODES[algorithm], nranks, _lane_bytes(platform), itemsize) != 0
+
+
+def check_workspace(platform: str, algorithm: str, nranks: int, itemsize: int, api: str,
+                    collective: bool = False) -> None:
+    """Raise (at lowering) if one round of `algorithm` cannot fit in the workspace
+    (workspace_fits)."""
+    if not workspace_fits(platform, algorithm, nranks, itemsize, collective):
+        lane = _lane_bytes(platform)
+        schedule = _native.cpu.schedule
+        slots = schedule.coll_slots if collective else schedule.num_slots
+        code = ALGORITHM_CODES[algorithm]
         need = slots(code, nranks) * ALIGN_BYTES
         raise ValueError(
             f"jax_gin.{api}: workspace too small: {lane} bytes per rank cannot hold one round "

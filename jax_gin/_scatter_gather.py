@@ -510,7 +510,9 @@ def _lowering(api, ctx, x, *, axes, nranks, algorithm, mode, platform):
     requested = algorithm
     if algorithm == "auto":
         kind = _select.table_kind(mesh, platform)
-        algorithm, _ = _select.choose_collective(platform, nbytes, nranks, kind, api=api)
+        algorithm, _ = _select.fit_workspace(
+            _select.choose_collective(platform, nbytes, nranks, kind, api=api), platform,
+            nranks, itemsize, api)
     comm = None
     if not partial and algorithm != _select.XLA_FALLBACK:
         _primitive.check_cuda_module(platform, api)

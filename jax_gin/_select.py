@@ -192,6 +192,26 @@ def choose_collective(platform: str, nbytes: int, nranks: int, device_kind: str 
                         f"(N-1)/N share of the {nbytes} B per rank that any schedule moves")
 
 
+def fit_workspace(choice: tuple, platform: str, nranks: int, itemsize: int,
+                  collective: str = ALL_REDUCE) -> tuple[str, str]:
+    """auto's (algorithm, reason) `choice`, or where one round of that algorithm does not fit
+    in the workspace (a small JAX_GIN_WORKSPACE_BYTES) the first of the collective's
+    algorithms whose round does, so that auto runs wherever one fits; unchanged where none
+    does (the lowering's error then names the workspace)."""
+    algo, why = choice
+    if algo == XLA_FALLBACK:
+        return choice
+    coll = collective != ALL_REDUCE
+    if _runtime.workspace_fits(platform, algo, nranks, itemsize, coll):
+        return choice
+    for other in algorithms(collective):
+        if _runtime.workspace_fits(platform, other, nranks, itemsize, coll):
+            lane = _runtime._lane_bytes(platform)
+            return other, (f"{algo} ({why}) does not fit one round in the workspace of {lane} "
+                           f"bytes per rank, and {other} is the first that does")
+    return choice
+
+
 def validate(algorithm, api: str, choices: tuple = ALGORITHMS) -> str:
     """`algorithm` if it is "auto" or one of `choices` (the all-reduces' by default;
     COLLECTIVE_ALGORITHMS for psum_scatter and all_gather), else a ValueError naming them."""

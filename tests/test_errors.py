@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jax_gin
@@ -117,6 +118,32 @@ def test_workspace_past_the_address_space(monkeypatch):
                        r"\(JAX_GIN_WORKSPACE_BYTES, settings.cpu_workspace_bytes\) over "
                        f"{ndev()} ranks exceeds the address space"):
         f(x)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU workspace's size")
+def test_auto_picks_an_algorithm_whose_round_fits_the_workspace(monkeypatch):
+    """A workspace that one round of auto's first choice does not fit, but another's does:
+    auto runs that one (lax's bits), and explain says why; a named algorithm that does not
+    fit still raises."""
+    needs_devices(4)
+    from jax_gin import _runtime
+    n = ndev()
+    monkeypatch.setattr(_runtime.settings, "cpu_workspace_bytes", 128)
+    fits = [a for a in jax_gin.ALGORITHMS if _runtime.workspace_fits("cpu", a, n, 4)]
+    assert fits and len(fits) < len(jax_gin.ALGORITHMS), fits
+    # the model's choice above 64 KiB on CPU devices: two_shot, whose round does not fit
+    spec = jax.ShapeDtypeStruct((16385,), jnp.float32)
+    said = jax_gin.explain(spec, nranks=n, platform="cpu", device_kind="a device with no table")
+    assert "two_shot" not in fits
+    assert said.startswith(f"{fits[0]}: two_shot (") and \
+        "does not fit one round in the workspace of 128 bytes per rank" in said, said
+    x = exact_input((4097,), n, "float32")
+    f = smap(lambda v: (jax_gin.psum(v, "i"), lax.psum(v, "i")), mesh_1d(), P("i"))
+    assert_bitwise(*f(x))
+    unfit = next(a for a in jax_gin.ALGORITHMS if a not in fits)
+    with pytest.raises(ValueError, match=f"workspace too small: 128 bytes per rank cannot hold "
+                                         f"one round of {unfit}"):
+        smap(lambda v: jax_gin.psum(v, "i", algorithm=unfit), mesh_1d(), P("i")).lower(x)
 
 
 def test_workspace_too_small(monkeypatch):
