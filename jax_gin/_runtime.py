@@ -180,8 +180,9 @@ class Settings:
     cpu_workspace_bytes, gpu_workspace_bytes: symmetric workspace per rank on CPU devices
         (default 1 MiB) and on GPUs (default 64 MiB), both set by JAX_GIN_WORKSPACE_BYTES (a
         positive integer); messages larger than one round's capacity are pipelined through it in
-        chunks. A workspace too small for one round of an algorithm raises a ValueError when
-        the program is lowered, naming the bytes it needs.
+        chunks. `auto` runs an algorithm one round of which fits the workspace; a named
+        algorithm whose round does not fit raises a ValueError when the program is lowered,
+        naming the bytes it needs.
     timeout_s: how long any wait may spin before the call fails (JAX_GIN_TIMEOUT_S, seconds,
         positive and finite).
     bucket_bytes: a pytree's leaves of one dtype are reduced (scattered, gathered) together,

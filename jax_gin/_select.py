@@ -4,6 +4,8 @@
    that was measured faster than every jax_gin algorithm) measured on this kind of machine and group size (jax_gin/tuning/*.json,
    written by `python -m jax_gin.tune`; JAX_GIN_TUNING_DIR adds a folder searched first).
    psum, pmax and pmin read the all-reduce table; psum_scatter and all_gather each their own.
+Where one round of the choice does not fit the workspace (a small JAX_GIN_WORKSPACE_BYTES),
+fit_workspace takes the first of the collective's algorithms whose round does.
 2. Otherwise a model-based rule (choose and choose_collective below): one_shot moves
    (N-1)*S per rank in one synchronization step, two_shot 2(N-1)/N*S in two, ring the same
    bytes in 2(N-1) steps, tree log2(N) steps. Small messages are latency-bound -> one_shot; large ones

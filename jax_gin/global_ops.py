@@ -497,6 +497,9 @@ def matmul(x, w, *, algorithm: str = "auto", precision=None, preferred_element_t
 def _normalize_axis(axis, ndim: int, api: str) -> tuple:
     if axis is None:
         return tuple(range(ndim))
+    if not isinstance(axis, (tuple, list)) and not _compat.is_tracer(axis) and \
+            np.ndim(axis) == 1:  # a 1-D array of axes, as jnp takes it
+        axis = tuple(np.asarray(axis).tolist())
     axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
     out = []
     for a in axes:

@@ -144,6 +144,20 @@ def test_auto_picks_an_algorithm_whose_round_fits_the_workspace(monkeypatch):
     with pytest.raises(ValueError, match=f"workspace too small: 128 bytes per rank cannot hold "
                                          f"one round of {unfit}"):
         smap(lambda v: jax_gin.psum(v, "i", algorithm=unfit), mesh_1d(), P("i")).lower(x)
+    # psum_scatter and all_gather: where one_shot's round (a slot a rank) does not fit and
+    # ring's (one fewer) does
+    if n == 8:
+        monkeypatch.setattr(_runtime.settings, "cpu_workspace_bytes", 112)
+        assert not _runtime.workspace_fits("cpu", "one_shot", n, 4, True)
+        assert _runtime.workspace_fits("cpu", "ring", n, 4, True)
+        y = exact_input((8 * 40,), n, "float32")
+        for api in ("psum_scatter", "all_gather"):
+            said = jax_gin.explain(jax.ShapeDtypeStruct((8 * 40,), jnp.float32), nranks=n,
+                                   platform="cpu", device_kind="none", collective=api)
+            assert said.startswith("ring: one_shot ("), said
+            g = smap(lambda v: (getattr(jax_gin, api)(v, "i", tiled=True),
+                                getattr(lax, api)(v, "i", tiled=True)), mesh_1d(), P("i"))
+            assert_bitwise(*g(y))
 
 
 def test_workspace_too_small(monkeypatch):

@@ -758,11 +758,12 @@ def test_axis_must_be_integers(axis):
 
 
 def test_axis_as_a_concrete_integer_array():
-    """As jnp's reductions: an axis given as a concrete integer array (a traced one is
-    refused by name)."""
+    """As jnp's reductions: an axis given as a concrete integer array, 0-d or 1-D (a traced
+    one is refused by name)."""
     x = ints((4, 6))
     for name in ("sum", "mean", "max", "min"):
-        for axis in (jnp.int32(1), (np.int64(0), jnp.int32(-1))):
+        for axis in (jnp.int32(1), (np.int64(0), jnp.int32(-1)), jnp.array([0, 1]),
+                     np.array([1])):
             _assert_bitwise(getattr(jax_gin, name)(x, axis=axis), getattr(jnp, name)(x, axis=axis))
     with pytest.raises(TypeError, match=r"jax_gin.sum: axis must be an integer"):
         jax.jit(lambda v, a: jax_gin.sum(v, axis=a))(x, 1)
