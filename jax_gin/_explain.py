@@ -105,14 +105,12 @@ def explain(x, axis_name=None, *, nranks: int | None = None, platform: str | Non
             if nranks == 1:  # auto lowers it to its operands (_select.ONE_RANK)
                 algo, why = "no call", "a group of one rank, whose result is its input"
             elif scatter_gather:
-                algo, why = _select.fit_workspace(
-                    _select.choose_collective(platform, nbytes, nranks, device_kind,
-                                              api=collective),
-                    platform, nranks, np.dtype(dtype).itemsize, collective)
+                algo, why = _select.choose_collective(platform, nbytes, nranks, device_kind,
+                                                      api=collective,
+                                                      itemsize=np.dtype(dtype).itemsize)
             else:
-                algo, why = _select.fit_workspace(
-                    _select.choose(platform, nbytes, nranks, device_kind), platform, nranks,
-                    np.dtype(dtype).itemsize)
+                algo, why = _select.choose(platform, nbytes, nranks, device_kind,
+                                           np.dtype(dtype).itemsize)
             line = f"{algo}: {why} (platform {platform}, {_ranks(nranks)}, {what})"
         lines.append(line if len(calls) == 1 else
                      f"call {len(lines) + 1}, {dtype}, leaves {_ranges(leaves)}: {line}")

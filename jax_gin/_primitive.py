@@ -594,9 +594,7 @@ def resolve_call(ctx, avals, axes, op, algorithm, platform, api: str | None = No
     requested = algorithm
     if algorithm == "auto":
         kind = _select.table_kind(mesh, platform)
-        algorithm, _ = _select.fit_workspace(
-            _select.choose(platform, nbytes, layout.nranks, kind), platform, layout.nranks,
-            itemsize)
+        algorithm, _ = _select.choose(platform, nbytes, layout.nranks, kind, itemsize)
     if algorithm == _select.XLA_FALLBACK:
         return None
     check_cuda_module(platform, api)

@@ -5,7 +5,8 @@
    written by `python -m jax_gin.tune`; JAX_GIN_TUNING_DIR adds a folder searched first).
    psum, pmax and pmin read the all-reduce table; psum_scatter and all_gather each their own.
 Where one round of the choice does not fit the workspace (a small JAX_GIN_WORKSPACE_BYTES),
-fit_workspace takes the first of the collective's algorithms whose round does.
+choose and choose_collective, given the element size, take the first of the collective's
+algorithms whose round does (fit_workspace).
 2. Otherwise a model-based rule (choose and choose_collective below): one_shot moves
    (N-1)*S per rank in one synchronization step, two_shot 2(N-1)/N*S in two, ring the same
    bytes in 2(N-1) steps, tree log2(N) steps. Small messages are latency-bound -> one_shot; large ones
@@ -158,8 +159,15 @@ def table_kind(mesh, platform: str) -> str | None:
     return devices[0].device_kind
 
 
-def choose(platform: str, nbytes: int, nranks: int, device_kind: str | None = None) -> tuple[str, str]:
-    """Returns (algorithm, reason)."""
+def choose(platform: str, nbytes: int, nranks: int, device_kind: str | None = None,
+           itemsize: int | None = None) -> tuple[str, str]:
+    """Returns (algorithm, reason); given the element size, one whose round fits the
+    workspace (fit_workspace)."""
+    choice = _choose(platform, nbytes, nranks, device_kind)
+    return choice if itemsize is None else fit_workspace(choice, platform, nranks, itemsize)
+
+
+def _choose(platform: str, nbytes: int, nranks: int, device_kind: str | None) -> tuple[str, str]:
     plat = "cpu" if platform == "cpu" else "cuda"
     if nranks <= 1:
         return XLA_FALLBACK, ONE_RANK
@@ -175,13 +183,19 @@ def choose(platform: str, nbytes: int, nranks: int, device_kind: str | None = No
 
 
 def choose_collective(platform: str, nbytes: int, nranks: int, device_kind: str | None = None,
-                      *, api: str) -> tuple[str, str]:
+                      *, api: str, itemsize: int | None = None) -> tuple[str, str]:
     """(algorithm, reason) for `api`, "psum_scatter" or "all_gather"; `nbytes` is the larger
     side per device. Its tuning table decides where there is one (XLA_FALLBACK: XLA's own
     collective). Otherwise: both schedules move the same (N-1)/N of it per rank: one_shot to
     all peers at once in one step, ring to one neighbour in N-1 steps. Within an
     NVLink/NVSwitch node, or on the CPU, every peer is one hop away and one step is cheapest;
     ring suits large groups, whose all-to-all traffic does not scale."""
+    choice = _choose_collective(platform, nbytes, nranks, device_kind, api)
+    return choice if itemsize is None else fit_workspace(choice, platform, nranks, itemsize, api)
+
+
+def _choose_collective(platform: str, nbytes: int, nranks: int, device_kind: str | None,
+                       api: str) -> tuple[str, str]:
     if nranks <= 1:
         return XLA_FALLBACK, ONE_RANK
     table = load_table(device_kind, nranks, api) if device_kind else None
@@ -196,10 +210,10 @@ def choose_collective(platform: str, nbytes: int, nranks: int, device_kind: str 
 
 def fit_workspace(choice: tuple, platform: str, nranks: int, itemsize: int,
                   collective: str = ALL_REDUCE) -> tuple[str, str]:
-    """auto's (algorithm, reason) `choice`, or where one round of that algorithm does not fit
-    in the workspace (a small JAX_GIN_WORKSPACE_BYTES) the first of the collective's
-    algorithms whose round does, so that auto runs wherever one fits; unchanged where none
-    does (the lowering's error then names the workspace)."""
+    """auto's (algorithm, reason) `choice` for elements of `itemsize` bytes, or where one round
+    of that algorithm does not fit in the workspace (a small JAX_GIN_WORKSPACE_BYTES) the first
+    of the collective's algorithms whose round does, so that auto runs wherever one fits;
+    unchanged where none does (the lowering's error then names the workspace)."""
     algo, why = choice
     if algo == XLA_FALLBACK:
         return choice
