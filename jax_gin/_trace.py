@@ -253,6 +253,15 @@ def _close_block() -> None:
             _runtime.settings.record = _blocks["record"]
 
 
+def _write_calls(path, since: dict, t_end_ns: int | None = None) -> tuple:
+    """Writes collect(since, t_end_ns)'s events to `path`, on the GPUs' clock where this
+    process has GPU communicators; returns them and the calls not kept."""
+    from . import _runtime
+    events, lost = collect(since, t_end_ns)
+    write(path, events, **({"clock": GPU_CLOCK} if _runtime.gpu_comm_devices else {}))
+    return events, lost
+
+
 class trace(contextlib.ContextDecorator):
     """Write every jax_gin call that this process's devices run inside the block to `path`
     as a Chrome/Perfetto trace: ``with jax_gin.trace("t.json"): ...``, or as a decorator, a
@@ -288,10 +297,8 @@ class trace(contextlib.ContextDecorator):
         instant "N earlier calls not kept" before a rank's first kept call for the calls it
         made before that (a ring that wrapped, or calls made with the recorder off). For after
         a failure: it waits for no computation. Returns the number of calls written."""
-        from . import _runtime
         _check_writable(path, "jax_gin.trace.dump")
-        events, _ = collect({})
-        write(path, events, **({"clock": GPU_CLOCK} if _runtime.gpu_comm_devices else {}))
+        events, _ = _write_calls(path, {})
         return sum(1 for e in events if e.get("ph") == "X" and "seq" in e.get("args", {}))
 
 
@@ -332,9 +339,7 @@ def _block(path):
         t1 = time.monotonic_ns()
         _close_block()
         try:
-            events, lost = collect(since, t1)
-            gpu = bool(_runtime.gpu_comm_devices)
-            write(path, events, **({"clock": GPU_CLOCK} if gpu else {}))
+            events, lost = _write_calls(path, since, t1)
             for message in _block_warnings(path, events, lost, _runtime.resets != resets):
                 warnings.warn(message, RuntimeWarning, stacklevel=4)
         except Exception as err:
@@ -356,20 +361,24 @@ def _meta(doc) -> dict:
     return meta if isinstance(meta, dict) else {}
 
 
+def _label(v) -> bool:
+    """Whether `v` can be a clock or a host in "sources": a JSON scalar (a set member)."""
+    return v is None or isinstance(v, (str, int, float))
+
+
 def _sources(p, doc) -> set:
     """(clock, host) of each process in `doc`: its own, or a merged file's "sources"."""
     meta = _meta(doc)
     if "sources" in meta:
         src = meta["sources"]
         if not isinstance(src, list) or not all(
-                isinstance(x, list) and len(x) == 2
-                and all(v is None or isinstance(v, (str, int, float)) for v in x) for x in src):
+                isinstance(x, list) and len(x) == 2 and all(map(_label, x)) for x in src):
             raise MergeError(f"{p}: metadata.jax_gin.sources is not a list of [clock, host]")
         return {tuple(x) for x in src}
     if isinstance(meta.get("clock"), list):  # merges before "sources" wrote their clocks so
         raise MergeError(f"{p}: merged by an older jax_gin; merge its inputs instead")
     pair = (meta.get("clock"), meta.get("host"))
-    if not all(v is None or isinstance(v, (str, int, float)) for v in pair):
+    if not all(map(_label, pair)):
         raise MergeError(f"{p}: metadata.jax_gin's clock and host are not strings or numbers")
     return {pair}
 
