@@ -172,6 +172,14 @@ def is_tracer(x) -> bool:
     return isinstance(x, _core.Tracer)
 
 
+def concrete_int(v) -> int:
+    """`v` as a Python int where it is an integer or a concrete integer array, as lax's and
+    jnp's axis arguments take them; a TypeError for a bool, a traced value or anything else."""
+    if isinstance(v, bool) or is_tracer(v):
+        raise TypeError(f"not a concrete integer: {v!r}")
+    return operator.index(v)
+
+
 def unreduced_axes(aval) -> frozenset:
     """The mesh axes over which a value is an unreduced partial sum (JAX's `unreduced` type)."""
     mat = getattr(aval, "mat", None)

@@ -671,12 +671,12 @@ def _create_cpu_comm(mesh, devices, layout: GroupLayout, ws: int, key, comm_id: 
             workspaces = _distributed.group_workspaces(
                 layout, procs, jax.process_index(), ws, setup, settings.timeout_s, what,
                 settings.record_entries, cpu_group_settings(ws))
+    ids = [int(d.id) for d in devices]
     comm = _native.cpu.cpu_comm_create(
         layout.nranks, list(layout.group_of), list(layout.rank_of), ws, settings.timeout_s,
         settings.fault_rank, workspaces, _FAULT_MODES[settings.fault_mode], settings.record_entries,
-        _xla_cpu_threads_note(), comm_id, group_texts(mesh, key[4], devices, layout),
-        [int(d.id) for d in devices])
-    comm_devices[comm] = (tuple(int(d.id) for d in devices), layout)
+        _xla_cpu_threads_note(), comm_id, group_texts(mesh, key[4], devices, layout), ids)
+    comm_devices[comm] = (tuple(ids), layout)
     return comm
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 
 import numpy as np
 
@@ -94,10 +93,8 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, algorithm: s
 
 def _apply(api, x, axis_name, dim, tiled, algorithm, bucket_bytes, to="varying"):
     algorithm = _select.validate(algorithm, api, _select.COLLECTIVE_ALGORITHMS)
-    try:  # an integer, or a concrete integer array (lax's canonicalize_axis takes it too)
-        if isinstance(dim, bool) or _compat.is_tracer(dim):
-            raise TypeError
-        dim = operator.index(dim)
+    try:
+        dim = _compat.concrete_int(dim)
     except TypeError:
         name = "scatter_dimension" if api == "psum_scatter" else "axis"
         raise TypeError(f"jax_gin.{api}: {name} must be an integer, got {dim!r}") from None
@@ -510,9 +507,8 @@ def _lowering(api, ctx, x, *, axes, nranks, algorithm, mode, platform):
     requested = algorithm
     if algorithm == "auto":
         kind = _select.table_kind(mesh, platform)
-        algorithm, _ = _select.fit_workspace(
-            _select.choose_collective(platform, nbytes, nranks, kind, api=api), platform,
-            nranks, itemsize, api)
+        algorithm, _ = _select.choose_collective(platform, nbytes, nranks, kind, api=api,
+                                                 itemsize=itemsize)
     comm = None
     if not partial and algorithm != _select.XLA_FALLBACK:
         _primitive.check_cuda_module(platform, api)

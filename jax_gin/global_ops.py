@@ -34,7 +34,6 @@ from __future__ import annotations
 import builtins
 import functools
 import math
-import operator
 import string
 
 import numpy as np
@@ -503,10 +502,8 @@ def _normalize_axis(axis, ndim: int, api: str) -> tuple:
     axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
     out = []
     for a in axes:
-        try:  # an integer, or a concrete integer array, as jnp's reductions take them
-            if isinstance(a, (bool, np.bool_)) or _compat.is_tracer(a):
-                raise TypeError
-            a = operator.index(a)
+        try:
+            a = _compat.concrete_int(a)
         except TypeError:
             raise TypeError(f"jax_gin.{api}: axis must be an integer or a tuple of integers, "
                             f"got {axis!r}") from None
