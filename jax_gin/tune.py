@@ -12,7 +12,9 @@ pmin share the all_reduce table (measured with sum); psum_scatter and all_gather
 whose sizes are nccl-tests' (the larger side per device, N blocks). `auto`
 uses the table of its machine when one ships with jax_gin (or JAX_GIN_TUNING_DIR holds one),
 and falls back to the model-based rule of _select.py otherwise. <dir> is JAX_GIN_TUNING_DIR
-where it is set (so that `auto` reads the table there first), else jax_gin/tuning/.
+where it is set (so that `auto` reads the table there first), else jax_gin/tuning/ of a source
+tree (an editable install); an installed copy refuses that default (a table written into
+site-packages outlives `pip uninstall`, and an upgrade drops it).
 """
 from __future__ import annotations
 
@@ -20,8 +22,10 @@ import argparse
 import datetime
 import json
 import os
+import site
 import statistics
 import sys
+import sysconfig
 import tempfile
 
 from . import _runtime
@@ -35,6 +39,20 @@ from ._trace import _check_writable
 COLLECTIVES = (ALL_REDUCE,) + API_NAMES
 
 TABLE_DIR = os.path.join(os.path.dirname(__file__), "tuning")
+
+
+def installed_in(path: str) -> str | None:
+    """The site-packages directory of this Python that holds `path` (an installed, not
+    editable, copy of jax_gin), or None."""
+    dirs = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    dirs.update(site.getsitepackages() if hasattr(site, "getsitepackages") else ())
+    dirs.add(site.getusersitepackages())
+    real = os.path.realpath(path)
+    for d in sorted(d for d in dirs if d):
+        d = os.path.realpath(d)
+        if os.path.commonpath([real, d]) == d:
+            return d
+    return None
 
 
 def table_name(device_kind: str, nranks: int, collective: str = ALL_REDUCE) -> str:
@@ -155,7 +173,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="where to write the table (default: <kind>_n<N>.json, "
                                   "<kind>_n<N>_<collective>.json for psum_scatter and "
                                   "all_gather, in JAX_GIN_TUNING_DIR where it is set, else in "
-                                  "jax_gin/tuning/, replacing the table shipped there)")
+                                  "jax_gin/tuning/ of a source tree, replacing the table "
+                                  "shipped there)")
     from . import bench
     from ._bench_inputs import format_size
     maxbytes = bench.DEFAULT_MAXBYTES
@@ -182,6 +201,11 @@ def main(argv=None) -> int:
     # must exist, as the benchmark's --json's; the default's file name needs the measurement,
     # so its directory is made where missing and checked
     out_dir = _runtime.settings.tuning_dir or TABLE_DIR
+    where = None if args.out or _runtime.settings.tuning_dir else installed_in(TABLE_DIR)
+    if where:
+        ap.error(f"jax_gin is installed in {where}: a table written into it outlives "
+                 "`pip uninstall`, and an upgrade drops it; set JAX_GIN_TUNING_DIR to a "
+                 "directory of yours (auto reads it first), or give --out")
     try:
         if args.out:
             _check_writable(args.out, "--out")

@@ -488,8 +488,30 @@ def test_tune_writes_into_the_tuning_dir(tmp_path, monkeypatch):
     assert [e["algorithm"] for e in t["entries"]] == ["one_shot"]
 
 
-def test_tune_refuses_bad_input(tmp_path, capsys):
+def test_tune_refuses_to_write_into_an_installed_copy(tmp_path, monkeypatch, capsys):
+    """Without --out or JAX_GIN_TUNING_DIR, a table would go into jax_gin/tuning/: in an
+    installed copy (site-packages) tune refuses, since the file would outlive `pip uninstall`
+    (leaving a namespace package behind) and an upgrade would drop it."""
+    import sysconfig
     from jax_gin import tune
+
+    installed = os.path.join(sysconfig.get_paths()["purelib"], "jax_gin", "tuning")
+    assert tune.installed_in(installed) == os.path.realpath(sysconfig.get_paths()["purelib"])
+    assert tune.installed_in(str(tmp_path)) is None
+    monkeypatch.setattr(tune, "TABLE_DIR", installed)
+    monkeypatch.setattr(jax_gin.runtime.settings, "tuning_dir", None)
+    with pytest.raises(SystemExit):
+        tune.main(["-b", "4K", "-e", "4K", "-n", "1"])
+    out, err = capsys.readouterr()
+    assert "jax_gin is installed in" in err and "set JAX_GIN_TUNING_DIR" in err, err
+    assert out == ""  # refused before it measured anything
+
+
+def test_tune_refuses_bad_input(tmp_path, capsys, monkeypatch):
+    from jax_gin import tune
+
+    # where the table would go: a directory of the test's (an installed copy refuses its own)
+    monkeypatch.setattr(jax_gin.runtime.settings, "tuning_dir", str(tmp_path / "tables"))
 
     for argv, message in ((["-b", "64K", "-e", "4K"], "-e/--maxbytes is smaller"),
                           (["-n", "0"], "-n/--iters must be at least 1"),
