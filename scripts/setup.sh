@@ -64,8 +64,9 @@ echo "$JAX_GIN_CUDA" > "$VENV/jax_gin_cuda"  # (after the venv above is final)
 if [ -z "${OFFLINE:-}" ]; then
   command -v cmake >/dev/null 2>&1 || "$P" -m pip install -q "cmake>=3.24"
   if [ "$JAX_GIN_CUDA" != OFF ] && command -v nvcc >/dev/null 2>&1; then
-    # The headers (and library) of the NCCL that JAX's CUDA plugin loads on the GPU machine.
-    "$P" -m pip install -q "nvidia-nccl-cu13==2.28.9"
+    # The headers (and library) of the NCCL that JAX's CUDA plugin loads on the GPU machine:
+    # the pin of pyproject.toml's `cuda` extra.
+    "$P" -m pip install -q $("$P" -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['cuda'])")
   fi
 fi
 # JAX_GIN_SANITIZE (address, thread, undefined): the CPU module under that sanitizer, built in a
