@@ -7,10 +7,23 @@ CUDA lowering raises a NotImplementedError (no_cuda_error).
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import jax
 
-from . import _jax_gin as cpu  # noqa: F401
+try:
+    from . import _jax_gin as cpu  # noqa: F401
+except ImportError:
+    # A package folder without the module is a source tree that was never built, found first
+    # on the path (Python run from the repository's root shadows an installed jax_gin);
+    # Python's own error blames "most likely a circular import".
+    if importlib.util.find_spec(f"{__package__}._jax_gin") is not None:
+        raise
+    raise ImportError(
+        f"jax_gin's CPU extension (_jax_gin) is not built in {os.path.dirname(__file__)}: a "
+        "source tree without a build, which also hides an installed jax_gin where Python runs "
+        "from the repository's root; run from another directory, or build it in place (bash "
+        "scripts/setup.sh, or pip install --no-build-isolation -e .)") from None
 
 CPU_TARGET = "jax_gin_all_reduce_cpu"
 CUDA_TARGET = "jax_gin_all_reduce_cuda"

@@ -25,3 +25,19 @@ def test_jax_gin_cuda_values(tmp_path):
     done = _configure(tmp_path, "off")  # OFF: configures, with no CUDA step at all
     assert done.returncode == 0, done.stdout + done.stderr
     assert "CUDA extension" not in done.stdout, done.stdout
+
+
+def test_unbuilt_source_tree_is_named(tmp_path):
+    """A jax_gin folder without its built module, first on the path (Python run from the
+    repository's root, over an installed jax_gin), says so; Python's own error blamed "most
+    likely a circular import"."""
+    shutil.copytree(os.path.join(ROOT, "jax_gin"), tmp_path / "jax_gin",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    # an editable install's finder would find the real package first: take it out
+    code = ("import sys; sys.meta_path = [f for f in sys.meta_path "
+            "if 'editable' not in type(f).__module__]; import jax_gin")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 1
+    assert (f"ImportError: jax_gin's CPU extension (_jax_gin) is not built in "
+            f"{tmp_path / 'jax_gin'}: a source tree without a build") in done.stderr, done.stderr
