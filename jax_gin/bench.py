@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import re
 import sys
@@ -255,6 +256,8 @@ def parse_args(argv) -> argparse.Namespace:
                 _check_writable(path, flag)
             except OSError as err:
                 parser.error(str(err))
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        parser.error(f"--plot {args.plot}: matplotlib is not installed (pip install matplotlib)")
     if args.chain is not None and args.chain < 2:
         parser.error("-k/--chain must be >= 2: the per-op time is (T_K - T_1) / (K - 1)")
     if ALL_REDUCE not in args.collective:

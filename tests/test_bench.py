@@ -15,13 +15,14 @@ DTYPES = ["float32", "int32"]
 OPS = ["sum", "max"]
 ALGOS = ["auto", "lax", "ring"]
 TINY = ["-b", "1K", "-e", "4K", "-n", "2", "-w", "1", "-k", "3", "--quiet"]
+PLOT = importlib.util.find_spec("matplotlib") is not None  # --plot needs it
 
 
 def test_tiny_sweep(tmp_path, capsys):
     needs_devices(2)  # the sweep refuses a group of one device
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     rc = bench.main(TINY + ["-a", ",".join(ALGOS), "-d", ",".join(DTYPES), "-o", ",".join(OPS),
-                            "--json", str(out_json), "--plot", str(out_png)])
+                            "--json", str(out_json)] + (["--plot", str(out_png)] if PLOT else []))
     text, err = capsys.readouterr()
     assert rc == 0, text
 
@@ -50,11 +51,21 @@ def test_tiny_sweep(tmp_path, capsys):
     data_lines = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
     assert len(data_lines) == len(rows)
 
-    # The plot is optional: written with matplotlib, otherwise skipped with a message.
-    if importlib.util.find_spec("matplotlib"):
+    if PLOT:  # (without matplotlib, --plot is refused: test_plot_without_matplotlib)
         assert out_png.stat().st_size > 0
-    else:
-        assert not out_png.exists() and "matplotlib is not installed" in err
+
+
+def test_plot_without_matplotlib(tmp_path, monkeypatch, capsys):
+    """--plot without matplotlib is refused before the sweep (status 2), not after it with a
+    message and status 0."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    with pytest.raises(SystemExit) as info:
+        bench.main(TINY + ["--plot", str(tmp_path / "p.png")])
+    assert info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "matplotlib is not installed (pip install matplotlib)" in err, err
 
 
 def test_wrong_results_fail(monkeypatch, capsys):
@@ -345,7 +356,7 @@ def test_collectives_sweep(tmp_path, capsys):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     rc = bench.main(["-b", "1000", "-e", "4000", "-n", "2", "-w", "1", "-k", "3", "--quiet",
                      "-c", ",".join(COLLECTIVES), "-a", "all", "-d", "float32,bfloat16,uint32",
-                     "--json", str(out_json), "--plot", str(out_png)])
+                     "--json", str(out_json)] + (["--plot", str(out_png)] if PLOT else []))
     text, err = capsys.readouterr()
     assert rc == 0, text
     data = json.loads(out_json.read_text())
@@ -392,10 +403,8 @@ def test_collectives_sweep(tmp_path, capsys):
         assert cells[9] == "0"
         if r["time_us"] > 0:
             assert cells[7:9] == [f"{r['algbw']:.2f}", f"{r['busbw']:.2f}"]
-    if importlib.util.find_spec("matplotlib"):
+    if PLOT:
         assert out_png.stat().st_size > 0
-    else:
-        assert "matplotlib is not installed" in err
 
 
 def test_collectives_with_all_reduce(capsys):
