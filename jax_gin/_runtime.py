@@ -803,11 +803,20 @@ def reset() -> None:
     communicators. It first waits for the programs still running whose results are alive;
     on CPU devices the calls of one whose results were dropped give up at once. Programs
     compiled ahead of time (`.lower(...).compile()`) before the reset can no longer run: the
-    new communicators have other ids (communicator() counts the resets into them)."""
+    new communicators have other ids (communicator() counts the resets into them).
+
+    A call stuck on a peer whose results are still referenced (by a variable, or by the
+    traceback of a KeyboardInterrupt) is waited for until its timeout fails it. Interrupted
+    in that wait, reset() has changed nothing, and may be called again. Programs that other
+    threads dispatch while reset() runs may fail with the "does not exist in this process" or
+    "reset() destroyed this communicator" error (never with wrong numbers): reset between
+    calls, not beside them."""
     global resets
-    resets += 1
-    # so that no communicator is destroyed under a call that is running or about to start
+    # so that no communicator is destroyed under a call that is running or about to start;
+    # first, so that an interrupt here leaves the count (in every program's fingerprint), the
+    # communicators and JAX's caches as they were
     wait_for_live_arrays()
+    resets += 1
     # Without clear_caches, a function jitted again (jax.jit(f) of the same f) would get its
     # old executable back from JAX's caches, which names a destroyed communicator.
     jax.clear_caches()

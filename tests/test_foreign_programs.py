@@ -58,6 +58,28 @@ def test_reset_waits_for_programs_still_running():
             assert_bitwise(y, want)
 
 
+def test_reset_interrupted_in_its_wait_changes_nothing(monkeypatch):
+    """An interrupt (Ctrl-C) while reset() waits for a program still running leaves the
+    communicators, JAX's caches and the count of resets (in every program's fingerprint) as
+    they were: the functions compiled before still run on their communicators."""
+    needs_devices(2)
+    from jax_gin import _runtime
+    mesh = mesh_1d()
+    x = exact_input((1 << 10,), ndev(), "float32")
+    want = smap(lambda v: lax.psum(v, "i"), mesh, P("i"))(x)
+    f = smap(lambda v: jax_gin.psum(v, "i", algorithm="one_shot"), mesh, P("i"))
+    assert_bitwise(f(x), want)
+    before = (_runtime.resets, _runtime.num_communicators())
+
+    def interrupted():
+        raise KeyboardInterrupt
+    monkeypatch.setattr(_runtime, "wait_for_live_arrays", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        jax_gin.runtime.reset()
+    assert (_runtime.resets, _runtime.num_communicators()) == before
+    assert_bitwise(f(x), want)
+
+
 def test_reset_under_a_dropped_program(monkeypatch):
     """reset() right after dispatching a program whose results are dropped: reset() does not
     wait for it, so its ranks that come to a call after the reset no longer find the
