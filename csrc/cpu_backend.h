@@ -115,7 +115,6 @@ class Workspace {
   Workspace(const Workspace&) = delete;
   Workspace& operator=(const Workspace&) = delete;
 
-  // This process runs `rank`.
   // This process (jax.process_index() `process`) runs `rank`.
   void join(int rank, int process = 0);
   // "process 1 (pid 4242; ranks 4, 5, 6, 7)" if the process that runs `rank` has exited or

@@ -59,8 +59,8 @@ ffi::Error live_rank(int64_t comm, int32_t device, const gpu::RankState** st) {
 
 // Checks shared by the launching all-reduce handlers; fills *st.
 ffi::Error rank_state(int64_t comm, int32_t device, int32_t algorithm, const gpu::RankState** st) {
-  // kHierarchical (internal) is the one algorithm of groups that span nodes; _primitive.py
-  // passes it for those only (comm_ranks_per_node).
+  // kHierarchical (internal) is the one algorithm of groups that span nodes; the runtime
+  // (_runtime.algorithm_code) passes it for those only (comm_ranks_per_node).
   const bool hier = algorithm == int32_t(Algorithm::kHierarchical);
   if (ffi::Error err = live_rank(comm, device, st); err.failure()) return err;
   if (hier != ((*st)->cfg.ranks_per_node > 0)) {

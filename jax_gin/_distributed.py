@@ -7,7 +7,7 @@ spans processes, every process involved does this (all of them lower the same pr
 the same order, so they all get here):
 
 1. arrive: at the first generation of the communicator's set-ups that no process gave up
-   on (SetUp), a key per process (its host and IPC namespace), then a barrier of the processes
+   on (SetUp), a key per process (its host, boot and /dev/shm: _host_identity), then a barrier of the processes
    involved. A process that never comes makes the others fail with the group and the ranks
    that are missing; processes that cannot share memory (other hosts, another /dev/shm) fail
    with a clear error.

@@ -10,9 +10,10 @@ from ._native import cpu as _cpu
 
 # The public algorithms, by code (enum class Algorithm in common.h).
 ALGORITHMS = tuple(_cpu.algorithm_names())
-# What `auto` may also pick, from a tuning table only: XLA's own all-reduce (the one lax.psum
-# lowers to), in the sizes where it was measured faster than every jax_gin algorithm, as vLLM's
-# custom all-reduce hands sizes it does not win back to NCCL. Not selectable by name.
+# What `auto` may also pick: XLA's own all-reduce (the one lax.psum lowers to), from a tuning
+# table in the sizes where it was measured faster than every jax_gin algorithm (as vLLM's
+# custom all-reduce hands sizes it does not win back to NCCL), and for a group of one rank,
+# where no call is needed. Not selectable by name.
 XLA_FALLBACK = "xla"
 ALGORITHM_CODES = {name: i for i, name in enumerate(ALGORITHMS)}
 

@@ -1,5 +1,6 @@
 """Algorithm choice: which algorithm `algorithm="auto"` runs, and why.
 
+0. A group of one rank: no call (XLA's, which returns the input; ONE_RANK).
 1. A tuning table (which may also send a size range to XLA's own collective, "xla", where
    that was measured faster than every jax_gin algorithm) measured on this kind of machine and group size (jax_gin/tuning/*.json,
    written by `python -m jax_gin.tune`; JAX_GIN_TUNING_DIR adds a folder searched first).

@@ -17,7 +17,8 @@ The workloads (jax.jit of jax.shard_map, bfloat16 by default):
   dp-train   GPT-style training step, data-parallel over the mesh axis "data": embeddings,
              L pre-norm (RMSNorm) blocks of attention and MLP, tied output head,
              cross-entropy; the per-device gradients (9 leaves per block + 3) are
-             all-reduced by ONE pytree call, psum(grads, "data"), then SGD.
+             all-reduced by one pytree call, psum(grads, "data") (a custom call per
+             bucket of 64 MiB and 64 leaves), then SGD.
   fsdp       dp-train's model, step and sizes, fully sharded over "data": each device
              holds 1/n of one flat vector per block (and of one for the embeddings and final
              norm). The loss all-gathers (tiled) each block's vector before the block, and
@@ -248,7 +249,7 @@ def dp_train_step(mesh: Mesh, cfg: Config, reduce: str = "jax_gin", algorithm: s
 
     def step(params, tokens):
         loss, grads = jax.value_and_grad(gpt_loss)(params, tokens, cfg.heads)
-        grads = psum(grads, DATA)                     # every gradient, one all-reduce call
+        grads = psum(grads, DATA)                     # every gradient, one psum (a call per bucket)
         return _sgd(params, grads, cfg.lr / n), loss[None]
 
     return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(DATA)),
