@@ -61,7 +61,7 @@ struct LaunchConfig {
   // one node; 0 and null where the group spans nodes): `state` points into its own window.
   size_t state_offset = 0;
   RecState* state = nullptr;
-  uint64_t timeout_ns = 30ull * 1000 * 1000 * 1000;
+  uint64_t timeout_ns = uint64_t(kDefaultTimeoutS * 1e9);
   int fault_rank = -1;
   int threads = 512;
   int max_lanes = kMaxLanes;  // JAX_GIN_MAX_LANES
@@ -149,7 +149,8 @@ cudaError_t lsa_window_bases(ncclWindow_t win, int nranks, char** bases);
 // `table_peers` those over the native harness's table of peers too.
 cudaError_t preload_kernels(bool table_peers);
 
-// Window layout of one rank: flags, then the LL area, then kMaxLanes data areas of lane_bytes.
+// Window layout of one rank: flags, the state area (kStateAreaBytes), the LL area, then kMaxLanes
+// data areas of lane_bytes (set_window_layout).
 // A group that spans nodes (0 < ranks_per_node < nranks, ranks_per_node dividing nranks) has
 // no LL area and two more: the rail area (last-sent tags and emulated GIN signals) and
 // kMaxLanes outboxes (GIN stages rail puts there). ranks_per_node = 0: one node.

@@ -100,7 +100,8 @@ __global__ void __launch_bounds__(512)
 }
 
 // one_shot over the LL protocol (transport.cuh). Purpose: the smallest latency for messages up
-// to 64 KiB per rank and up to 16 ranks. Each thread owns lines: it pushes its 8 input bytes
+// to ll_max_bytes per rank (256 KiB by default: kLLMaxLanes lanes of kLLLanePayload) and up to
+// 16 ranks. Each thread owns lines: it pushes its 8 input bytes
 // with the round's flag to every peer, then polls its own window for every peer's line and
 // reduces the N contributions in rank order (same order on every rank: same bits).
 __device__ __forceinline__ uint64_t ll_load8(const char* base, size_t line, size_t nbytes) {

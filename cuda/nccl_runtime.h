@@ -30,7 +30,7 @@ struct RankState {
   int group = 0, rank = 0, nranks = 1;
   uint32_t fingerprint = 0;  // its communicator's (the custom calls' "comm" attribute, ffi_common.h)
   ncclComm_t comm = nullptr;
-  void* window_ptr = nullptr;       // ncclMemAlloc'd: [flags | kMaxLanes data areas]
+  void* window_ptr = nullptr;       // ncclMemAlloc'd: [flags | state | LL | data] (kernels.h)
   ncclWindow_t win = nullptr;
   ncclDevComm devcomm{};
   bool has_devcomm = false;

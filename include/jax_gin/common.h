@@ -17,7 +17,8 @@
 namespace jax_gin {
 
 // Algorithm ids. The first kNumAlgorithms are the public ones: the same names and order as
-// jax_gin.ALGORITHMS in Python, the only ids the FFI handlers accept (check_enums).
+// jax_gin.ALGORITHMS in Python, the ids check_enums accepts (the CUDA handlers also take
+// kHierarchical, for groups that span nodes, before that check; the CPU handlers refuse it).
 // kHierarchical (nodes of `ranks_per_node` ranks: intra-node reduce-scatter, inter-node ring,
 // intra-node all-gather) is internal: the CPU backend runs it through the threads harness; on
 // GPUs it is what groups that span nodes run (the runtime picks it; cuda/kernels.cu).
@@ -211,7 +212,7 @@ JG_HD size_t flag_words(int nranks) { return size_t(kMaxLanes) * size_t(nranks) 
 // GPU: written into host-mapped memory before the kernel traps).
 struct Diagnostic {
   int32_t valid;      // 1 once a wait timed out
-  int32_t op;         // CallOp (call_op_name): a RedOp, psum_scatter or all_gather
+  int32_t op;         // CallOp (call_op_name): a RedOp, psum_scatter, all_gather or a fused norm
   int32_t algorithm;  // Algorithm
   int32_t rank;       // rank that waited
   int32_t peer;       // rank it waited for

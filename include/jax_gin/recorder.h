@@ -53,7 +53,7 @@ struct RecEntry {
   int32_t comm;      // communicator id (per process)
   int16_t group;
   int16_t rank;
-  int8_t op;         // CallOp (call_op_name): a RedOp, psum_scatter or all_gather
+  int8_t op;         // CallOp (call_op_name): a RedOp, psum_scatter, all_gather or a fused norm
   int8_t algorithm;  // Algorithm
   int8_t dtype;      // DType
   uint8_t status;    // RecStatus
