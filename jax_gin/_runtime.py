@@ -807,10 +807,10 @@ def reset() -> None:
 
     A call stuck on a peer whose results are still referenced (by a variable, or by the
     traceback of a KeyboardInterrupt) is waited for until its timeout fails it. Interrupted
-    in that wait, reset() has changed nothing, and may be called again. Programs that other
-    threads dispatch while reset() runs may fail with the "does not exist in this process" or
-    "reset() destroyed this communicator" error (never with wrong numbers): reset between
-    calls, not beside them."""
+    in that wait, reset() has changed nothing, and may be called again. Call it between calls,
+    not while other threads dispatch programs: on CPU devices theirs may then fail with the
+    "does not exist in this process" or "reset() destroyed this communicator" error; on GPUs
+    a call launched beside it may use a communicator it frees."""
     global resets
     # so that no communicator is destroyed under a call that is running or about to start;
     # first, so that an interrupt here leaves the count (in every program's fingerprint), the

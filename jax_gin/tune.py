@@ -13,8 +13,9 @@ whose sizes are nccl-tests' (the larger side per device, N blocks). `auto`
 uses the table of its machine when one ships with jax_gin (or JAX_GIN_TUNING_DIR holds one),
 and falls back to the model-based rule of _select.py otherwise. <dir> is JAX_GIN_TUNING_DIR
 where it is set (so that `auto` reads the table there first), else jax_gin/tuning/ of a source
-tree (an editable install); an installed copy refuses that default (a table written into
-site-packages outlives `pip uninstall`, and an upgrade drops it).
+tree (an editable install); an installed copy refuses that default (a file written into an
+installed package outlives `pip uninstall`, and goes on steering `auto` after upgrades, or is
+overwritten by one where it replaces a shipped table).
 """
 from __future__ import annotations
 
@@ -22,10 +23,8 @@ import argparse
 import datetime
 import json
 import os
-import site
 import statistics
 import sys
-import sysconfig
 import tempfile
 
 from . import _runtime
@@ -41,18 +40,12 @@ COLLECTIVES = (ALL_REDUCE,) + API_NAMES
 TABLE_DIR = os.path.join(os.path.dirname(__file__), "tuning")
 
 
-def installed_in(path: str) -> str | None:
-    """The site-packages directory of this Python that holds `path` (an installed, not
-    editable, copy of jax_gin), or None."""
-    dirs = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
-    dirs.update(site.getsitepackages() if hasattr(site, "getsitepackages") else ())
-    dirs.add(site.getusersitepackages())
-    real = os.path.realpath(path)
-    for d in sorted(d for d in dirs if d):
-        d = os.path.realpath(d)
-        if os.path.commonpath([real, d]) == d:
-            return d
-    return None
+def in_source_tree(table_dir: str) -> bool:
+    """Whether `table_dir` (jax_gin/tuning/) lies in a source tree, as an editable install's
+    does (jax_gin's pyproject.toml beside the package), rather than in an installed copy
+    (site-packages, a --target or --prefix directory)."""
+    return os.path.isfile(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+        table_dir))), "pyproject.toml"))
 
 
 def table_name(device_kind: str, nranks: int, collective: str = ALL_REDUCE) -> str:
@@ -201,11 +194,11 @@ def main(argv=None) -> int:
     # must exist, as the benchmark's --json's; the default's file name needs the measurement,
     # so its directory is made where missing and checked
     out_dir = _runtime.settings.tuning_dir or TABLE_DIR
-    where = None if args.out or _runtime.settings.tuning_dir else installed_in(TABLE_DIR)
-    if where:
-        ap.error(f"jax_gin is installed in {where}: a table written into it outlives "
-                 "`pip uninstall`, and an upgrade drops it; set JAX_GIN_TUNING_DIR to a "
-                 "directory of yours (auto reads it first), or give --out")
+    if not (args.out or _runtime.settings.tuning_dir or in_source_tree(TABLE_DIR)):
+        ap.error(f"{TABLE_DIR} is in an installed jax_gin, not a source tree: a table written "
+                 "there outlives `pip uninstall` and is not the package's to keep; set "
+                 "JAX_GIN_TUNING_DIR to a directory of yours (auto reads it first), or give "
+                 "--out")
     try:
         if args.out:
             _check_writable(args.out, "--out")

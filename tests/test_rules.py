@@ -489,22 +489,26 @@ def test_tune_writes_into_the_tuning_dir(tmp_path, monkeypatch):
 
 
 def test_tune_refuses_to_write_into_an_installed_copy(tmp_path, monkeypatch, capsys):
-    """Without --out or JAX_GIN_TUNING_DIR, a table would go into jax_gin/tuning/: in an
-    installed copy (site-packages) tune refuses, since the file would outlive `pip uninstall`
-    (leaving a namespace package behind) and an upgrade would drop it."""
-    import sysconfig
+    """Without --out or JAX_GIN_TUNING_DIR, a table would go into jax_gin/tuning/: outside a
+    source tree (an installed copy) tune refuses, since the file would outlive `pip uninstall`
+    (leaving a namespace package behind) and steer `auto` after upgrades."""
     from jax_gin import tune
 
-    installed = os.path.join(sysconfig.get_paths()["purelib"], "jax_gin", "tuning")
-    assert tune.installed_in(installed) == os.path.realpath(sysconfig.get_paths()["purelib"])
-    assert tune.installed_in(str(tmp_path)) is None
-    monkeypatch.setattr(tune, "TABLE_DIR", installed)
+    assert tune.in_source_tree(tune.TABLE_DIR) == os.path.isfile(
+        os.path.join(os.path.dirname(os.path.dirname(jax_gin.__file__)), "pyproject.toml"))
+    installed = tmp_path / "site-packages" / "jax_gin" / "tuning"  # no pyproject.toml above
+    source = tmp_path / "src" / "jax_gin" / "tuning"
+    (tmp_path / "src" / "pyproject.toml").parent.mkdir()
+    (tmp_path / "src" / "pyproject.toml").write_text("")
+    assert not tune.in_source_tree(str(installed)) and tune.in_source_tree(str(source))
+    monkeypatch.setattr(tune, "TABLE_DIR", str(installed))
     monkeypatch.setattr(jax_gin.runtime.settings, "tuning_dir", None)
     with pytest.raises(SystemExit):
         tune.main(["-b", "4K", "-e", "4K", "-n", "1"])
     out, err = capsys.readouterr()
-    assert "jax_gin is installed in" in err and "set JAX_GIN_TUNING_DIR" in err, err
-    assert out == ""  # refused before it measured anything
+    assert f"{installed} is in an installed jax_gin, not a source tree" in err, err
+    assert "set JAX_GIN_TUNING_DIR" in err
+    assert out == "" and not installed.exists()  # refused before it measured or wrote
 
 
 def test_tune_refuses_bad_input(tmp_path, capsys, monkeypatch):
