@@ -35,7 +35,7 @@ fi
 P="$VENV/bin/python"
 # The versions that pyproject.toml pins, written there once: jax and jaxlib (the build's, the
 # oldest supported), the build tools, cmake, and the NCCL of the `cuda` extra.
-eval "$("$P" - <<'PY'
+PINS=$("$P" - <<'PY'
 import re, tomllib
 t = tomllib.load(open("pyproject.toml", "rb"))
 req = {re.match(r"[\w-]+", r)[0]: r for r in t["build-system"]["requires"]}
@@ -44,7 +44,8 @@ print(f"BUILD_REQS='{req['scikit-build-core']} {req['nanobind']}'")
 print(f"CMAKE_REQ='cmake{t['tool']['scikit-build']['cmake']['version']}'")
 print(f"NCCL_REQ='{' '.join(t['project']['optional-dependencies']['cuda'])}'")
 PY
-)"
+)  # (apart from the eval, so that set -e stops at a failure to read them)
+eval "$PINS"
 # JAX_GIN_CUDA (AUTO, ON or OFF) is kept in the venv: a later run without it (`make test` after
 # `JAX_GIN_CUDA=OFF make demo`) builds as the last one did, not the CUDA kernels anew.
 if [ -z "${JAX_GIN_CUDA:-}" ] && [ -f "$VENV/jax_gin_cuda" ]; then

@@ -1,5 +1,5 @@
 """The build's switches: CMake reads JAX_GIN_CUDA in any case, as pip passes it from the
-environment, and refuses any other value by name (it was OFF in silence)."""
+environment (empty as AUTO), and refuses any other value by name (it was OFF in silence)."""
 import os
 import re
 import shutil
@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _configure(tmp_path, value):
     return subprocess.run(
-        ["cmake", "-S", ROOT, "-B", str(tmp_path / value), f"-DJAX_GIN_CUDA={value}",
+        ["cmake", "-S", ROOT, "-B", str(tmp_path / (value or "empty")), f"-DJAX_GIN_CUDA={value}",
          f"-DPython_EXECUTABLE={sys.executable}"],
         capture_output=True, text=True, timeout=300)
 
@@ -46,6 +46,10 @@ def test_jax_gin_cuda_values(tmp_path):
     done = _configure(tmp_path, "off")  # OFF: configures, with no CUDA step at all
     assert done.returncode == 0, done.stdout + done.stderr
     assert "CUDA extension" not in done.stdout, done.stdout
+    done = _configure(tmp_path, "")  # empty (JAX_GIN_CUDA= in pip's environment): AUTO
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "jax_gin: not building the CUDA extension" in done.stdout or \
+        "jax_gin: building the CUDA extension" in done.stdout, done.stdout
 
 
 def test_unbuilt_source_tree_is_named(tmp_path):
