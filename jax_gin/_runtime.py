@@ -492,15 +492,24 @@ def communicator(platform: str, mesh, axes: tuple) -> int:
         # what a program's text names of it (_free_id)
         fingerprint = _fingerprint((meet, ws, settings.record_entries, launch, resets))
         comm_id = _free_id(fingerprint, platform == "cpu")
-        if platform == "cpu":
-            comm = _create_cpu_comm(mesh, devices, layout, ws, meet, comm_id)
-            _native.cpu.cpu_comm_set_fingerprint(comm, fingerprint)
-        else:
-            comm = _create_cuda_comm(mesh, layout, ws, meet, comm_id)
-            _native.cuda.comm_set_fingerprint(comm, fingerprint)
-            _native.cuda.comm_set_group_text(comm, group_texts(mesh, tuple(axes), devices,
-                                                               layout))
-            gpu_comm_devices[comm] = (tuple(int(d.id) for d in devices), layout)
+        comm = None
+        try:
+            if platform == "cpu":
+                comm = _create_cpu_comm(mesh, devices, layout, ws, meet, comm_id)
+                _native.cpu.cpu_comm_set_fingerprint(comm, fingerprint)
+            else:
+                comm = _create_cuda_comm(mesh, layout, ws, meet, comm_id)
+                _native.cuda.comm_set_fingerprint(comm, fingerprint)
+                _native.cuda.comm_set_group_text(comm, group_texts(mesh, tuple(axes), devices,
+                                                                   layout))
+                gpu_comm_devices[comm] = (tuple(int(d.id) for d in devices), layout)
+        except BaseException:
+            # (a KeyboardInterrupt arrives here once the creation's native call returns): a
+            # communicator not in the cache would hold its memory and its id, which the next
+            # lowering takes again, until the process ends
+            if comm is not None:
+                _destroy(platform, comm)
+            raise
         _fingerprints[(platform == "cpu", comm)] = fingerprint
         _cache[cache_key] = comm
         return comm
@@ -803,7 +812,9 @@ def reset() -> None:
     communicators. It first waits for the programs still running whose results are alive;
     on CPU devices the calls of one whose results were dropped give up at once. Programs
     compiled ahead of time (`.lower(...).compile()`) before the reset can no longer run: the
-    new communicators have other ids (communicator() counts the resets into them).
+    new communicators have other ids (communicator() counts the resets into them), and on
+    CPU devices they fail saying so; on GPUs, where XLA's command buffers may replay their
+    kernels without the check, they must not be run again.
 
     A call stuck on a peer whose results are still referenced (by a variable, or by the
     traceback of a KeyboardInterrupt) is waited for until its timeout fails it. Interrupted
@@ -822,14 +833,19 @@ def reset() -> None:
     jax.clear_caches()
     with _lock:
         for key, comm in list(_cache.items()):
-            if key[0] == "cpu":
-                _native.cpu.cpu_comm_destroy(comm)
-                comm_devices.pop(comm, None)
-            elif _native.cuda is not None:
-                _native.cuda.comm_destroy(comm)
-                gpu_comm_devices.pop(comm, None)
+            _destroy(key[0], comm)
         _cache.clear()
         _fingerprints.clear()
+
+
+def _destroy(platform: str, comm: int) -> None:
+    """Destroy communicator `comm` of `platform`, and forget its devices."""
+    if platform == "cpu":
+        _native.cpu.cpu_comm_destroy(comm)
+        comm_devices.pop(comm, None)
+    elif _native.cuda is not None:
+        _native.cuda.comm_destroy(comm)
+        gpu_comm_devices.pop(comm, None)
 
 
 def _shutdown() -> None:  # pragma: no cover - interpreter exit

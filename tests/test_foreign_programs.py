@@ -80,6 +80,28 @@ def test_reset_interrupted_in_its_wait_changes_nothing(monkeypatch):
     assert_bitwise(f(x), want)
 
 
+def test_interrupt_while_a_communicator_is_set_up(monkeypatch):
+    """An interrupt (Ctrl-C) that arrives once the native set-up has returned, before the
+    communicator is cached, destroys it: the next call sets it up again under the same id
+    (it failed with "communicator id N is taken" while the first one leaked)."""
+    needs_devices(2)
+    from jax_gin import _native
+    mesh = mesh_1d()
+    x = exact_input((1 << 10,), ndev(), "float32")
+    want = smap(lambda v: lax.psum(v, "i"), mesh, P("i"))(x)
+    jax_gin.runtime.reset()
+    set_fingerprint = _native.cpu.cpu_comm_set_fingerprint
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(_native.cpu, "cpu_comm_set_fingerprint", interrupted)
+    f = smap(lambda v: jax_gin.psum(v, "i", algorithm="ring"), mesh, P("i"))
+    with pytest.raises(KeyboardInterrupt):
+        f(x)
+    monkeypatch.setattr(_native.cpu, "cpu_comm_set_fingerprint", set_fingerprint)
+    assert_bitwise(smap(lambda v: jax_gin.psum(v, "i", algorithm="ring"), mesh, P("i"))(x), want)
+
+
 def test_reset_under_a_dropped_program(monkeypatch):
     """reset() right after dispatching a program whose results are dropped: reset() does not
     wait for it, so its ranks that come to a call after the reset no longer find the
