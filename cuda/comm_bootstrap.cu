@@ -252,6 +252,8 @@ void setup_ranks(Comm& comm, int g, int n, const std::vector<int>& ranks,
   const size_t base = comm.ranks.size();
   comm.ranks.resize(base + k);
   const size_t wbytes = window_bytes(n, lane_bytes);
+  // Every rank owns its NCCL communicator before the first allocation, so that one that fails
+  // leaves no communicator outside comm.ranks (destroy_ranks destroys those inside).
   for (int i = 0; i < k; ++i) {
     RankState& s = comm.ranks[base + i];
     s.device = devices[i];
@@ -259,8 +261,8 @@ void setup_ranks(Comm& comm, int g, int n, const std::vector<int>& ranks,
     s.rank = ranks[i];
     s.nranks = n;
     s.comm = comms[i];
-    alloc_rank(s, wbytes);
   }
+  for (int i = 0; i < k; ++i) alloc_rank(comm.ranks[base + i], wbytes);
   register_windows(comm, base, comms, wbytes, g, n, ranks, timeout_s);
   const ncclDevCommRequirements reqs = lsa_requirements();
   JG_NCCL(ncclGroupStart());
