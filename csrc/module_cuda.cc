@@ -133,12 +133,15 @@ NB_MODULE(_jax_gin_cuda, m) {
         "Ranks per node if the communicator's groups span nodes (hierarchical only), else 0.");
   m.def("diagnostics", &gpu::diagnostics, nb::arg("comm") = -1,
         "Messages of timed-out waits recorded on the device (readable after a failed launch).");
-  m.def("set_record", &gpu::set_record, nb::arg("on"),
+  // The recorder's functions wait for copies from the devices: without the GIL, so that a
+  // host callback of a program in flight (which needs it) cannot stall them.
+  m.def("set_record", &gpu::set_record, nb::arg("on"), nb::call_guard<nb::gil_scoped_release>(),
         "the flight recorder of every rank of this process, and of communicators created later");
   m.def("recording", &gpu::recording);
   m.def("recorder_entries", [](int64_t id) {
           std::vector<RecEntry> entries;
           try {
+            nb::gil_scoped_release release;
             entries = gpu::recorder_entries(id);
           } catch (const std::invalid_argument& e) {
             throw nb::value_error(e.what());
@@ -149,6 +152,7 @@ NB_MODULE(_jax_gin_cuda, m) {
         }, nb::arg("comm"), "the recorded calls of this process's ranks (lane 0), by rank, oldest first");
   m.def("recorder_counts", [](int64_t id) {
           try {
+            nb::gil_scoped_release release;
             return gpu::recorder_counts(id);
           } catch (const std::invalid_argument& e) {
             throw nb::value_error(e.what());

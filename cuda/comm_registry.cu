@@ -20,6 +20,7 @@
 #include <utility>
 #include <shared_mutex>
 #include <stdexcept>
+#include <system_error>
 #include <thread>
 
 namespace jax_gin {
@@ -139,10 +140,16 @@ void check_id_free(int64_t id) {
 
 int64_t register_comm(std::unique_ptr<Comm> comm, int64_t id) {
   static std::once_flag started;
-  std::call_once(started, [] {
-    g_watchdog = new std::thread(watchdog_loop);
-    std::atexit(stop_watchdog);  // before the registry's destruction (constructed earlier)
-  });
+  try {  // (a thread that cannot start leaves the flag unset: the next set-up tries again)
+    std::call_once(started, [] {
+      g_watchdog = new std::thread(watchdog_loop);
+      std::atexit(stop_watchdog);  // before the registry's destruction (constructed earlier)
+    });
+  } catch (const std::system_error& e) {  // a limit on threads: the set-up frees what it made
+    destroy_ranks(comm->ranks);
+    throw std::runtime_error(std::string("jax_gin: cannot start the GPU watchdog thread (") +
+                             e.what() + "); the communicator was not set up");
+  }
   std::unique_lock<std::shared_mutex> lock(g_mu);
   if (id <= 0) {
     while (g_comms.count(g_next)) ++g_next;
@@ -289,13 +296,17 @@ std::atomic<bool> g_record{false};
 bool recording() { return g_record.load(); }
 
 namespace {
-// A copy between the host and rank s's device memory on its side stream, waited for; throws
-// with `what` on failure. (The side stream: XLA's streams are not waited for.)
+// A copy between the host and rank s's device memory on a stream of its own, waited for; throws
+// with `what` on failure. Not on the rank's side stream, which the asynchronous starts chain to
+// XLA's stream (fork events): a copy there would wait for XLA's work and every start's kernel.
 void side_copy(const RankState& s, void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
                const char* what) {
   cudaSetDevice(s.device);
-  cudaError_t e = cudaMemcpyAsync(dst, src, bytes, kind, s.side);
-  if (e == cudaSuccess) e = cudaStreamSynchronize(s.side);
+  cudaStream_t stream = nullptr;
+  cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  if (e == cudaSuccess) e = cudaMemcpyAsync(dst, src, bytes, kind, stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+  if (stream != nullptr) cudaStreamDestroy(stream);
   if (e != cudaSuccess) throw std::runtime_error(std::string("jax_gin: ") + what + ": " + cudaGetErrorString(e));
 }
 

@@ -122,7 +122,7 @@ std::vector<std::string> diagnostics(int64_t id);
 std::string describe(const HangReport& r, int nranks, const std::string& group_text = std::string());
 void shutdown();
 // The flight recorder of every rank of this process, now and for communicators created later:
-// on or off. Waits for each rank's side stream (not for XLA's streams).
+// on or off. Waits for its copies only (each on a stream of its own), not for XLA's streams.
 void set_record(bool on);
 bool recording();
 // Communicator `id`'s recorded calls of this process's ranks (seq != 0), oldest first by rank;
