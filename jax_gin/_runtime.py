@@ -504,11 +504,11 @@ def communicator(platform: str, mesh, axes: tuple) -> int:
                                                                    layout))
                 gpu_comm_devices[comm] = (tuple(int(d.id) for d in devices), layout)
         except BaseException:
-            # (a KeyboardInterrupt arrives here once the creation's native call returns): a
-            # communicator not in the cache would hold its memory and its id, which the next
-            # lowering takes again, until the process ends
-            if comm is not None:
-                _destroy(platform, comm)
+            # A communicator not in the cache would hold its memory and its id, which the next
+            # lowering takes again, until the process ends. An interrupt (Ctrl-C) during the
+            # native set-up is raised as it returns, before `comm` is assigned: the id, fixed
+            # before, names it (destroying an id that names none does nothing).
+            _destroy(platform, comm if comm is not None else comm_id)
             raise
         _fingerprints[(platform == "cpu", comm)] = fingerprint
         _cache[cache_key] = comm

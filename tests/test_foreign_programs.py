@@ -81,9 +81,9 @@ def test_reset_interrupted_in_its_wait_changes_nothing(monkeypatch):
 
 
 def test_interrupt_while_a_communicator_is_set_up(monkeypatch):
-    """An interrupt (Ctrl-C) that arrives once the native set-up has returned, before the
-    communicator is cached, destroys it: the next call sets it up again under the same id
-    (it failed with "communicator id N is taken" while the first one leaked)."""
+    """An interrupt (Ctrl-C) during or after the native set-up, before the communicator is
+    cached, destroys it: the next call sets it up again under the same id (it failed with
+    "communicator id N is taken" while the first one leaked)."""
     needs_devices(2)
     from jax_gin import _native
     mesh = mesh_1d()
@@ -99,6 +99,18 @@ def test_interrupt_while_a_communicator_is_set_up(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         f(x)
     monkeypatch.setattr(_native.cpu, "cpu_comm_set_fingerprint", set_fingerprint)
+    assert_bitwise(smap(lambda v: jax_gin.psum(v, "i", algorithm="ring"), mesh, P("i"))(x), want)
+    # an interrupt during the native set-up, raised as it returns (before its result is kept)
+    jax_gin.runtime.reset()
+    create = _native.cpu.cpu_comm_create
+
+    def created_then_interrupted(*args, **kwargs):
+        create(*args, **kwargs)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(_native.cpu, "cpu_comm_create", created_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        smap(lambda v: jax_gin.psum(v, "i", algorithm="ring"), mesh, P("i"))(x)
+    monkeypatch.setattr(_native.cpu, "cpu_comm_create", create)
     assert_bitwise(smap(lambda v: jax_gin.psum(v, "i", algorithm="ring"), mesh, P("i"))(x), want)
 
 
