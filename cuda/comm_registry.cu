@@ -20,7 +20,6 @@
 #include <utility>
 #include <shared_mutex>
 #include <stdexcept>
-#include <system_error>
 #include <thread>
 
 namespace jax_gin {
@@ -145,7 +144,7 @@ int64_t register_comm(std::unique_ptr<Comm> comm, int64_t id) {
       g_watchdog = new std::thread(watchdog_loop);
       std::atexit(stop_watchdog);  // before the registry's destruction (constructed earlier)
     });
-  } catch (const std::system_error& e) {  // a limit on threads: the set-up frees what it made
+  } catch (const std::exception& e) {  // a limit on threads (or memory): free what was made
     destroy_ranks(comm->ranks);
     throw std::runtime_error(std::string("jax_gin: cannot start the GPU watchdog thread (") +
                              e.what() + "); the communicator was not set up");
