@@ -599,7 +599,8 @@ def resolve_call(ctx, avals, axes, op, algorithm, platform, api: str | None = No
         return None
     check_cuda_module(platform, api)
     check_mesh_platform(mesh, platform, api)
-    _runtime.check_workspace(platform, algorithm, layout.nranks, itemsize, api)
+    auto_from = _select.algorithms(_select.ALL_REDUCE) if requested == "auto" else ()
+    _runtime.check_workspace(platform, algorithm, layout.nranks, itemsize, api, auto_from=auto_from)
     comm = _runtime.communicator(platform, mesh, axes)
     code = _runtime.algorithm_code(platform, comm, requested, algorithm, api)
     attrs = dict(comm=_runtime.comm_attribute(platform, comm), op=np.int32(OP_CODES[op]),

@@ -422,19 +422,22 @@ def workspace_fits(platform: str, algorithm: str, nranks: int, itemsize: int,
 
 
 def check_workspace(platform: str, algorithm: str, nranks: int, itemsize: int, api: str,
-                    collective: bool = False) -> None:
+                    collective: bool = False, auto_from: tuple = ()) -> None:
     """Raise (at lowering) if one round of `algorithm` cannot fit in the workspace
-    (workspace_fits)."""
+    (workspace_fits). auto_from: the algorithms `auto` chose among, where it chose (none of
+    which fits when this raises: _select.fit_workspace), named by the smallest round's."""
     if not workspace_fits(platform, algorithm, nranks, itemsize, collective):
         lane = _lane_bytes(platform)
         schedule = _native.cpu.schedule
         slots = schedule.coll_slots if collective else schedule.num_slots
-        code = ALGORITHM_CODES[algorithm]
-        need = slots(code, nranks) * ALIGN_BYTES
+        need, smallest = min((slots(ALGORITHM_CODES[a], nranks) * ALIGN_BYTES, a)
+                             for a in (auto_from or (algorithm,)))
+        what = (f"of any algorithm auto chooses among over {nranks} ranks (the smallest round, "
+                f"{smallest}'s, needs at least {need} bytes)" if auto_from else
+                f"of {algorithm} over {nranks} ranks (needs at least {need} bytes)")
         raise ValueError(
             f"jax_gin.{api}: workspace too small: {lane} bytes per rank cannot hold one round "
-            f"of {algorithm} over {nranks} ranks (needs at least {need} bytes); raise "
-            f"JAX_GIN_WORKSPACE_BYTES or jax_gin.runtime.settings")
+            f"{what}; raise JAX_GIN_WORKSPACE_BYTES or jax_gin.runtime.settings")
 
 
 # The id of Algorithm::kHierarchical (common.h): internal, not in ALGORITHMS.

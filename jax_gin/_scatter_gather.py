@@ -513,7 +513,9 @@ def _lowering(api, ctx, x, *, axes, nranks, algorithm, mode, platform):
     if not partial and algorithm != _select.XLA_FALLBACK:
         _primitive.check_cuda_module(platform, api)
         _primitive.check_mesh_platform(mesh, platform, api)
-        _runtime.check_workspace(platform, algorithm, nranks, itemsize, api, collective=True)
+        auto_from = _select.algorithms(api) if requested == "auto" else ()
+        _runtime.check_workspace(platform, algorithm, nranks, itemsize, api, collective=True,
+                                 auto_from=auto_from)
         comm = _runtime.communicator(platform, mesh, axes)
         if _runtime.ranks_per_node(platform, comm) > 0:
             if requested != "auto":

@@ -179,6 +179,14 @@ def test_workspace_too_small(monkeypatch):
              mesh_1d(), P("i"))
     with pytest.raises(ValueError, match="jax_gin.psum_overlapping: workspace too small"):
         f.lower(x)
+    # auto, where none of its algorithms fits: named so, with the smallest round's need
+    for api, g in (("psum", lambda v: jax_gin.psum(v, "i")),
+                   ("psum_scatter", lambda v: jax_gin.psum_scatter(v, "i", tiled=True))):
+        with pytest.raises(ValueError, match=rf"jax_gin.{api}: workspace too small: 16 bytes "
+                                             r"per rank cannot hold one round of any algorithm "
+                                             r"auto chooses among over \d+ ranks \(the smallest "
+                                             r"round, \w+'s, needs at least \d+ bytes\)"):
+            smap(g, mesh_1d(), P("i")).lower(exact_input((4 * ndev(),), ndev(), "float32"))
 
 
 def test_eps_must_be_static():
