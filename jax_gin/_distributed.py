@@ -7,10 +7,10 @@ spans processes, every process involved does this (all of them lower the same pr
 the same order, so they all get here):
 
 1. arrive: at the first generation of the communicator's set-ups that no process gave up
-   on (SetUp), a key per process (its host, boot and /dev/shm: _host_identity), then a barrier of the processes
-   involved. A process that never comes makes the others fail with the group and the ranks
-   that are missing; processes that cannot share memory (other hosts, another /dev/shm) fail
-   with a clear error.
+   on (SetUp), a key per process (its host, boot and /dev/shm: _host_identity), then a
+   barrier of the processes involved. A process that never comes makes the others fail with
+   the group and the ranks that are missing; processes that cannot share memory (other hosts,
+   another /dev/shm) fail with a clear error.
    Nothing exists in /dev/shm yet, so a process that dies while the others wait leaves
    nothing behind.
 2. create: the process that runs a group's rank 0 creates its segment

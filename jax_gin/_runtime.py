@@ -653,8 +653,8 @@ def _xla_cpu_threads_note() -> str:
 
 def group_texts(mesh, axes: tuple, devices: list, layout: GroupLayout) -> list:
     """Per group, the last line of a hang report from its ranks (CPU and GPU), whose ranks and
-    call numbers are the group's own: "group 1 of the communicator over mesh axes ('b',), where a = 1: its
-    ranks 0-3 are devices 4, 5, 6, 7 (JAX device ids)"."""
+    call numbers are the group's own: "group 1 of the communicator over mesh axes ('b',),
+    where a = 1: its ranks 0-3 are devices 4, 5, 6, 7 (JAX device ids)"."""
     names = tuple(mesh.axis_names)
     shape = tuple(int(mesh.shape[n]) for n in names)
     others = [n for n in names if n not in axes]

@@ -38,7 +38,10 @@ def _configure_skip_reason():
     return None
 
 
-@pytest.mark.skipif(_configure_skip_reason() is not None, reason=str(_configure_skip_reason()))
+_SKIP_CONFIGURE = _configure_skip_reason()  # (two subprocesses: run once, at collection)
+
+
+@pytest.mark.skipif(_SKIP_CONFIGURE is not None, reason=str(_SKIP_CONFIGURE))
 def test_jax_gin_cuda_values(tmp_path):
     done = _configure(tmp_path, "yes")
     assert done.returncode != 0
